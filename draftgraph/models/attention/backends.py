@@ -1,0 +1,83 @@
+"""Attention implementations and what each supports: devices and how far it can sit inside CUDA graphs.
+
+The compiler and runtime ask here before capturing; asking an implementation for more than it declares
+is an error that names the implementation, what was asked, and what it supports.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+
+class GraphSupport(enum.IntEnum):
+    """How much of a CUDA graph an attention implementation can live inside (ordered)."""
+
+    NEVER = 0  # runs eagerly between graph pieces only (PIECEWISE)
+    UNIFORM_SINGLE_TOKEN = 1  # FULL graphs for uniform 1-token decode batches
+    UNIFORM_BATCH = 2  # FULL graphs for any uniform query length (decode, verify)
+    ALWAYS = 3  # FULL graphs for any batch, mixed included
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    graph_support: GraphSupport
+    devices: tuple[str, ...]
+    why: str
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "reference": AttentionBackend(
+        name="reference",
+        graph_support=GraphSupport.NEVER,
+        devices=("cpu", "cuda"),
+        why="it reads the longest sequence length back to the host, which a graph capture forbids",
+    ),
+    "triton": AttentionBackend(
+        name="triton",
+        graph_support=GraphSupport.ALWAYS,
+        devices=("cuda",),
+        why="its launch grid depends only on the token count and it never syncs with the host",
+    ),
+}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(
+            f"attention implementation {name!r} is unknown; choose one of {sorted(BACKENDS)} "
+            "(CompileConfig.attention / --attention)."
+        )
+    return BACKENDS[name]
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(name: str, device_type: str) -> None:
+    backend = get_backend(name)
+    if device_type in backend.devices:
+        return
+    if name == "triton" and device_type == "cpu" and triton_interpreting():
+        return  # the Triton interpreter runs kernels on CPU tensors (used by CI)
+    raise ValueError(
+        f"attention implementation {name!r} does not run on {device_type!r} (it runs on "
+        f"{list(backend.devices)}); use 'reference' on the CPU, or set TRITON_INTERPRET=1 to interpret "
+        "the Triton kernels."
+    )
+
+
+def default_backend(device_type: str) -> str:
+    return "triton" if device_type == "cuda" else "reference"
+
+
+def require_graph_support(name: str, needed: GraphSupport, what: str) -> None:
+    backend = get_backend(name)
+    if backend.graph_support < needed:
+        raise ValueError(
+            f"attention implementation {name!r} supports CUDA graphs up to {backend.graph_support.name}, "
+            f"but {what} needs {needed.name}: {backend.why}. Use attention='triton' or a PIECEWISE mode."
+        )

@@ -1,0 +1,136 @@
+"""Triton kernels for paged attention: a KV-cache write and a variable-length causal attention.
+
+Launch shapes depend only on the token count and the head layout, never on sequence lengths read from
+the device, and nothing syncs with the host: both kernels can be captured inside a CUDA graph.
+
+Layout: one program per (query token, KV head). The program loads the GROUP query heads that share the
+KV head as a [GROUP_PAD, D] tile and streams the token's visible keys through the block table with an
+online softmax. Decode, verify, chunked prefill and mixed batches are the same code: each token knows
+its request (token_req) and how many keys it sees (token_kv_len). Prefill re-reads keys once per query
+token, which is fine for this stage's correctness goal; a query-tiled prefill kernel is future work.
+
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (CI checks them against the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_vt, stride_cache_slot,
+    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        cols = tl.arange(0, ROW_PAD)
+        mask = cols < ROW
+        k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
+        dst = slot.to(tl.int64) * stride_cache_slot + cols
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token_req_ptr, token_kv_len_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    scale, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    kv_len = tl.load(token_kv_len_ptr + t)
+    req = tl.load(token_req_ptr + t).to(tl.int64)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [GROUP_PAD, D_PAD]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+
+    start = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    lo = (start // BLOCK_N) * BLOCK_N
+    for n0 in range(lo, kv_len, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = (n < kv_len) & (n >= start)
+        block = tl.load(block_tables_ptr + req * stride_bt + n // PAGE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0 (padding) -> zeros
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    k2 = k.reshape(num_tokens, row)
+    v2 = v.reshape(num_tokens, row)
+    _write_kv_kernel[(num_tokens,)](
+        k2, v2, k_cache, v_cache, slot_mapping,
+        k2.stride(0), v2.stride(0), k_cache.stride(1),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+    )
+
+
+def paged_attention_triton(
+    q, k, v, k_cache, v_cache, slot_mapping, block_tables, token_req, token_kv_len, scale, window
+) -> torch.Tensor:
+    """Same contract as paged_attention_reference; q: [T, Hq, D] with a unit stride on D."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged attention (triton) needs contiguous KV caches [blocks, block_size, Hkv, D]")
+    write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if d_pad >= 256 else 64
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, token_req, token_kv_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale, window,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        PAGE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=precision,
+        num_warps=4,
+    )
+    return out

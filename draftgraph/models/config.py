@@ -1,0 +1,197 @@
+"""ModelConfig: the one description of a Llama-family decoder that our modules are built from.
+
+Built from a transformers config object (or a config.json dict) by `ModelConfig.from_hf`, so the rest
+of the package never reads transformers attributes directly. Frozen: derived values are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# model_type -> the behaviour switches that family implies (transformers' own defaults).
+FAMILIES = {
+    "llama": {"qk_norm": False, "qkv_bias": None},
+    "qwen2": {"qk_norm": False, "qkv_bias": True},
+    "qwen3": {"qk_norm": True, "qkv_bias": None},
+    "mistral": {"qk_norm": False, "qkv_bias": False},
+}
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (transformers' `rope_parameters` / legacy `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type={self.rope_type!r} is not supported; supported: {ROPE_TYPES}. "
+                "Use a checkpoint with one of these RoPE variants."
+            )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    # Per-layer sliding window (0 = full causal attention).
+    sliding_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    dtype: torch.dtype = torch.float32
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; supported: {sorted(FAMILIES)}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}; GQA needs whole groups."
+            )
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: silu.")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype: torch.dtype | None = None) -> ModelConfig:
+        """Build from a transformers PretrainedConfig or a config.json dict."""
+        get = _getter(hf_config)
+        model_type = get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}. "
+                "draftgraph builds Llama-family targets from their transformers config."
+            )
+        family = FAMILIES[model_type]
+        num_heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        head_dim = get("head_dim") or hidden // num_heads
+        num_layers = get("num_hidden_layers")
+        qkv_bias = family["qkv_bias"]
+        if qkv_bias is None:
+            qkv_bias = bool(get("attention_bias", False))
+        o_bias = bool(get("attention_bias", False)) if model_type in ("llama", "qwen3") else False
+        if dtype is None:
+            dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
+        return cls(
+            model_type=model_type,
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope=rope_from_hf(get),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(get("mlp_bias", False)),
+            qk_norm=family["qk_norm"],
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(get, model_type, num_layers),
+            hidden_act=get("hidden_act", "silu"),
+            dtype=dtype,
+            eos_token_ids=_as_tuple(get("eos_token_id", None)),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str, dtype: torch.dtype | None = None) -> ModelConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf(json.load(f), dtype=dtype)
+
+
+def _getter(hf_config: Any):
+    if isinstance(hf_config, dict):
+        return lambda k, d=None: hf_config.get(k, d) if hf_config.get(k) is not None else d
+    return lambda k, d=None: getattr(hf_config, k, d) if getattr(hf_config, k, None) is not None else d
+
+
+def rope_from_hf(get) -> RopeConfig:
+    """transformers 5 keeps RoPE in `rope_parameters` (theta inside); 4.x in rope_theta + rope_scaling."""
+    params = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
+    theta = params.get("rope_theta", get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    kw = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor") if k in params}
+    if "original_max_position_embeddings" in params:
+        kw["original_max_position_embeddings"] = params["original_max_position_embeddings"]
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **kw)
+
+
+def _sliding_windows(get, model_type: str, num_layers: int) -> tuple[int, ...]:
+    window = get("sliding_window", None)
+    if not window:
+        return ()
+    layer_types = get("layer_types", None)
+    if layer_types:
+        ws = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        return ws if any(ws) else ()
+    if model_type == "qwen2" and not get("use_sliding_window", False):
+        return ()
+    return (int(window),) * num_layers
+
+
+def _parse_dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and hasattr(torch, value):
+        return getattr(torch, value)
+    return torch.float32
+
+
+def _as_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)

@@ -1,0 +1,135 @@
+"""EAGLE-3 head: three target layers fused by fc (3H -> H), one layer over [norm(emb); norm(hidden)].
+
+Checkpoint layout of the public EAGLE repository: `fc.weight`, `midlayer.*` (transformers names plus
+`hidden_norm`; its q/k/v projections take 2H inputs), `norm.weight`, `lm_head.weight` over a draft
+vocabulary, `d2t` (draft id -> target id offset) and `t2d`, optional `embed_tokens.weight`.
+Step 1 reads the target's fused aux hidden states [T, 3H]; later steps feed back their own [T, H].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.drafters.base import Drafter, mismatch
+from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
+from draftgraph.models.llama import CausalLM
+from draftgraph.models.weights import assign_weights, convert_layer
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """Outputs of layers (1, L/2 - 1, L - 4) as upstream EAGLE-3 captures them, clamped to the model."""
+    last = num_target_layers - 1
+    return tuple(min(max(i, 0), last) for i in (1, num_target_layers // 2 - 1, num_target_layers - 4))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_impl: str):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, 0, attn_impl, in_features=2 * cfg.hidden_size)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb, hidden, cos, sin, meta, kv):
+        x = torch.cat([self.input_norm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        h = hidden + self.attn(x, cos, sin, meta, kv)
+        return h + self.mlp(self.post_norm(h))
+
+
+class Eagle3Drafter(Drafter):
+    kind = "eagle3"
+
+    def __init__(self, cfg: ModelConfig, target: CausalLM, draft_vocab: int, aux_layers: tuple[int, ...],
+                 own_embedding: bool, attn_impl: str):
+        super().__init__()
+        self.cfg = cfg
+        self._aux_layers = aux_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self.fc = nn.Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg, attn_impl)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(target.cfg.vocab_size, dtype=torch.bool))
+        self._target = [target]
+        self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
+
+    @property
+    def target_hidden(self) -> str:
+        return "aux"
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self._aux_layers
+
+    @property
+    def num_kv_layers(self) -> int:
+        return 1
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    def forward(self, input_ids, positions, hidden, meta, kv_caches):
+        cos, sin = rope_lookup(self.rope_table, positions)
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed_tokens
+        if hidden.shape[-1] != self.cfg.hidden_size:  # first step: fuse the target's three layers
+            hidden = self.fc(hidden)  # [T, 3H] -> [T, H]
+        out = self.midlayer(embed(input_ids), hidden, cos, sin, meta, kv_caches[0])
+        return out, self.norm(out)
+
+    def compute_logits(self, hidden, indices=None):
+        if indices is not None:
+            hidden = hidden[indices]
+        return self.lm_head(hidden)  # [N, draft_vocab]
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def draft_probs_to_target(self, probs, target_vocab):
+        out = probs.new_zeros(probs.shape[0], target_vocab)
+        ids = torch.arange(probs.shape[1], device=probs.device)
+        return out.index_copy_(1, self.to_target_ids(ids), probs)
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl,
+                        aux_layers: tuple[int, ...] | None = None) -> Eagle3Drafter:
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        draft_vocab = check_pair(cfg, state, target.cfg)
+        ours = convert_layer(state, "midlayer.", "midlayer.")
+        ours.update(state)  # fc, norm, lm_head, d2t, t2d, embed_tokens, midlayer.hidden_norm
+        cfg = cfg.replace(num_layers=1, sliding_windows=())
+        aux = aux_layers or default_aux_layers(target.cfg.num_layers)
+        with torch.device("meta"):
+            model = cls(cfg, target, draft_vocab, aux, "embed_tokens.weight" in ours, attn_impl)
+        assign_weights(model, ours, "EAGLE-3 drafter", cfg.dtype)
+        return materialize(model, cfg, device)
+
+
+def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
+    fc = state.get("fc.weight")
+    if fc is None:
+        raise ValueError("EAGLE-3 checkpoint has no fc.weight (expected [hidden, 3 * target_hidden])")
+    if fc.shape[1] != 3 * target.hidden_size:
+        raise mismatch("fc input features (3 x target hidden)", fc.shape[1], 3 * target.hidden_size,
+                       "this EAGLE-3 head was trained for a target of another hidden size")
+    head = state.get("lm_head.weight")
+    d2t = state.get("d2t")
+    if head is None or d2t is None:
+        raise ValueError("EAGLE-3 checkpoint needs lm_head.weight and d2t (draft -> target vocabulary map)")
+    if head.shape[0] != d2t.shape[0]:
+        raise ValueError(
+            f"EAGLE-3 head layout: lm_head has {head.shape[0]} rows but d2t maps {d2t.shape[0]} draft "
+            "tokens; they must agree (draft_vocab_size)"
+        )
+    top = int((torch.arange(d2t.shape[0]) + d2t).max()) if d2t.numel() else -1
+    if top >= target.vocab_size:
+        raise mismatch("largest target id reached through d2t", top, f"vocab_size={target.vocab_size}",
+                       "the draft vocabulary map was built for another tokenizer")
+    emb = state.get("embed_tokens.weight")
+    if emb is not None and emb.shape[0] != target.vocab_size:
+        raise mismatch("embedding vocab_size", emb.shape[0], target.vocab_size, "use the target's tokenizer")
+    return head.shape[0]

@@ -1,0 +1,114 @@
+"""Load any drafter kind from a checkpoint directory or from modules in memory, and validate the pair."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.drafters.base import KINDS, Drafter
+from draftgraph.models.drafters.draft_model import DraftModelDrafter
+from draftgraph.models.drafters.draft_model import check_pair as check_draft_pair
+from draftgraph.models.drafters.eagle import EagleDrafter
+from draftgraph.models.drafters.eagle3 import Eagle3Drafter
+from draftgraph.models.drafters.mtp import MTPDrafter
+from draftgraph.models.llama import CausalLM
+from draftgraph.models.weights import read_checkpoint, read_config
+
+
+def detect_kind(config: dict, keys) -> str:
+    """The drafter kind a checkpoint holds, from its key names (and config for MTP)."""
+    keys = [k.removeprefix("model.") for k in keys]
+    if "d2t" in keys or any(k.startswith("midlayer.") for k in keys):
+        return "eagle3"
+    if any(k.endswith("eh_proj.weight") for k in keys):
+        return "mtp"
+    if "fc.weight" in keys:
+        return "eagle"
+    if any(k.startswith("layers.") for k in keys) and "lm_head.weight" in keys or config.get("tie_word_embeddings"):
+        return "draft_model"
+    raise ValueError(
+        f"cannot tell the drafter kind from this checkpoint (first keys: {sorted(keys)[:5]}); pass kind= one of "
+        f"{list(KINDS)}"
+    )
+
+
+def load_drafter(
+    source: Any, target: CausalLM, kind: str | None = None, device=None, attn_impl: str | None = None,
+    dtype: torch.dtype | None = None, aux_layers: tuple[int, ...] | None = None,
+) -> Drafter:
+    """`source`: a checkpoint dir, a Drafter, a draftgraph CausalLM, a transformers model object, or any
+    module whose state_dict uses the upstream key names (EAGLE, EAGLE-3, DeepSeek MTP layer)."""
+    device = device if device is not None else target.embed_tokens.weight.device
+    attn_impl = attn_impl or target.layers[0].attn.attn_impl
+    dtype = dtype or target.cfg.dtype
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"drafter kind {kind!r} is unknown; choose one of {list(KINDS)}")
+    if isinstance(source, Drafter):
+        return source
+    if isinstance(source, CausalLM):
+        check_draft_pair(source, target)
+        return DraftModelDrafter(source)
+    if isinstance(source, str):
+        config, state = read_config(source), read_checkpoint(source)
+    elif isinstance(source, nn.Module):
+        config = _config_dict(getattr(source, "config", None))
+        state = source.state_dict()
+    else:
+        raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
+    kind = kind or detect_kind(config, state.keys())
+    if kind == "draft_model":
+        draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl)
+        check_draft_pair(draft, target)
+        return DraftModelDrafter(draft)
+    cfg = drafter_config(config, target.cfg, dtype)
+    if kind == "eagle":
+        return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl)
+    if kind == "eagle3":
+        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers)
+    return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl)
+
+
+def drafter_config(config: dict, target: ModelConfig, dtype) -> ModelConfig:
+    """An EAGLE/MTP head's decoder shape: its config.json over the target's (upstream heads are Llama)."""
+    merged = {k: v for k, v in config.items() if v is not None}
+    merged.setdefault("model_type", "llama")
+    if merged["model_type"] not in ("llama", "qwen2", "qwen3", "mistral"):
+        merged["model_type"] = "llama"
+    for key, value in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size),
+                       ("intermediate_size", target.intermediate_size), ("num_attention_heads", target.num_heads),
+                       ("num_key_value_heads", target.num_kv_heads), ("num_hidden_layers", 1),
+                       ("rms_norm_eps", target.rms_norm_eps),
+                       ("max_position_embeddings", target.max_position_embeddings)):
+        merged.setdefault(key, value)
+    if "rope_parameters" not in merged and "rope_theta" not in merged and "rope_scaling" not in merged:
+        merged["rope_parameters"] = {"rope_type": target.rope.rope_type, "rope_theta": target.rope.theta}
+    return ModelConfig.from_hf(merged, dtype=dtype)
+
+
+def truncated_draft_model(target: CausalLM, num_layers: int) -> DraftModelDrafter:
+    """The built-in drafter: the target's first `num_layers` layers with its embedding, norm and head
+    (shared tensors, no copies). Agrees with the target often enough for real acceptance in demos."""
+    if not 1 <= num_layers <= target.cfg.num_layers:
+        raise ValueError(f"num_layers={num_layers} must lie in [1, {target.cfg.num_layers}] for this target")
+    cfg = target.cfg.replace(num_layers=num_layers, sliding_windows=target.cfg.sliding_windows[:num_layers])
+    with torch.device("meta"):
+        draft = CausalLM(cfg, target.layers[0].attn.attn_impl)
+    draft.embed_tokens = target.embed_tokens
+    draft.layers = nn.ModuleList(list(target.layers[:num_layers]))
+    draft.norm = target.norm
+    draft.lm_head = target.lm_head
+    draft.rope_table = target.rope_table
+    return DraftModelDrafter(draft)
+
+
+def _config_dict(config: Any) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(vars(config))

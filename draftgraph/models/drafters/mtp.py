@@ -1,0 +1,92 @@
+"""DeepSeek-V3-style multi-token-prediction (MTP) drafter, reused for every draft step.
+
+h' = block(eh_proj(cat(enorm(embed(token)), hnorm(hidden)))); logits = head(shared_head.norm(h')).
+Checkpoint layout (DeepSeek-V3): the layer after the decoder, `model.layers.{L}.*` with L =
+num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, optional `shared_head.head` and
+`embed_tokens` (the target's are used when absent: they are shared), and the block's own
+transformers-named attention/MLP/norm weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.drafters.base import Drafter, mismatch
+from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
+from draftgraph.models.llama import CausalLM
+from draftgraph.models.weights import assign_weights, convert_layer, layer_indices
+
+
+class MTPDrafter(Drafter):
+    kind = "mtp"
+
+    def __init__(self, cfg: ModelConfig, target: CausalLM, own_embedding: bool, own_head: bool, attn_impl: str):
+        super().__init__()
+        self.cfg = cfg
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, 0, attn_impl)
+        self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+        self._target = [target]
+        self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return 1
+
+    def forward(self, input_ids, positions, hidden, meta, kv_caches):
+        cos, sin = rope_lookup(self.rope_table, positions)
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed_tokens
+        x = self.eh_proj(torch.cat([self.enorm(embed(input_ids)), self.hnorm(hidden)], dim=-1))  # [T, H]
+        out = self.block(x, cos, sin, meta, kv_caches[0])
+        return out, self.head_norm(out)
+
+    def compute_logits(self, hidden, indices=None):
+        if indices is not None:
+            hidden = hidden[indices]
+        weight = self.head.weight if self.head is not None else self._target[0].head_weight
+        return hidden @ weight.t()
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl,
+                        layer: int | None = None) -> MTPDrafter:
+        """`state` is a whole checkpoint (the MTP layer is picked out) or just the layer's weights."""
+        if layer is None:
+            present = [i for i in layer_indices(state, "model.layers.") if f"model.layers.{i}.eh_proj.weight" in state]
+            if not present and "eh_proj.weight" not in state:
+                raise ValueError(
+                    "no MTP layer found: expected model.layers.{num_hidden_layers}.eh_proj.weight "
+                    "(DeepSeek-V3 layout) or a bare layer's eh_proj.weight"
+                )
+            layer = present[0] if present else None
+        prefix = f"model.layers.{layer}." if layer is not None else ""
+        mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        check_pair(cfg, mine, target.cfg)
+        ours = convert_layer(mine, "", "block.")
+        for theirs, name in (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+                             ("eh_proj.weight", "eh_proj.weight"), ("shared_head.norm.weight", "head_norm.weight"),
+                             ("shared_head.head.weight", "head.weight"), ("embed_tokens.weight", "embed_tokens.weight")):
+            if theirs in mine:
+                ours[name] = mine.pop(theirs)
+        ours.update(mine)
+        cfg = cfg.replace(num_layers=1, sliding_windows=())
+        with torch.device("meta"):
+            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl)
+        assign_weights(model, ours, "MTP drafter", cfg.dtype)
+        return materialize(model, cfg, device)
+
+
+def check_pair(cfg: ModelConfig, mine: dict, target: ModelConfig) -> None:
+    if cfg.hidden_size != target.hidden_size:
+        raise mismatch("hidden_size", cfg.hidden_size, target.hidden_size,
+                       "an MTP layer shares the target's embedding and head, so the sizes must agree")
+    for key in ("embed_tokens.weight", "shared_head.head.weight"):
+        t = mine.get(key)
+        if t is not None and tuple(t.shape) != (target.vocab_size, target.hidden_size):
+            raise mismatch(f"{key} shape (head layout)", list(t.shape), [target.vocab_size, target.hidden_size],
+                           "the MTP layer must come from this target's checkpoint")

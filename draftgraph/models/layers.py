@@ -1,0 +1,100 @@
+"""Building blocks of a Llama-family decoder over the flat token layout ([T, ...] tensors)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import draftgraph.models.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
+from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.rope import apply_rope, cos_sin_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """QKV projection (fused), optional q/k RMSNorm, RoPE, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, in_features: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv = nn.Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+        self.window = cfg.window(layer)
+        self.attn_impl = attn_impl
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = torch.ops.draftgraph.paged_attention(
+            q, k, v.contiguous(), kv[0], kv[1], meta.slot_mapping, meta.block_tables, meta.token_req,
+            meta.token_kv_len, self.scale, self.window, self.attn_impl,
+        )  # [T, Hq, D]
+        return self.o(out.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    `input_norm=False` drops the first norm (EAGLE-1's layer 0 feeds fc's output straight in).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, input_norm: bool = True):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
+        self.attn = Attention(cfg, layer, attn_impl)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, kv):
+        h = x + self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)
+        return h + self.mlp(self.post_norm(h))
+
+
+def rope_lookup(table: torch.Tensor, positions: torch.Tensor):
+    """cos, sin [T, D/2] for `positions` from a [max_pos, D] cos|sin table."""
+    cs = table[positions]  # [T, D]
+    cos, sin = cs.chunk(2, dim=-1)
+    return cos, sin
+
+
+def materialize(module: nn.Module, cfg: ModelConfig, device) -> nn.Module:
+    """Finish a module whose weights were assigned on the meta device: RoPE table, device, eval."""
+    module.rope_table = cos_sin_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    return module.to(device).eval().requires_grad_(False)

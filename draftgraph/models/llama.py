@@ -1,0 +1,105 @@
+"""Llama-family causal LM (Llama 2/3, Qwen2, Qwen3, Mistral) over the flat token layout.
+
+forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hidden states [T, H]
+plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
+separate call on chosen rows only, so a decode step never materializes [T, vocab].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
+from draftgraph.models.weights import (
+    assign_weights,
+    convert_layer,
+    layer_indices,
+    read_checkpoint,
+    read_config,
+)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured)."""
+
+    def __init__(self, cfg: ModelConfig, attn_impl: str = "reference"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_impl) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cos, sin = rope_lookup(self.rope_table, positions)  # [T, D/2] each
+        h = self.embed_tokens(input_ids)  # [T, H]
+        aux = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, kv_caches[i])
+            if i in aux_layers:
+                aux.append(h)
+        return self.norm(h), aux
+
+    def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab] for hidden rows `indices` (all rows when None)."""
+        if indices is not None:
+            hidden = hidden[indices]
+        return hidden @ self.head_weight.t()
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_state_dict(
+        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device="cpu", attn_impl: str = "reference",
+    ) -> CausalLM:
+        """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`)."""
+        state = dict(state)
+        ours: dict[str, torch.Tensor] = {}
+        for i in layer_indices(state, "model.layers."):
+            if i >= cfg.num_layers:  # an MTP layer stored after the decoder (DeepSeek layout): not ours
+                for k in [k for k in state if k.startswith(f"model.layers.{i}.")]:
+                    state.pop(k)
+                continue
+            ours.update(convert_layer(state, f"model.layers.{i}.", f"layers.{i}."))
+        for theirs, mine in (("model.embed_tokens.weight", "embed_tokens.weight"), ("model.norm.weight", "norm.weight"),
+                             ("lm_head.weight", "lm_head.weight")):
+            if theirs in state:
+                ours[mine] = state.pop(theirs)
+        if cfg.tie_word_embeddings:
+            ours.pop("lm_head.weight", None)
+        ours.update(state)  # anything left over is reported as unexpected by assign_weights
+        with torch.device("meta"):
+            model = cls(cfg, attn_impl)
+        assign_weights(model, ours, f"{cfg.model_type} target", cfg.dtype)
+        return materialize(model, cfg, device)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=None, device="cpu", attn_impl="reference") -> CausalLM:
+        cfg = ModelConfig.from_hf(read_config(path), dtype=dtype)
+        return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl)
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, dtype=None, device=None, attn_impl="reference") -> CausalLM:
+        """From a transformers *ForCausalLM object in memory (weights copied by reference when possible)."""
+        param = next(hf_model.parameters())
+        cfg = ModelConfig.from_hf(hf_model.config, dtype=dtype or param.dtype)
+        return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl)

@@ -1,0 +1,87 @@
+"""The paged KV cache: per-layer K and V block pools, a block allocator and per-request block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one model's paged cache: [num_blocks, block_size, num_kv_heads, head_dim] per layer."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, ..., 256)")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks} must be at least 1")
+
+    @property
+    def bytes_per_block(self) -> int:
+        per_layer = self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * per_layer
+
+
+class PagedKVCache:
+    """K and V tensors for every layer; layer i reads and writes `layers[i] = (k, v)` in place."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str):
+        self.spec = spec
+        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Free list of cache blocks shared by all requests of one model."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(
+                f"asked for {n} KV-cache blocks with {len(self._free)} of {self.num_blocks} free; "
+                "raise num_blocks (or lower max_num_seqs / max_model_len)"
+            )
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class BlockTable:
+    """The blocks one request owns, grown on demand; shrinking is by length only (no copies)."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.blocks: list[int] = []
+
+    def ensure_capacity(self, num_tokens: int) -> None:
+        needed = -(-num_tokens // self.block_size) - len(self.blocks)
+        if needed > 0:
+            self.blocks.extend(self.allocator.allocate(needed))
+
+    def release(self) -> None:
+        self.allocator.free(self.blocks)
+        self.blocks = []

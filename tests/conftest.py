@@ -1,0 +1,16 @@
+"""Test setup. Without a GPU, Triton kernels run under the interpreter on CPU tensors; the variable
+must be set before any kernel is defined, hence here, before the tests import draftgraph."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,66 @@
+"""Small builders shared by tests: tiny transformers configs and a paged forward over one request."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
+from draftgraph.runtime.kv_cache import BlockAllocator, BlockTable, KVCacheSpec, PagedKVCache
+
+FAMILIES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "mistral": transformers.MistralConfig,
+}
+HF_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+}
+
+
+def tiny_hf_config(family: str = "llama", **overrides):
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    return FAMILIES[family](**kw)
+
+
+def tiny_hf_model(family: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = HF_CLASSES[family](tiny_hf_config(family, **overrides)).eval()
+    with torch.no_grad():  # random biases and norm weights, so a wrong mapping cannot hide behind ones/zeros
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+class PagedRunner:
+    """Drive a flat-layout model through the paged cache, one batch of RequestSlices at a time."""
+
+    def __init__(self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None,
+                 device="cpu"):
+        self.spec = KVCacheSpec(num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                cfg.head_dim, cfg.dtype)
+        self.cache = PagedKVCache(self.spec, device)
+        self.alloc = BlockAllocator(num_blocks)
+        self.builder = MetadataBuilder(max_tokens, max_reqs, num_blocks, block_size, device)
+        self.tables: dict[int, BlockTable] = {}
+        self.cached: dict[int, int] = {}
+
+    def batch(self, parts: list[tuple[int, int]]):
+        """parts: (request id, new tokens). Returns (meta, positions) and advances the cached lengths."""
+        slices = []
+        for rid, n in parts:
+            table = self.tables.setdefault(rid, BlockTable(self.alloc, self.spec.block_size))
+            done = self.cached.get(rid, 0)
+            table.ensure_capacity(done + n)
+            slices.append(RequestSlice(table.blocks, done, n))
+            self.cached[rid] = done + n
+        return self.builder.build(slices)
