@@ -103,7 +103,7 @@ def assign_weights(module: nn.Module, weights: dict[str, torch.Tensor], what: st
             f"missing={missing[:8]}{'...' if len(missing) > 8 else ''} "
             f"unexpected={unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
-    for name in persistent:
+    for name in (n for n in expected if n in persistent):  # module order: the first mismatch is reported
         want, got = tuple(expected[name].shape), tuple(weights[name].shape)
         if want != got:
             raise ValueError(

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.models.attention.backends import triton_interpreting
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -44,7 +46,7 @@ def _paged_attention_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,6 +62,8 @@ def _paged_attention_kernel(
         q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [GROUP_PAD, D_PAD]
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -81,6 +85,8 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -123,14 +129,17 @@ def paged_attention_triton(
         q = q.contiguous()
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # The Triton interpreter (CI) computes tl.dot on bf16/fp16 operands wrongly (seen with triton 3.9:
+    # a 16x16 bf16 product off by 1e10), so there the operands are upcast; GPUs run the native path.
+    dot_f32 = triton_interpreting() and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, token_req, token_kv_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale, window,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        PAGE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=precision,
+        PAGE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=precision, DOT_F32=dot_f32,
         num_warps=4,
     )
     return out
