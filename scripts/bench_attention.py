@@ -44,15 +44,28 @@ def main():
         k = torch.randn(t, kv_heads, hd, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
         times = {}
+        args = (
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.token_req,
+            meta.token_kv_len,
+            hd**-0.5,
+            0,
+        )
         for impl in ("triton", "reference"):
-            fn = lambda impl=impl: torch.ops.draftgraph.paged_attention(  # noqa: E731
-                q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.token_req,
-                meta.token_kv_len, hd**-0.5, 0, impl)
+            fn = lambda impl=impl, args=args: torch.ops.draftgraph.paged_attention(*args, impl)
             times[impl] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         kv_bytes = 2 * batch * (ctx + qlen) * kv_heads * hd * 2
         floor = kv_bytes / bw * 1e3
-        print(f"{batch:>5} {ctx:>5} {qlen:>4} {times['triton']:>10.4f} {times['reference']:>8.3f} "
-              f"{floor:>9.4f} {times['triton'] / floor:>12.1f}")
+        print(
+            f"{batch:>5} {ctx:>5} {qlen:>4} {times['triton']:>10.4f} {times['reference']:>8.3f} "
+            f"{floor:>9.4f} {times['triton'] / floor:>12.1f}"
+        )
 
 
 if __name__ == "__main__":

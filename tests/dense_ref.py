@@ -36,7 +36,7 @@ def layer(x_attn_in, residual, w, p, cfg, pos):
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     h = residual + att.transpose(0, 1).reshape(t, nh * hd) @ w[p + "self_attn.o_proj.weight"].t()
     m = rms(h, w[p + "post_attention_layernorm.weight"], cfg["eps"])
-    mlp = (F.silu(m @ w[p + "mlp.gate_proj.weight"].t()) * (m @ w[p + "mlp.up_proj.weight"].t()))
+    mlp = F.silu(m @ w[p + "mlp.gate_proj.weight"].t()) * (m @ w[p + "mlp.up_proj.weight"].t())
     return h + mlp @ w[p + "mlp.down_proj.weight"].t()
 
 

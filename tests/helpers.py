@@ -23,8 +23,17 @@ HF_CLASSES = {
 
 
 def tiny_hf_config(family: str = "llama", **overrides):
-    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3":
         kw["head_dim"] = 16
     kw.update(overrides)
@@ -44,10 +53,10 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, **overrides):
 class PagedRunner:
     """Drive a flat-layout model through the paged cache, one batch of RequestSlices at a time."""
 
-    def __init__(self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None,
-                 device="cpu"):
-        self.spec = KVCacheSpec(num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                cfg.head_dim, cfg.dtype)
+    def __init__(self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None, device="cpu"):
+        self.spec = KVCacheSpec(
+            num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+        )
         self.cache = PagedKVCache(self.spec, device)
         self.alloc = BlockAllocator(num_blocks)
         self.builder = MetadataBuilder(max_tokens, max_reqs, num_blocks, block_size, device)

@@ -20,7 +20,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 class Shape:
     def __init__(self, heads, kv_heads, head_dim, block_size, dtype=torch.float32):
         self.heads, self.kv_heads, self.head_dim, self.block_size, self.dtype = (
-            heads, kv_heads, head_dim, block_size, dtype)
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            dtype,
+        )
         self.num_kv_heads, self.num_layers = kv_heads, 1
 
 
@@ -33,11 +38,26 @@ def run_steps(shape, steps, impl, seed=0, window=0):
     for parts in steps:
         meta, _ = runner.batch(parts)
         t = meta.num_tokens
-        q, k, v = (torch.randn(t, h, shape.head_dim, generator=gen).to(DEVICE, shape.dtype)
-                   for h in (shape.heads, shape.kv_heads, shape.kv_heads))
-        outs.append(torch.ops.draftgraph.paged_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.token_req,
-            meta.token_kv_len, 1 / math.sqrt(shape.head_dim), window, impl))
+        q, k, v = (
+            torch.randn(t, h, shape.head_dim, generator=gen).to(DEVICE, shape.dtype)
+            for h in (shape.heads, shape.kv_heads, shape.kv_heads)
+        )
+        outs.append(
+            torch.ops.draftgraph.paged_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.token_req,
+                meta.token_kv_len,
+                1 / math.sqrt(shape.head_dim),
+                window,
+                impl,
+            )
+        )
     return outs, (k_cache, v_cache)
 
 
@@ -49,8 +69,10 @@ def dense_oracle(shape, steps, seed=0, window=0):
     group = shape.heads // shape.kv_heads
     for parts in steps:
         t = sum(n for _, n in parts)
-        q, k, v = (torch.randn(t, h, shape.head_dim, generator=gen).to(shape.dtype).double()
-                   for h in (shape.heads, shape.kv_heads, shape.kv_heads))
+        q, k, v = (
+            torch.randn(t, h, shape.head_dim, generator=gen).to(shape.dtype).double()
+            for h in (shape.heads, shape.kv_heads, shape.kv_heads)
+        )
         out = torch.empty(t, shape.heads, shape.head_dim, dtype=torch.float64)
         row = 0
         for rid, n in parts:
@@ -134,17 +156,30 @@ def test_padding_rows_write_nothing_and_read_nothing(impl):
     slices = []
     for rid, n in ((0, 3), (1, 2)):
         from draftgraph.runtime.kv_cache import BlockTable
+
         runner.tables[rid] = BlockTable(runner.alloc, 4)
         runner.tables[rid].ensure_capacity(n)
         from draftgraph.runtime.attn_metadata import RequestSlice
+
         slices.append(RequestSlice(runner.tables[rid].blocks, 0, n))
     meta, pos = runner.builder.build(slices, num_tokens_padded=8, num_reqs_padded=4)
     assert meta.slot_mapping[5:].eq(-1).all() and meta.token_kv_len[5:].eq(0).all()
     q = torch.randn(8, 8, 64, device=DEVICE)
     k = torch.randn(8, 2, 64, device=DEVICE)
     out = torch.ops.draftgraph.paged_attention(
-        q, k, k.clone(), k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.token_req,
-        meta.token_kv_len, 0.125, 0, impl)
+        q,
+        k,
+        k.clone(),
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.token_req,
+        meta.token_kv_len,
+        0.125,
+        0,
+        impl,
+    )
     assert out[5:].eq(0).all()
     written = k_cache.view(-1, 2, 64).abs().sum((1, 2)).ne(0).sum().item()
     assert written == 5  # only the 5 real tokens reached the cache

@@ -19,9 +19,18 @@ ATOL = 1e-4
 H, V, INTER, HEADS, KV, HD = 64, 96, 112, 4, 2, 16
 THETA = 10000.0
 CFG = {"heads": HEADS, "kv_heads": KV, "head_dim": HD, "theta": THETA, "eps": 1e-5}
-HEAD_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V,
-               "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
-               "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": THETA}
+HEAD_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": H,
+    "vocab_size": V,
+    "intermediate_size": INTER,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256,
+    "rope_theta": THETA,
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +117,13 @@ def eagle3_dense(w, emb_table, ids, hidden, pos):
     if hidden.shape[-1] != H:
         hidden = hidden @ w["fc.weight"].t()
     emb = emb_table[ids]
-    x = torch.cat([dense_ref.rms(emb, w["midlayer.input_layernorm.weight"], 1e-5),
-                   dense_ref.rms(hidden, w["midlayer.hidden_norm.weight"], 1e-5)], -1)
+    x = torch.cat(
+        [
+            dense_ref.rms(emb, w["midlayer.input_layernorm.weight"], 1e-5),
+            dense_ref.rms(hidden, w["midlayer.hidden_norm.weight"], 1e-5),
+        ],
+        -1,
+    )
     out = dense_ref.layer(x, hidden, w, "midlayer.", CFG, pos)
     return out, dense_ref.rms(out, w["norm.weight"], 1e-5) @ w["lm_head.weight"].t()
 
@@ -130,8 +144,9 @@ def test_eagle3(tmp_path, target, source):
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     # Later steps feed back the head's own [T, H] output, skipping fc.
     nxt2, logits2 = run_drafter(drafter, ids, nxt)
-    torch.testing.assert_close(logits2, eagle3_dense(w, target.embed_tokens.weight, ids, nxt, torch.arange(7))[1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits2, eagle3_dense(w, target.embed_tokens.weight, ids, nxt, torch.arange(7))[1], atol=ATOL, rtol=0
+    )
     draft_ids = logits.argmax(-1)
     assert torch.equal(drafter.to_target_ids(draft_ids), kept[draft_ids])
     probs = drafter.draft_probs_to_target(logits.softmax(-1), V)
@@ -156,6 +171,7 @@ def test_mtp_layer_in_target_checkpoint(tmp_path, with_head):
     hf = tiny_hf_model("llama")
     hf.save_pretrained(tmp_path)
     from safetensors.torch import load_file
+
     state = load_file(tmp_path / "model.safetensors")
     gen = torch.Generator().manual_seed(3)
     w = mtp_state(gen, layer=3, with_head=with_head)
@@ -171,14 +187,19 @@ def test_mtp_layer_in_target_checkpoint(tmp_path, with_head):
     nxt, logits = run_drafter(drafter, ids, hidden)
     p = "model.layers.3."
     emb = target.embed_tokens.weight[ids]
-    x = torch.cat([dense_ref.rms(emb, w[p + "enorm.weight"], 1e-5),
-                   dense_ref.rms(hidden, w[p + "hnorm.weight"], 1e-5)], -1) @ w[p + "eh_proj.weight"].t()
+    x = (
+        torch.cat(
+            [dense_ref.rms(emb, w[p + "enorm.weight"], 1e-5), dense_ref.rms(hidden, w[p + "hnorm.weight"], 1e-5)], -1
+        )
+        @ w[p + "eh_proj.weight"].t()
+    )
     xin = dense_ref.rms(x, w[p + "input_layernorm.weight"], 1e-5)
     ref = dense_ref.layer(xin, x, w, p, CFG, torch.arange(8))
     head = w[p + "shared_head.head.weight"] if with_head else target.head_weight
     torch.testing.assert_close(nxt, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits, dense_ref.rms(ref, w[p + "shared_head.norm.weight"], 1e-5) @ head.t(),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits, dense_ref.rms(ref, w[p + "shared_head.norm.weight"], 1e-5) @ head.t(), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "hf_object"])

@@ -14,9 +14,17 @@ from tests.helpers import PagedRunner, tiny_hf_model
 ATOL = 1e-4
 VARIANTS = {
     "llama": dict(family="llama"),
-    "llama3-rope": dict(family="llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope": dict(
+        family="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "llama-tied": dict(family="llama", tie_word_embeddings=True),
     "llama-bias": dict(family="llama", attention_bias=True, mlp_bias=True),
     "qwen2": dict(family="qwen2"),
@@ -111,15 +119,24 @@ def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="model_type='gpt2'.*supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type='yarn'"):
-        ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-                             "num_hidden_layers": 1, "num_attention_heads": 2,
-                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+        ModelConfig.from_hf(
+            {
+                "model_type": "llama",
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4},
+            }
+        )
 
 
 def test_checkpoint_shape_mismatch_is_refused(tmp_path):
     hf, _ = build("llama")
     hf.save_pretrained(tmp_path)
     import json
+
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["num_key_value_heads"] = 4  # the weights have 2 KV heads
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -72,9 +72,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
-            raise ValueError(
-                f"model_type={self.model_type!r} is not supported; supported: {sorted(FAMILIES)}."
-            )
+            raise ValueError(f"model_type={self.model_type!r} is not supported; supported: {sorted(FAMILIES)}.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -83,9 +81,7 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: silu.")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
-            raise ValueError(
-                f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"
-            )
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
 
     @property
     def q_size(self) -> int:

@@ -49,8 +49,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.ops.draftgraph.paged_attention(
-            q, k, v.contiguous(), kv[0], kv[1], meta.slot_mapping, meta.block_tables, meta.token_req,
-            meta.token_kv_len, self.scale, self.window, self.attn_impl,
+            q,
+            k,
+            v.contiguous(),
+            kv[0],
+            kv[1],
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.token_req,
+            meta.token_kv_len,
+            self.scale,
+            self.window,
+            self.attn_impl,
         )  # [T, Hq, D]
         return self.o(out.view(t, self.q_size))
 

@@ -69,7 +69,11 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_state_dict(
-        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device="cpu", attn_impl: str = "reference",
+        cls,
+        cfg: ModelConfig,
+        state: dict[str, torch.Tensor],
+        device="cpu",
+        attn_impl: str = "reference",
     ) -> CausalLM:
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`)."""
         state = dict(state)
@@ -80,8 +84,11 @@ class CausalLM(nn.Module):
                     state.pop(k)
                 continue
             ours.update(convert_layer(state, f"model.layers.{i}.", f"layers.{i}."))
-        for theirs, mine in (("model.embed_tokens.weight", "embed_tokens.weight"), ("model.norm.weight", "norm.weight"),
-                             ("lm_head.weight", "lm_head.weight")):
+        for theirs, mine in (
+            ("model.embed_tokens.weight", "embed_tokens.weight"),
+            ("model.norm.weight", "norm.weight"),
+            ("lm_head.weight", "lm_head.weight"),
+        ):
             if theirs in state:
                 ours[mine] = state.pop(theirs)
         if cfg.tie_word_embeddings:

@@ -47,7 +47,9 @@ class MetadataBuilder:
         self._h_qsl, self.query_start_loc = pair((max_reqs + 1,), torch.int32)
 
     def build(
-        self, reqs: Sequence[RequestSlice], num_tokens_padded: int | None = None,
+        self,
+        reqs: Sequence[RequestSlice],
+        num_tokens_padded: int | None = None,
         num_reqs_padded: int | None = None,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """Fill the buffers for `reqs`; returns the metadata views and positions [T_padded]."""
@@ -68,28 +70,38 @@ class MetadataBuilder:
         slots = tables[req_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
 
         h = {
-            "slot": self._h_slot.numpy(), "req": self._h_req.numpy(), "kvlen": self._h_kvlen.numpy(),
-            "pos": self._h_pos.numpy(), "seq": self._h_seq.numpy(), "qsl": self._h_qsl.numpy(),
+            "slot": self._h_slot.numpy(),
+            "req": self._h_req.numpy(),
+            "kvlen": self._h_kvlen.numpy(),
+            "pos": self._h_pos.numpy(),
+            "seq": self._h_seq.numpy(),
+            "qsl": self._h_qsl.numpy(),
         }
         h["slot"][:num_tokens], h["slot"][num_tokens:t_pad] = slots, -1  # padding rows write nothing
         h["req"][:num_tokens], h["req"][num_tokens:t_pad] = req_of_token, 0
         h["kvlen"][:num_tokens], h["kvlen"][num_tokens:t_pad] = positions + 1, 0  # padding sees nothing
         h["pos"][:num_tokens], h["pos"][num_tokens:t_pad] = positions, 0
-        h["seq"][: len(reqs)], h["seq"][len(reqs):b_pad] = cached + qlens, 0
+        h["seq"][: len(reqs)], h["seq"][len(reqs) : b_pad] = cached + qlens, 0
         h["qsl"][: len(reqs) + 1], h["qsl"][len(reqs) + 1 : b_pad + 1] = starts, num_tokens
         self._h_tables.numpy()[:b_pad] = tables
 
         for host, dev, n in (
-            (self._h_slot, self.slot_mapping, t_pad), (self._h_req, self.token_req, t_pad),
-            (self._h_kvlen, self.token_kv_len, t_pad), (self._h_pos, self.positions, t_pad),
-            (self._h_tables, self.block_tables, b_pad), (self._h_seq, self.seq_lens, b_pad),
+            (self._h_slot, self.slot_mapping, t_pad),
+            (self._h_req, self.token_req, t_pad),
+            (self._h_kvlen, self.token_kv_len, t_pad),
+            (self._h_pos, self.positions, t_pad),
+            (self._h_tables, self.block_tables, b_pad),
+            (self._h_seq, self.seq_lens, b_pad),
             (self._h_qsl, self.query_start_loc, b_pad + 1),
         ):
             dev[:n].copy_(host[:n], non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:t_pad], token_req=self.token_req[:t_pad],
-            token_kv_len=self.token_kv_len[:t_pad], block_tables=self.block_tables[:b_pad],
-            seq_lens=self.seq_lens[:b_pad], query_start_loc=self.query_start_loc[: b_pad + 1],
+            slot_mapping=self.slot_mapping[:t_pad],
+            token_req=self.token_req[:t_pad],
+            token_kv_len=self.token_kv_len[:t_pad],
+            block_tables=self.block_tables[:b_pad],
+            seq_lens=self.seq_lens[:b_pad],
+            query_start_loc=self.query_start_loc[: b_pad + 1],
         )
         return meta, self.positions[:t_pad]
 

@@ -23,9 +23,16 @@ from draftgraph.models.attention.backends import triton_interpreting
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_vt, stride_cache_slot,
-    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cache_slot,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -41,12 +48,31 @@ def _write_kv_kernel(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token_req_ptr, token_kv_len_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    scale, window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    token_req_ptr,
+    token_kv_len_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,7 +86,8 @@ def _paged_attention_kernel(
     heads = kv_head * GROUP + g
     q = tl.load(
         q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [GROUP_PAD, D_PAD]
     if DOT_F32:
         q = q.to(tl.float32)
@@ -106,9 +133,16 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     k2 = k.reshape(num_tokens, row)
     v2 = v.reshape(num_tokens, row)
     _write_kv_kernel[(num_tokens,)](
-        k2, v2, k_cache, v_cache, slot_mapping,
-        k2.stride(0), v2.stride(0), k_cache.stride(1),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+        k2,
+        v2,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k2.stride(0),
+        v2.stride(0),
+        k_cache.stride(1),
+        ROW=row,
+        ROW_PAD=triton.next_power_of_2(row),
     )
 
 
@@ -134,12 +168,31 @@ def paged_attention_triton(
     dot_f32 = triton_interpreting() and q.dtype != torch.float32
     precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, token_req, token_kv_len,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale, window,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        PAGE=k_cache.shape[1], BLOCK_N=block_n, PRECISION=precision, DOT_F32=dot_f32,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        token_req,
+        token_kv_len,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale,
+        window,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=k_cache.shape[1],
+        BLOCK_N=block_n,
+        PRECISION=precision,
+        DOT_F32=dot_f32,
         num_warps=4,
     )
     return out

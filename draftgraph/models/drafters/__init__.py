@@ -7,5 +7,14 @@ from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.loader import detect_kind, load_drafter, truncated_draft_model
 from draftgraph.models.drafters.mtp import MTPDrafter
 
-__all__ = ["KINDS", "Drafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter", "MTPDrafter",
-           "detect_kind", "load_drafter", "truncated_draft_model"]
+__all__ = [
+    "KINDS",
+    "Drafter",
+    "DraftModelDrafter",
+    "EagleDrafter",
+    "Eagle3Drafter",
+    "MTPDrafter",
+    "detect_kind",
+    "load_drafter",
+    "truncated_draft_model",
+]

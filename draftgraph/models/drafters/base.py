@@ -45,8 +45,12 @@ class Drafter(nn.Module, ABC):
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
-        meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
@@ -62,6 +66,5 @@ class Drafter(nn.Module, ABC):
 
 def mismatch(what: str, drafter_value, target_value, fix: str) -> ValueError:
     return ValueError(
-        f"drafter/target mismatch: {what} is {drafter_value} in the drafter but {target_value} in the "
-        f"target; {fix}"
+        f"drafter/target mismatch: {what} is {drafter_value} in the drafter but {target_value} in the target; {fix}"
     )

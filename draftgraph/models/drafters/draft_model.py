@@ -28,8 +28,13 @@ class DraftModelDrafter(Drafter):
 
 def check_pair(draft: CausalLM, target: CausalLM) -> None:
     if draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise mismatch("vocab_size", draft.cfg.vocab_size, target.cfg.vocab_size,
-                       "a draft model must share the target's tokenizer")
+        raise mismatch(
+            "vocab_size", draft.cfg.vocab_size, target.cfg.vocab_size, "a draft model must share the target's tokenizer"
+        )
     if tuple(draft.head_weight.shape)[0] != target.cfg.vocab_size:
-        raise mismatch("LM head rows (head layout)", draft.head_weight.shape[0], target.cfg.vocab_size,
-                       "a draft model must predict over the target's vocabulary")
+        raise mismatch(
+            "LM head rows (head layout)",
+            draft.head_weight.shape[0],
+            target.cfg.vocab_size,
+            "a draft model must predict over the target's vocabulary",
+        )

@@ -26,9 +26,7 @@ class EagleDrafter(Drafter):
         # Own embedding when the checkpoint has one, else the target's (held outside our parameters).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, attn_impl, input_norm=i != 0) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_impl, input_norm=i != 0) for i in range(cfg.num_layers))
         self._target = [target]  # a list keeps the target out of this module's parameters
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
 
@@ -63,14 +61,26 @@ class EagleDrafter(Drafter):
 
 def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> None:
     if cfg.hidden_size != target.hidden_size:
-        raise mismatch("hidden_size", cfg.hidden_size, target.hidden_size,
-                       "an EAGLE head must be trained for this target (it reads the target's hidden states)")
+        raise mismatch(
+            "hidden_size",
+            cfg.hidden_size,
+            target.hidden_size,
+            "an EAGLE head must be trained for this target (it reads the target's hidden states)",
+        )
     fc = state.get("fc.weight")
     if fc is not None and tuple(fc.shape) != (cfg.hidden_size, 2 * target.hidden_size):
-        raise mismatch("fc.weight shape", list(fc.shape), [cfg.hidden_size, 2 * target.hidden_size],
-                       "EAGLE's fc maps [embedding; target hidden] (2H) to H")
+        raise mismatch(
+            "fc.weight shape",
+            list(fc.shape),
+            [cfg.hidden_size, 2 * target.hidden_size],
+            "EAGLE's fc maps [embedding; target hidden] (2H) to H",
+        )
     emb = state.get("embed_tokens.weight")
     vocab = emb.shape[0] if emb is not None else cfg.vocab_size
     if vocab != target.vocab_size:
-        raise mismatch("vocab_size", vocab, target.vocab_size,
-                       "EAGLE drafts with the target's LM head, so the vocabularies must agree")
+        raise mismatch(
+            "vocab_size",
+            vocab,
+            target.vocab_size,
+            "EAGLE drafts with the target's LM head, so the vocabularies must agree",
+        )

@@ -42,8 +42,15 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(Drafter):
     kind = "eagle3"
 
-    def __init__(self, cfg: ModelConfig, target: CausalLM, draft_vocab: int, aux_layers: tuple[int, ...],
-                 own_embedding: bool, attn_impl: str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        target: CausalLM,
+        draft_vocab: int,
+        aux_layers: tuple[int, ...],
+        own_embedding: bool,
+        attn_impl: str,
+    ):
         super().__init__()
         self.cfg = cfg
         self._aux_layers = aux_layers
@@ -95,8 +102,15 @@ class Eagle3Drafter(Drafter):
         return out.index_copy_(1, self.to_target_ids(ids), probs)
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl,
-                        aux_layers: tuple[int, ...] | None = None) -> Eagle3Drafter:
+    def from_state_dict(
+        cls,
+        cfg: ModelConfig,
+        state: dict,
+        target: CausalLM,
+        device,
+        attn_impl,
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> Eagle3Drafter:
         state = {k.removeprefix("model."): v for k, v in state.items()}
         draft_vocab = check_pair(cfg, state, target.cfg)
         ours = convert_layer(state, "midlayer.", "midlayer.")
@@ -114,8 +128,12 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
     if fc is None:
         raise ValueError("EAGLE-3 checkpoint has no fc.weight (expected [hidden, 3 * target_hidden])")
     if fc.shape[1] != 3 * target.hidden_size:
-        raise mismatch("fc input features (3 x target hidden)", fc.shape[1], 3 * target.hidden_size,
-                       "this EAGLE-3 head was trained for a target of another hidden size")
+        raise mismatch(
+            "fc input features (3 x target hidden)",
+            fc.shape[1],
+            3 * target.hidden_size,
+            "this EAGLE-3 head was trained for a target of another hidden size",
+        )
     head = state.get("lm_head.weight")
     d2t = state.get("d2t")
     if head is None or d2t is None:
@@ -127,8 +145,12 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
         )
     top = int((torch.arange(d2t.shape[0]) + d2t).max()) if d2t.numel() else -1
     if top >= target.vocab_size:
-        raise mismatch("largest target id reached through d2t", top, f"vocab_size={target.vocab_size}",
-                       "the draft vocabulary map was built for another tokenizer")
+        raise mismatch(
+            "largest target id reached through d2t",
+            top,
+            f"vocab_size={target.vocab_size}",
+            "the draft vocabulary map was built for another tokenizer",
+        )
     emb = state.get("embed_tokens.weight")
     if emb is not None and emb.shape[0] != target.vocab_size:
         raise mismatch("embedding vocab_size", emb.shape[0], target.vocab_size, "use the target's tokenizer")

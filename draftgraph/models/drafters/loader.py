@@ -36,8 +36,13 @@ def detect_kind(config: dict, keys) -> str:
 
 
 def load_drafter(
-    source: Any, target: CausalLM, kind: str | None = None, device=None, attn_impl: str | None = None,
-    dtype: torch.dtype | None = None, aux_layers: tuple[int, ...] | None = None,
+    source: Any,
+    target: CausalLM,
+    kind: str | None = None,
+    device=None,
+    attn_impl: str | None = None,
+    dtype: torch.dtype | None = None,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> Drafter:
     """`source`: a checkpoint dir, a Drafter, a draftgraph CausalLM, a transformers model object, or any
     module whose state_dict uses the upstream key names (EAGLE, EAGLE-3, DeepSeek MTP layer)."""
@@ -77,11 +82,16 @@ def drafter_config(config: dict, target: ModelConfig, dtype) -> ModelConfig:
     merged.setdefault("model_type", "llama")
     if merged["model_type"] not in ("llama", "qwen2", "qwen3", "mistral"):
         merged["model_type"] = "llama"
-    for key, value in (("vocab_size", target.vocab_size), ("hidden_size", target.hidden_size),
-                       ("intermediate_size", target.intermediate_size), ("num_attention_heads", target.num_heads),
-                       ("num_key_value_heads", target.num_kv_heads), ("num_hidden_layers", 1),
-                       ("rms_norm_eps", target.rms_norm_eps),
-                       ("max_position_embeddings", target.max_position_embeddings)):
+    for key, value in (
+        ("vocab_size", target.vocab_size),
+        ("hidden_size", target.hidden_size),
+        ("intermediate_size", target.intermediate_size),
+        ("num_attention_heads", target.num_heads),
+        ("num_key_value_heads", target.num_kv_heads),
+        ("num_hidden_layers", 1),
+        ("rms_norm_eps", target.rms_norm_eps),
+        ("max_position_embeddings", target.max_position_embeddings),
+    ):
         merged.setdefault(key, value)
     if "rope_parameters" not in merged and "rope_theta" not in merged and "rope_scaling" not in merged:
         merged["rope_parameters"] = {"rope_type": target.rope.rope_type, "rope_theta": target.rope.theta}

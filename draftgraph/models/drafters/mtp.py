@@ -53,8 +53,9 @@ class MTPDrafter(Drafter):
         return hidden @ weight.t()
 
     @classmethod
-    def from_state_dict(cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl,
-                        layer: int | None = None) -> MTPDrafter:
+    def from_state_dict(
+        cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl, layer: int | None = None
+    ) -> MTPDrafter:
         """`state` is a whole checkpoint (the MTP layer is picked out) or just the layer's weights."""
         if layer is None:
             present = [i for i in layer_indices(state, "model.layers.") if f"model.layers.{i}.eh_proj.weight" in state]
@@ -65,12 +66,17 @@ class MTPDrafter(Drafter):
                 )
             layer = present[0] if present else None
         prefix = f"model.layers.{layer}." if layer is not None else ""
-        mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         check_pair(cfg, mine, target.cfg)
         ours = convert_layer(mine, "", "block.")
-        for theirs, name in (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
-                             ("eh_proj.weight", "eh_proj.weight"), ("shared_head.norm.weight", "head_norm.weight"),
-                             ("shared_head.head.weight", "head.weight"), ("embed_tokens.weight", "embed_tokens.weight")):
+        for theirs, name in (
+            ("enorm.weight", "enorm.weight"),
+            ("hnorm.weight", "hnorm.weight"),
+            ("eh_proj.weight", "eh_proj.weight"),
+            ("shared_head.norm.weight", "head_norm.weight"),
+            ("shared_head.head.weight", "head.weight"),
+            ("embed_tokens.weight", "embed_tokens.weight"),
+        ):
             if theirs in mine:
                 ours[name] = mine.pop(theirs)
         ours.update(mine)
@@ -83,10 +89,18 @@ class MTPDrafter(Drafter):
 
 def check_pair(cfg: ModelConfig, mine: dict, target: ModelConfig) -> None:
     if cfg.hidden_size != target.hidden_size:
-        raise mismatch("hidden_size", cfg.hidden_size, target.hidden_size,
-                       "an MTP layer shares the target's embedding and head, so the sizes must agree")
+        raise mismatch(
+            "hidden_size",
+            cfg.hidden_size,
+            target.hidden_size,
+            "an MTP layer shares the target's embedding and head, so the sizes must agree",
+        )
     for key in ("embed_tokens.weight", "shared_head.head.weight"):
         t = mine.get(key)
         if t is not None and tuple(t.shape) != (target.vocab_size, target.hidden_size):
-            raise mismatch(f"{key} shape (head layout)", list(t.shape), [target.vocab_size, target.hidden_size],
-                           "the MTP layer must come from this target's checkpoint")
+            raise mismatch(
+                f"{key} shape (head layout)",
+                list(t.shape),
+                [target.vocab_size, target.hidden_size],
+                "the MTP layer must come from this target's checkpoint",
+            )
