@@ -1,0 +1,5 @@
+import sys
+
+from draftgraph.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""The `draftgraph` command line (also `python -m draftgraph`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target checkpoint directory (default: the built-in model pair)")
+    p.add_argument("--drafter", help="drafter checkpoint directory (default: the built-in drafter)")
+    p.add_argument("--drafter-kind", choices=["eagle", "eagle3", "mtp", "draft_model"], help="default: detect")
+    p.add_argument("--no-drafter", action="store_true", help="plain decoding with the target alone")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--mode", default="NONE", help="CUDA graph mode (default NONE)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention", default="auto", choices=["auto", "reference", "triton"])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    import draftgraph as dg
+    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
+
+    config = dg.CompileConfig(
+        mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        attention=args.attention,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        drafter_kind=args.drafter_kind,
+    )
+    print(f"config: {config}")
+    if args.target:
+        target, drafter = args.target, None if args.no_drafter else args.drafter
+        if drafter is None and not args.no_drafter:
+            print("no --drafter given: plain decoding with the target alone")
+    else:
+        spec = BuiltinSpec(seed=args.seed)
+        print(
+            f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
+        )
+        target, built_drafter = builtin_pair(spec)
+        drafter = None if args.no_drafter else (args.drafter or built_drafter)
+    t0 = time.perf_counter()
+    engine = dg.compile_model(target, drafter, config)
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}, device "
+        f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.target.cfg.vocab_size
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    params = dg.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=True,
+        seed=args.seed,
+    )
+    outputs = engine.generate(prompts, params, progress=True)
+    for out in outputs[: min(3, len(outputs))]:
+        print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
+    print_report(engine.stats())
+    return 0
+
+
+def print_report(s: dict) -> None:
+    k = s["num_speculative_tokens"]
+    print(f"\nsteps {s['steps']}, generated tokens {s['generated_tokens']}, wall {s['seconds']:.2f} s")
+    if k:
+        total = max(1, s["verify_steps"])
+        print(f"acceptance histogram (accepted drafts per verify step, K={k}):")
+        for a, count in enumerate(s["acceptance_histogram"]):
+            bar = "#" * round(40 * count / total)
+            print(f"  {a}: {count:6d} ({100 * count / total:5.1f}%) {bar}")
+        print(
+            f"acceptance rate {100 * s['acceptance_rate']:.1f}%, mean accepted length "
+            f"{s['mean_accepted_length']:.2f} tokens per verify step"
+        )
+    print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}: no CUDA graphs, eager)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftgraph", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("generate", "run"):
+        p = sub.add_parser(name, help="generate with speculative decoding and report acceptance and tokens/s")
+        _add_common(p)
+        p.add_argument("--num-prompts", type=int, default=8)
+        p.add_argument("--prompt-len", type=int, default=24)
+        p.add_argument("--max-tokens", type=int, default=64)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.set_defaults(func=cmd_generate)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"draftgraph: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

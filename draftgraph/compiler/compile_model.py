@@ -1,0 +1,52 @@
+"""compile_model: load a target and drafter from any supported form and build the engine for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftgraph.compiler.config import CompileConfig, resolve
+from draftgraph.models.drafters.base import Drafter
+from draftgraph.models.drafters.loader import load_drafter
+from draftgraph.models.llama import CausalLM
+from draftgraph.runtime.engine import Engine
+
+
+def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
+    """A draftgraph CausalLM from a checkpoint dir, a transformers model object or a CausalLM."""
+    if isinstance(source, CausalLM):
+        model = source
+    elif isinstance(source, str):
+        model = CausalLM.from_pretrained(source, dtype=dtype, device=device, attn_impl=attn_impl)
+    elif isinstance(source, torch.nn.Module) and hasattr(source, "config"):
+        model = CausalLM.from_hf(source, dtype=dtype, device=device, attn_impl=attn_impl)
+    else:
+        raise TypeError(
+            f"target of type {type(source).__name__} is not supported; pass a checkpoint directory, a "
+            "transformers *ForCausalLM object or a draftgraph CausalLM"
+        )
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    for layer in model.layers:
+        layer.attn.attn_impl = attn_impl
+    return model
+
+
+def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None = None) -> Engine:
+    """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None)."""
+    config = config or CompileConfig()
+    max_pos = getattr(getattr(target, "cfg", None), "max_position_embeddings", None)
+    if max_pos is None and hasattr(target, "config"):
+        max_pos = getattr(target.config, "max_position_embeddings", None)
+    rc = resolve(config, max_pos, drafter is not None)
+    model = load_target(target, rc.device, rc.dtype, rc.attention)
+    draft: Drafter | None = None
+    if drafter is not None:
+        draft = load_drafter(
+            drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention, dtype=model.cfg.dtype
+        )
+        draft = draft.to(rc.device)
+        for m in draft.modules():
+            if hasattr(m, "attn_impl"):
+                m.attn_impl = rc.attention
+    return Engine(model, draft, rc)

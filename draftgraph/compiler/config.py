@@ -1,0 +1,138 @@
+"""CompileConfig (what a user sets) and ResolvedConfig (every "auto" made concrete, in one place)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from draftgraph.models.attention.backends import check_device, default_backend, get_backend
+
+log = logging.getLogger("draftgraph")
+
+
+class CUDAGraphMode(str, enum.Enum):
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
+
+
+# Modes this build implements; the others are listed in CUDAGraphMode and refused with a message.
+AVAILABLE_MODES = (CUDAGraphMode.NONE,)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How to compile and run a model pair. "auto" fields are resolved by `resolve()`."""
+
+    mode: str = "NONE"
+    num_speculative_tokens: int = 3
+    attention: str = "auto"  # "reference" | "triton" | "auto" (triton on CUDA, reference on CPU)
+    device: str = "auto"  # "cpu" | "cuda" | "auto"
+    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's, else float32)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 0  # 0 = auto: the target's max_position_embeddings, capped at 4096
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len
+    drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
+    seed: int = 0  # seeds requests that give none
+
+    def __post_init__(self):
+        modes = [m.value for m in CUDAGraphMode]
+        if self.mode not in modes:
+            raise ValueError(f"mode={self.mode!r} is unknown; choose one of {modes}")
+        if self.mode not in [m.value for m in AVAILABLE_MODES]:
+            raise ValueError(
+                f"mode={self.mode!r} is not available in this build yet; available: "
+                f"{[m.value for m in AVAILABLE_MODES]}"
+            )
+        if not 0 <= self.num_speculative_tokens <= 8:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must lie in [0, 8]")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {['auto', *DTYPES]}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is unknown; choose 'auto', 'cpu' or 'cuda'")
+        if self.attention != "auto":
+            get_backend(self.attention)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+        needed = self.max_num_seqs * (self.num_speculative_tokens + 1)
+        if self.max_num_batched_tokens < needed:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold a full decode batch: "
+                f"max_num_seqs x (1 + K) = {needed}; raise it to at least {needed}"
+            )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """CompileConfig with every "auto" decided."""
+
+    mode: CUDAGraphMode
+    num_speculative_tokens: int  # 0 without a drafter
+    attention: str
+    device: torch.device
+    dtype: torch.dtype | None  # None: keep the checkpoint's dtype
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    seed: int
+
+    @property
+    def lookahead(self) -> int:
+        """KV positions past a request's tokens that one speculative step may write."""
+        return 2 * self.num_speculative_tokens + 2
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-(self.max_model_len + self.lookahead) // self.block_size)
+
+
+def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter: bool) -> ResolvedConfig:
+    """Decide every "auto" value once and log each decision."""
+    device = torch.device(
+        "cuda"
+        if config.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if config.device == "auto" else config.device)
+    )
+    attention = default_backend(device.type) if config.attention == "auto" else config.attention
+    check_device(attention, device.type)
+    max_len = config.max_model_len or min(target_max_positions or 4096, 4096)
+    k = config.num_speculative_tokens if has_drafter else 0
+    lookahead = 2 * k + 2
+    blocks = config.num_kv_blocks or config.max_num_seqs * -(-(max_len + lookahead) // config.block_size)
+    rc = ResolvedConfig(
+        mode=CUDAGraphMode(config.mode),
+        num_speculative_tokens=k,
+        attention=attention,
+        device=device,
+        dtype=None if config.dtype == "auto" else DTYPES[config.dtype],
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+        block_size=config.block_size,
+        num_kv_blocks=blocks,
+        seed=config.seed,
+    )
+    log.info(
+        "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
+        "max_model_len %d, %d KV blocks of %d",
+        rc.mode.value,
+        device,
+        attention,
+        k,
+        rc.max_num_seqs,
+        rc.max_num_batched_tokens,
+        max_len,
+        blocks,
+        rc.block_size,
+    )
+    return rc

@@ -1,0 +1,60 @@
+"""Rejection sampling for speculative decoding, all on the device.
+
+Greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the target's
+next token. Sampling rows accept draft x with probability min(1, p(x) / q(x)); at the first rejection
+they emit a draw from normalize(max(p - q, 0)); when all K drafts pass they emit a draw from p at K+1.
+That output has exactly the target's distribution p (Leviathan et al. 2023; Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.runtime.sampler import (
+    SALT_ACCEPT,
+    SALT_TARGET,
+    SamplingTensors,
+    probabilities,
+    sample_from_probs,
+    uniform_noise,
+)
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [B, K+1, V]
+    draft_ids: torch.Tensor,  # [B, K] target-vocabulary ids
+    draft_probs: torch.Tensor | None,  # [B, K, V] processed draft distribution q (None when all greedy)
+    st: SamplingTensors,  # per request
+    positions: torch.Tensor,  # [B, K+1] position of each token the verify rows predict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens [B, K+1], num_accepted [B]); row b emits tokens[b, : num_accepted[b] + 1]."""
+    b, k1, vocab = target_logits.shape
+    k = k1 - 1
+    target_argmax = target_logits.argmax(-1)  # [B, K+1]
+    greedy_match = (draft_ids == target_argmax[:, :k]).long()
+    greedy_accepted = greedy_match.cumprod(-1).sum(-1)  # [B]
+    if st.all_greedy:
+        return target_argmax, greedy_accepted  # tokens before the first mismatch equal the drafts
+
+    p = probabilities(target_logits.reshape(b * k1, vocab), st.repeat(k1)).view(b, k1, vocab)
+    q = draft_probs
+    p_draft = p[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [B, K]
+    q_draft = q.gather(-1, draft_ids[..., None])[..., 0]
+    u = uniform_noise(st.seeds.repeat_interleave(k), positions[:, :k].reshape(-1), SALT_ACCEPT).view(b, k)
+    accept = (u * q_draft <= p_draft).long()  # u <= p/q without dividing by a zero q
+    accepted = accept.cumprod(-1).sum(-1)  # [B]
+
+    residual = (p[:, :k] - q).clamp_min(0)  # [B, K, V]
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :k])
+    recover_from = torch.cat([residual, p[:, k:]], dim=1)  # position K: the bonus draw from p
+    recovered = sample_from_probs(
+        recover_from.reshape(b * k1, vocab), st.seeds.repeat_interleave(k1), positions.reshape(-1), SALT_TARGET
+    ).view(b, k1)
+    idx = torch.arange(k1, device=target_logits.device)[None, :]
+    padded_drafts = torch.cat([draft_ids, draft_ids[:, :1]], dim=1)
+    sampled_tokens = torch.where(idx < accepted[:, None], padded_drafts, recovered)
+
+    greedy = st.temperature <= 0
+    tokens = torch.where(greedy[:, None], target_argmax, sampled_tokens)
+    return tokens, torch.where(greedy, greedy_accepted, accepted)

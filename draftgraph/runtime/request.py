@@ -1,0 +1,96 @@
+"""SamplingParams (what a user asks for), Request (what the engine tracks) and RequestOutput (what returns)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftgraph.runtime.kv_cache import BlockTable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings. temperature 0 is greedy; top_k 0 and top_p 1 switch those off."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens, prompt excluded
+    finish_reason: str  # "length" or "stop"
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """A request's host-side state. Target KV holds positions < num_computed; in decode the last token of
+    `tokens` has no KV yet and `drafts` holds the K proposals to verify next."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    slot: int = -1  # persistent per-request index into device buffers while running
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    prefill_len: int = 0  # tokens to prefill before decoding starts
+    drafts: list[int] = field(default_factory=list)
+    block_table: BlockTable | None = None
+    finish_reason: str | None = None
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.prefill_len = len(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_len
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            self.id,
+            list(self.prompt),
+            self.output,
+            self.finish_reason or "length",
+            self.num_verify_steps,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+        )
+
+    def append(self, new_tokens: list[int], stop_ids: frozenset[int]) -> None:
+        """Append emitted tokens up to max_tokens or the first stop token (kept in the output)."""
+        for tok in new_tokens:
+            self.tokens.append(tok)
+            if tok in stop_ids:
+                self.finish_reason = "stop"
+                return
+            if len(self.output) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                return
