@@ -25,9 +25,13 @@ def chi_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def st_for(temps, top_k=0, top_p=1.0, seeds=None):
     n = len(temps)
-    return SamplingTensors(torch.tensor(temps, dtype=torch.float32), torch.full((n,), top_k),
-                           torch.full((n,), top_p), torch.tensor(seeds or list(range(n))),
-                           tuple(t <= 0 for t in temps))
+    return SamplingTensors(
+        torch.tensor(temps, dtype=torch.float32),
+        torch.full((n,), top_k),
+        torch.full((n,), top_p),
+        torch.tensor(seeds or list(range(n))),
+        tuple(t <= 0 for t in temps),
+    )
 
 
 def test_probabilities_temperature_top_k_top_p():
@@ -47,7 +51,7 @@ def test_probabilities_temperature_top_k_top_p():
 def test_noise_is_uniform_and_keyed_by_seed_and_position():
     n = 200_000
     u = uniform_noise(torch.arange(n) % 97, torch.arange(n) // 97, salt=1)
-    assert 0 < u.min() and u.max() < 1
+    assert u.min() > 0 and u.max() < 1
     counts = torch.histc(u, bins=20, min=0, max=1)
     assert chisquare(counts.numpy()).pvalue > 1e-3
     a = uniform_noise(torch.tensor([5, 5, 6]), torch.tensor([10, 11, 10]), salt=1)
@@ -71,8 +75,9 @@ def test_rejection_sampler_unit_distribution():
     target_logits = torch.randn(1, 3, vocab, generator=g).expand(n, 3, vocab)
     q = torch.randn(2, vocab, generator=g).softmax(-1)
     st = st_for([1.0] * n, seeds=list(range(n)))
-    drafts = torch.stack([sample_from_probs(q[i].expand(n, vocab), st.seeds, torch.full((n,), i), 9)
-                          for i in range(2)], 1)
+    drafts = torch.stack(
+        [sample_from_probs(q[i].expand(n, vocab), st.seeds, torch.full((n,), i), 9) for i in range(2)], 1
+    )
     pos = torch.arange(1, 4).expand(n, 3)
     tokens, accepted = rejection_sample(target_logits, drafts, q.expand(n, 2, vocab), st, pos)
     first = tokens[:, 0]

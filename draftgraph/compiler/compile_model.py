@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from draftgraph.compiler.config import CompileConfig, resolve
+from draftgraph.compiler.capture import build_compiled
+from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
@@ -49,4 +50,18 @@ def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None
         for m in draft.modules():
             if hasattr(m, "attn_impl"):
                 m.attn_impl = rc.attention
-    return Engine(model, draft, rc)
+    if rc.mode == CUDAGraphMode.NONE:
+        return Engine(model, draft, rc)
+    compiled = build_compiled(
+        model,
+        draft,
+        rc,
+        config.compile_backend,
+        config.cache_dir,
+        config.check_addresses,
+        config.dump_graphs_dir,
+        config.progress,
+    )
+    engine = Engine(model, draft, rc, compiled.target, compiled.drafter, compiled)
+    engine.warm_up_report = engine.warm_up()
+    return engine

@@ -22,7 +22,7 @@ class CUDAGraphMode(str, enum.Enum):
 
 
 # Modes this build implements; the others are listed in CUDAGraphMode and refused with a message.
-AVAILABLE_MODES = (CUDAGraphMode.NONE,)
+AVAILABLE_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +42,14 @@ class CompileConfig:
     num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
     seed: int = 0  # seeds requests that give none
+    # Compilation (modes other than NONE)
+    capture_sizes: tuple[int, ...] = ()  # token counts with compiled pieces and graphs; () = auto
+    max_capture_tokens: int = 0  # PIECEWISE bound on padded token counts; 0 = auto
+    compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
+    cache_dir: str = ""  # Inductor cache directory for this model's pieces; "" = Inductor's default
+    check_addresses: bool = False  # debug: verify static input addresses at every graph replay
+    dump_graphs_dir: str = ""  # write each pass's before/after graph here
+    progress: bool = True  # progress bars for compile and capture
 
     def __post_init__(self):
         modes = [m.value for m in CUDAGraphMode]
@@ -60,6 +68,10 @@ class CompileConfig:
             raise ValueError(f"device={self.device!r} is unknown; choose 'auto', 'cpu' or 'cuda'")
         if self.attention != "auto":
             get_backend(self.attention)
+        if self.compile_backend not in ("inductor", "eager"):
+            raise ValueError(f"compile_backend={self.compile_backend!r} is unknown; choose 'inductor' or 'eager'")
+        if any(s < 1 for s in self.capture_sizes):
+            raise ValueError(f"capture_sizes={self.capture_sizes} must all be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
         needed = self.max_num_seqs * (self.num_speculative_tokens + 1)
@@ -85,6 +97,8 @@ class ResolvedConfig:
     block_size: int
     num_kv_blocks: int
     seed: int
+    capture_sizes: tuple[int, ...]  # sorted; empty in mode NONE
+    graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
 
     @property
     def lookahead(self) -> int:
@@ -109,6 +123,19 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
     k = config.num_speculative_tokens if has_drafter else 0
     lookahead = 2 * k + 2
     blocks = config.num_kv_blocks or config.max_num_seqs * -(-(max_len + lookahead) // config.block_size)
+    mode = CUDAGraphMode(config.mode)
+    max_capture = config.max_capture_tokens or min(config.max_num_batched_tokens, 512)
+    if mode == CUDAGraphMode.NONE:
+        sizes = ()
+    elif config.capture_sizes:
+        sizes = tuple(sorted(set(config.capture_sizes)))
+    else:
+        sizes = auto_capture_sizes(max_capture, device.type)
+    graphs = mode != CUDAGraphMode.NONE and device.type == "cuda"
+    if mode != CUDAGraphMode.NONE and device.type != "cuda":
+        log.warning(
+            "CUDA graphs are disabled on %s: mode %s runs its compiled pieces without graphs", device.type, mode.value
+        )
     rc = ResolvedConfig(
         mode=CUDAGraphMode(config.mode),
         num_speculative_tokens=k,
@@ -121,10 +148,12 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         block_size=config.block_size,
         num_kv_blocks=blocks,
         seed=config.seed,
+        capture_sizes=sizes,
+        graphs_enabled=graphs,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
-        "max_model_len %d, %d KV blocks of %d",
+        "max_model_len %d, %d KV blocks of %d; capture sizes %s (CUDA graphs %s)",
         rc.mode.value,
         device,
         attention,
@@ -134,5 +163,23 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         max_len,
         blocks,
         rc.block_size,
+        list(sizes) or "none",
+        "on" if graphs else "off",
     )
     return rc
+
+
+def auto_capture_sizes(max_tokens: int, device_type: str) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 16 up to max_tokens on CUDA; powers of two up to 64 on the CPU (each size
+    there costs an Inductor compile and buys no graph)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_tokens]
+    if device_type == "cuda":
+        sizes += list(range(16, max_tokens + 1, 16))
+    else:
+        s = 16
+        while s <= min(max_tokens, 64):
+            sizes.append(s)
+            s *= 2
+    if device_type == "cuda" and max_tokens not in sizes:
+        sizes.append(max_tokens)
+    return tuple(sorted(set(sizes)))

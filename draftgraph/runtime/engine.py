@@ -8,9 +8,11 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from draftgraph.compiler.capture import CompiledModels, warm_up_and_capture
 from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import Scheduler
@@ -21,14 +23,32 @@ class Engine:
     """Continuous batching around a StepRunner. Use `generate` for a list of prompts, or
     `add_request` + `step` to drive it yourself."""
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None, rc: ResolvedConfig):
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None,
+        rc: ResolvedConfig,
+        target_fn=None,
+        drafter_fn=None,
+        compiled: CompiledModels | None = None,
+    ):
         self.target, self.drafter, self.config = target, drafter, rc
+        self.compiled = compiled  # compiled forwards and their counters (None in mode NONE)
+        self.warm_up_report = ""
         self.k = rc.num_speculative_tokens
         self.allocator = BlockAllocator(rc.num_kv_blocks)
         shape = RunnerShape(
-            self.k, rc.max_num_seqs, rc.max_num_batched_tokens, rc.max_blocks_per_req, rc.num_kv_blocks, rc.block_size
+            self.k,
+            rc.max_num_seqs,
+            rc.max_num_batched_tokens,
+            rc.max_blocks_per_req,
+            rc.num_kv_blocks,
+            rc.block_size,
+            rc.capture_sizes,
         )
-        self.runner = StepRunner(target, drafter, shape, rc.device)
+        self.runner = StepRunner(
+            target, drafter, shape, rc.device, Dispatcher(rc.mode, rc.capture_sizes), target_fn, drafter_fn
+        )
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead
         )
@@ -46,6 +66,10 @@ class Engine:
             "acceptance_histogram": [0] * (self.k + 1),
             "seconds": 0.0,
         }
+
+    def warm_up(self) -> str:
+        """Compile every piece and (on CUDA) capture every graph, largest size first; returns the report line."""
+        return warm_up_and_capture(self)
 
     # ---- driving ----------------------------------------------------------------------------------
 
@@ -151,4 +175,7 @@ class Engine:
         s["tokens_per_second"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         s["mode"] = self.config.mode.value
         s["num_speculative_tokens"] = self.k
+        s["cuda_graphs"] = self.config.graphs_enabled
+        if self.compiled is not None:
+            s["compile"] = self.compiled.counters.as_dict()
         return s

@@ -27,6 +27,7 @@ from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
+from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
@@ -44,6 +45,7 @@ class RunnerShape:
     max_blocks_per_req: int
     num_kv_blocks: int
     block_size: int
+    capture_sizes: tuple[int, ...] = ()  # padded token counts (empty: no padding)
 
 
 @dataclass
@@ -70,18 +72,30 @@ def sampling_tensors(reqs: list[Request], device) -> SamplingTensors:
 class StepRunner:
     """Owns the KV caches and metadata buffers of a target and its drafter; runs one step at a time."""
 
-    def __init__(self, target: CausalLM, drafter: Drafter | None, shape: RunnerShape, device):
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter | None,
+        shape: RunnerShape,
+        device,
+        dispatcher: Dispatcher,
+        target_fn=None,
+        drafter_fn=None,
+    ):
         self.target, self.drafter, self.shape = target, drafter, shape
         self.device = torch.device(device)
+        self.dispatcher = dispatcher
+        # The callables that run the forwards: the modules themselves (mode NONE) or their compiled forms.
+        self.target_fn = target_fn or target
+        self.drafter_fn = drafter_fn or drafter
+        max_tokens = max(shape.max_num_batched_tokens, *shape.capture_sizes, 1)
         self.k = shape.num_speculative_tokens if drafter is not None else 0
         bs, nb = shape.block_size, shape.num_kv_blocks
         tc = target.cfg
         self.target_cache = PagedKVCache(
             KVCacheSpec(tc.num_layers, nb, bs, tc.num_kv_heads, tc.head_dim, tc.dtype), self.device
         )
-        self.target_meta = MetadataBuilder(
-            shape.max_num_batched_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device
-        )
+        self.target_meta = MetadataBuilder(max_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device)
         self.draft_probs: torch.Tensor | None = None  # [max_num_seqs, K, V]: q of pending drafts, by slot
         if drafter is not None:
             dc = drafter.cfg
@@ -92,7 +106,7 @@ class StepRunner:
             self.aux_layers = drafter.aux_layers if drafter.target_hidden == "aux" else ()
             if not self.hidden_kind:  # the draft model's step 1 has one more row per request
                 self.draft_meta = MetadataBuilder(
-                    shape.max_num_batched_tokens + shape.max_num_seqs,
+                    max_tokens + shape.max_num_seqs,
                     shape.max_num_seqs,
                     shape.max_blocks_per_req,
                     bs,
@@ -101,7 +115,7 @@ class StepRunner:
 
     # ---- the step --------------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> StepResult:
         k, dev = self.k, self.device
         decodes, chunks = batch.decodes, batch.prefills
@@ -119,9 +133,12 @@ class StepRunner:
             chunk_rows.append((len(ids), c.num_tokens))
             slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens))
             ids += c.req.tokens[s : s + c.num_tokens]
-        meta, positions = self.target_meta.build(slices)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        hidden, aux = self.target(input_ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ()))
+        padded = self.dispatcher.padded_tokens(len(ids))
+        meta, positions = self.target_meta.build(slices, num_tokens_padded=padded)
+        input_ids = torch.tensor(ids + [0] * (padded - len(ids)), dtype=torch.long).to(dev, non_blocking=True)
+        hidden, aux = self.target_fn(
+            input_ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ())
+        )
 
         last_rows = [chunk_rows[i][0] + chunk_rows[i][1] - 1 for i, c in enumerate(chunks) if c.last]
         rows = torch.tensor(list(range(nd * (k + 1))) + last_rows, dtype=torch.long).to(dev, non_blocking=True)
@@ -173,7 +190,7 @@ class StepRunner:
         if self.hidden_kind:
             # Row i takes the token at i+1: prompt tokens for chunks (y after a prompt's end), and for
             # decodes the accepted drafts then y (entries past row a are filler).
-            shifted = list(ids)
+            shifted = list(ids) + [0] * (input_ids.shape[0] - len(ids))  # padding rows too
             for (first, n), c in zip(chunk_rows, chunks):
                 s = c.req.num_computed
                 shifted[first : first + n] = (c.req.tokens[s + 1 : s + n + 1] + [0])[:n]
@@ -191,7 +208,9 @@ class StepRunner:
                 s = c.req.num_computed
                 slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens + int(c.last)))
                 host_tok += c.req.tokens[s : s + c.num_tokens] + ([0] if c.last else [])
-            d_meta, d_pos = self.draft_meta.build(slices)
+            padded = self.dispatcher.padded_tokens(len(host_tok))
+            d_meta, d_pos = self.draft_meta.build(slices, num_tokens_padded=padded)
+            host_tok += [0] * (padded - len(host_tok))
             tok = torch.tensor(host_tok, dtype=torch.long).to(dev, non_blocking=True)
             dec = tok[: nd * (k + 2)].view(nd, k + 2)
             tok[: nd * (k + 2)] = torch.where(j == accepted[:, None] + 1, y_dec[:, None], dec).flatten()
@@ -210,7 +229,7 @@ class StepRunner:
             tok[last_t] = y_pre
         sample_rows = torch.cat([starts + accepted + offset, last_t])
 
-        next_h, logit_h = self.drafter(tok, d_pos, h_in, d_meta, self.draft_cache.layers)
+        next_h, logit_h = self.drafter_fn(tok, d_pos, h_in, d_meta, self.draft_cache.layers)
         if not sampled:
             return torch.empty(0, k, dtype=torch.long, device=dev)
         row_pos = d_pos[sample_rows]  # [Bs]
@@ -220,32 +239,57 @@ class StepRunner:
         tables = d_meta.block_tables[table_rows]  # [Bs, max_blocks]
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
         h, out = next_h[sample_rows], []
+        n = len(sampled)
+        n_pad = self.dispatcher.padded_tokens(n)
         for step in range(k):
             if step:
-                pos = row_pos + step
-                step_meta = self._advance(tables, pos)
-                h, logit_h = self.drafter(
-                    out[-1], pos, h if self.hidden_kind else None, step_meta, self.draft_cache.layers
-                )
+                pos, step_meta = self._advance(tables, row_pos + step, n_pad)
+                h_pad = _pad_rows(h, n_pad) if self.hidden_kind else None
+                h, logit_h = self.drafter_fn(_pad_rows(out[-1], n_pad), pos, h_pad, step_meta, self.draft_cache.layers)
+                h, logit_h = h[:n], logit_h[:n]
             rows = sample_rows if step == 0 else None
             out.append(
                 self._choose(self.drafter.compute_logits(logit_h, rows), st, row_pos + step + shift, slots, step)
             )
         return torch.stack(out, dim=1)
 
-    def _advance(self, tables: torch.Tensor, pos: torch.Tensor) -> AttentionMetadata:
-        """Metadata for one row per request at `pos`, built on the device from the block tables."""
+    def _advance(self, tables: torch.Tensor, pos: torch.Tensor, n_pad: int):
+        """Positions [n_pad] and metadata for one row per request at `pos`, built on the device from the
+        block tables; rows past the real n are padding (slot -1, nothing visible)."""
         bs = self.shape.block_size
         n = pos.shape[0]
         block = tables.gather(1, (pos // bs)[:, None])[:, 0].long()
-        return AttentionMetadata(
-            slot_mapping=block * bs + pos % bs,
-            token_req=torch.arange(n, dtype=torch.int32, device=pos.device),
-            token_kv_len=(pos + 1).int(),
+        pad = n_pad - n
+        zeros = torch.zeros(pad, dtype=torch.long, device=pos.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat([block * bs + pos % bs, zeros - 1]),
+            token_req=torch.cat([torch.arange(n, device=pos.device), zeros]).int(),
+            token_kv_len=torch.cat([pos + 1, zeros]).int(),
             block_tables=tables,
             seq_lens=(pos + 1).int(),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=pos.device),
         )
+        return torch.cat([pos, zeros]), meta
+
+    # ---- capture --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def dummy_run(self, num_tokens: int) -> None:
+        """Run every compiled forward once at `num_tokens` with padding rows only (nothing is written,
+        nothing is visible): compiles on the first call, captures graphs while capture is allowed."""
+        dev = self.device
+        meta, positions = self.target_meta.build([], num_tokens_padded=num_tokens, num_reqs_padded=1)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self.target_fn(ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ()))
+        if self.drafter is None:
+            return
+        widths = [None]
+        if self.hidden_kind:
+            h = self.drafter.cfg.hidden_size
+            widths = [3 * self.target.cfg.hidden_size, h] if self.aux_layers else [h]
+        for width in widths:
+            hidden = None if width is None else torch.zeros(num_tokens, width, dtype=self.target.cfg.dtype, device=dev)
+            self.drafter_fn(ids, positions, hidden, meta, self.draft_cache.layers)
 
     def _choose(self, logits, st: SamplingTensors, pred_pos, slots, step) -> torch.Tensor:
         """A draft token per request (target ids); for sampling requests record q for the next verify."""
@@ -260,3 +304,10 @@ class StepRunner:
             self.draft_probs = torch.zeros(self.shape.max_num_seqs, self.k, vocab, device=self.device)
         self.draft_probs[slots, step] = drafter.draft_probs_to_target(q, vocab)
         return drafter.to_target_ids(draft)
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x with zero rows appended up to n rows."""
+    if x.shape[0] == n:
+        return x
+    return torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])

@@ -1,0 +1,97 @@
+"""Compile-and-capture lifecycle, in one ordered place.
+
+1. Build the compiled forwards (one torch.compile per model function, piecewise backend).
+2. Warm up: run each capture size once with padding-only batches; the first run traces and compiles.
+3. Capture (CUDA only): the same runs again, largest size first, with capture allowed, into one pool
+   shared by target and drafter; free memory is logged before and after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledTarget
+from draftgraph.compiler.config import ResolvedConfig
+from draftgraph.compiler.counters import CompileCounters
+from draftgraph.compiler.piece_runner import GraphContext
+from draftgraph.compiler.piecewise import PiecewiseBackend
+from draftgraph.passes.manager import PassManager
+
+log = logging.getLogger("draftgraph")
+
+
+@dataclass
+class CompiledModels:
+    counters: CompileCounters
+    ctx: GraphContext
+    target: CompiledTarget
+    drafter: CompiledDrafter | None
+
+
+def build_compiled(
+    target,
+    drafter,
+    rc: ResolvedConfig,
+    compile_backend: str,
+    cache_dir: str,
+    check_addresses: bool,
+    dump_dir: str,
+    progress: bool,
+) -> CompiledModels:
+    counters = CompileCounters()
+    ctx = GraphContext(counters, rc.graphs_enabled, rc.capture_sizes, check_addresses, progress)
+    passes = PassManager(dump_dir=dump_dir or None)
+
+    def backend(name):
+        return PiecewiseBackend(name, rc.capture_sizes, ctx, passes, compile_backend, cache_dir or None)
+
+    ct = CompiledTarget(target, backend("target"))
+    cd = CompiledDrafter(drafter, backend("drafter")) if drafter is not None else None
+    return CompiledModels(counters, ctx, ct, cd)
+
+
+def warm_up_and_capture(engine) -> str:
+    compiled: CompiledModels = engine.compiled
+    if compiled is None:
+        return "mode NONE: nothing to compile"
+    rc, runner, counters, ctx = engine.config, engine.runner, compiled.counters, compiled.ctx
+    sizes = sorted(rc.capture_sizes, reverse=True)
+    t0 = time.perf_counter()
+    for size in tqdm(sizes[:1], desc="tracing and compiling", disable=not ctx.progress, leave=False):
+        runner.dummy_run(size)  # the first call traces and compiles every piece for every size
+    compile_s = time.perf_counter() - t0
+    capture_s, graph_bytes = 0.0, 0
+    if rc.graphs_enabled:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        t1 = time.perf_counter()
+        ctx.allow_capture = True
+        try:
+            for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", disable=not ctx.progress, leave=False):
+                runner.dummy_run(size)
+        finally:
+            ctx.allow_capture = False
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t1
+        free_after = torch.cuda.mem_get_info()[0]
+        graph_bytes = max(0, free_before - free_after)
+        log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
+    counters.capture_seconds += capture_s
+    counters.graph_memory_bytes = graph_bytes
+    graphs = (
+        f"captured {counters.graphs_captured} CUDA graphs in {capture_s:.1f} s, graph memory "
+        f"{graph_bytes / 2**20:.0f} MiB"
+        if rc.graphs_enabled
+        else "CUDA graphs off (no CUDA device)"
+    )
+    line = (
+        f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique) x {len(sizes)} sizes "
+        f"({counters.inductor_compiles} Inductor compiles) in {compile_s:.1f} s; {graphs}"
+    )
+    log.info(line)
+    return line

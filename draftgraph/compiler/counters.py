@@ -1,0 +1,38 @@
+"""CompileCounters: one object per engine counting what the compiler and the graph runtime did."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompileCounters:
+    """Tests assert on these; `engine.stats()` reports them."""
+
+    traces: Counter = field(default_factory=Counter)  # Dynamo traces (backend calls) per compiled function
+    pieces: int = 0  # compute pieces produced by splitting (attention pieces not counted)
+    unique_pieces: int = 0  # compute pieces after deduplicating identical layers
+    inductor_compiles: int = 0  # Inductor compiles (per unique piece, per size, plus dynamic versions)
+    graphs_captured: int = 0
+    graph_replays: Counter = field(default_factory=Counter)  # key "fn/size" -> replays of its piece graphs
+    compiled_runs: Counter = field(default_factory=Counter)  # key "fn/size" -> piece runs without a graph
+    dynamic_runs: Counter = field(default_factory=Counter)  # key "fn" -> piece runs past the captured sizes
+    compile_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "traces": dict(self.traces),
+            "pieces": self.pieces,
+            "unique_pieces": self.unique_pieces,
+            "inductor_compiles": self.inductor_compiles,
+            "graphs_captured": self.graphs_captured,
+            "graph_replays": dict(self.graph_replays),
+            "compiled_runs": dict(self.compiled_runs),
+            "dynamic_runs": dict(self.dynamic_runs),
+            "compile_seconds": round(self.compile_seconds, 2),
+            "capture_seconds": round(self.capture_seconds, 2),
+            "graph_memory_bytes": self.graph_memory_bytes,
+        }
