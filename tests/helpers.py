@@ -53,13 +53,16 @@ def tiny_hf_model(family: str = "llama", seed: int = 0, **overrides):
 class PagedRunner:
     """Drive a flat-layout model through the paged cache, one batch of RequestSlices at a time."""
 
-    def __init__(self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None, device="cpu"):
+    def __init__(
+        self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None, device="cpu",
+        max_blocks_per_req=None,
+    ):
         self.spec = KVCacheSpec(
             num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
         )
         self.cache = PagedKVCache(self.spec, device)
         self.alloc = BlockAllocator(num_blocks)
-        self.builder = MetadataBuilder(max_tokens, max_reqs, num_blocks, block_size, device)
+        self.builder = MetadataBuilder(max_tokens, max_reqs, max_blocks_per_req or num_blocks, block_size, device)
         self.tables: dict[int, BlockTable] = {}
         self.cached: dict[int, int] = {}
 

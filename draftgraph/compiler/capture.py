@@ -81,6 +81,10 @@ def warm_up_and_capture(engine) -> str:
         free_after = torch.cuda.mem_get_info()[0]
         graph_bytes = max(0, free_before - free_after)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
+    # Runtime counters start after warm-up: from here they count serving steps only.
+    counters.graph_replays.clear()
+    counters.compiled_runs.clear()
+    counters.dynamic_runs.clear()
     counters.capture_seconds += capture_s
     counters.graph_memory_bytes = graph_bytes
     graphs = (

@@ -7,6 +7,9 @@ Marks go on the tensors actually passed (each call builds fresh views), which is
 
 from __future__ import annotations
 
+import itertools
+import types
+
 import torch
 from torch._dynamo.decorators import mark_unbacked
 
@@ -23,12 +26,29 @@ def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) 
     mark_unbacked(meta.query_start_loc, 0, shape_id="reqs_plus_one")
 
 
+_serial = itertools.count()
+
+
+def own_entry_point(fn, name: str):
+    """A call-through to `fn` with a code object of its own. Dynamo caches compiled code per code
+    object, so compiling `model.forward` directly would pile every engine's entries onto the one
+    `forward` code object (hitting the recompile limit after 8 engines); this entry point's cache
+    entries belong to one engine and are freed with it."""
+
+    def entry(*args):
+        return fn(*args)
+
+    code = entry.__code__.replace(co_name=f"{name}_{next(_serial)}")
+    return types.FunctionType(code, entry.__globals__, code.co_name, None, entry.__closure__)
+
+
 class CompiledTarget:
     """Calls like CausalLM.forward(input_ids, positions, meta, kv_caches, aux_layers)."""
 
     def __init__(self, model, backend: PiecewiseBackend):
         self.model, self.backend = model, backend
-        self.fn = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(own_entry_point(model.forward, "target"), backend=backend, fullgraph=True,
+                                dynamic=False)
 
     def __call__(self, input_ids, positions, meta, kv_caches, aux_layers=()):
         mark_batch_dims(input_ids, positions, meta)
@@ -40,7 +60,8 @@ class CompiledDrafter:
 
     def __init__(self, drafter, backend: PiecewiseBackend):
         self.drafter, self.backend = drafter, backend
-        self.fn = torch.compile(drafter.forward, backend=backend, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(own_entry_point(drafter.forward, "drafter"), backend=backend, fullgraph=True,
+                                dynamic=False)
 
     def __call__(self, input_ids, positions, hidden, meta, kv_caches):
         mark_batch_dims(input_ids, positions, meta, hidden)

@@ -23,6 +23,7 @@ class CUDAGraphMode(str, enum.Enum):
 
 # Modes this build implements; the others are listed in CUDAGraphMode and refused with a message.
 AVAILABLE_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE)
+_said = {"graphs_off": False}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -132,7 +133,8 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
     else:
         sizes = auto_capture_sizes(max_capture, device.type)
     graphs = mode != CUDAGraphMode.NONE and device.type == "cuda"
-    if mode != CUDAGraphMode.NONE and device.type != "cuda":
+    if mode != CUDAGraphMode.NONE and device.type != "cuda" and not _said["graphs_off"]:
+        _said["graphs_off"] = True  # said once per process
         log.warning(
             "CUDA graphs are disabled on %s: mode %s runs its compiled pieces without graphs", device.type, mode.value
         )

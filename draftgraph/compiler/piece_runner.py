@@ -48,7 +48,7 @@ class CapturedGraph:
 
     def __init__(self, fn, args: list, static: list[bool], pool):
         self.static = static
-        self.inputs = [a if s or not isinstance(a, torch.Tensor) else a.clone() for a, s in zip(args, static)]
+        self.inputs = [a if s or not isinstance(a, torch.Tensor) else _strided_copy(a) for a, s in zip(args, static)]
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         fn(*self.inputs)  # warm-up outside capture: autotuning and lazy initialisation happen here
         torch.cuda.synchronize()
@@ -131,3 +131,8 @@ def _size_locator(placeholders, token) -> tuple[str, int]:
         if symbolic and ev.shape[0].node.expr == token:
             return ("shape", i)
     return ("none", -1)
+
+
+def _strided_copy(a: torch.Tensor) -> torch.Tensor:
+    """A static buffer with a's exact strides (compiled code asserts them; clone() would compact views)."""
+    return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
