@@ -54,7 +54,14 @@ class PagedRunner:
     """Drive a flat-layout model through the paged cache, one batch of RequestSlices at a time."""
 
     def __init__(
-        self, cfg, num_blocks=64, block_size=4, max_tokens=512, max_reqs=16, num_layers=None, device="cpu",
+        self,
+        cfg,
+        num_blocks=64,
+        block_size=4,
+        max_tokens=512,
+        max_reqs=16,
+        num_layers=None,
+        device="cpu",
         max_blocks_per_req=None,
     ):
         self.spec = KVCacheSpec(

@@ -47,8 +47,9 @@ class CompiledTarget:
 
     def __init__(self, model, backend: PiecewiseBackend):
         self.model, self.backend = model, backend
-        self.fn = torch.compile(own_entry_point(model.forward, "target"), backend=backend, fullgraph=True,
-                                dynamic=False)
+        self.fn = torch.compile(
+            own_entry_point(model.forward, "target"), backend=backend, fullgraph=True, dynamic=False
+        )
 
     def __call__(self, input_ids, positions, meta, kv_caches, aux_layers=()):
         mark_batch_dims(input_ids, positions, meta)
@@ -60,8 +61,9 @@ class CompiledDrafter:
 
     def __init__(self, drafter, backend: PiecewiseBackend):
         self.drafter, self.backend = drafter, backend
-        self.fn = torch.compile(own_entry_point(drafter.forward, "drafter"), backend=backend, fullgraph=True,
-                                dynamic=False)
+        self.fn = torch.compile(
+            own_entry_point(drafter.forward, "drafter"), backend=backend, fullgraph=True, dynamic=False
+        )
 
     def __call__(self, input_ids, positions, hidden, meta, kv_caches):
         mark_batch_dims(input_ids, positions, meta, hidden)

@@ -125,7 +125,8 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
     lookahead = 2 * k + 2
     blocks = config.num_kv_blocks or config.max_num_seqs * -(-(max_len + lookahead) // config.block_size)
     mode = CUDAGraphMode(config.mode)
-    max_capture = config.max_capture_tokens or min(config.max_num_batched_tokens, 512)
+    # A draft model's first step runs one extra row per request beyond the target's tokens.
+    max_capture = config.max_capture_tokens or min(config.max_num_batched_tokens + config.max_num_seqs, 512)
     if mode == CUDAGraphMode.NONE:
         sizes = ()
     elif config.capture_sizes:

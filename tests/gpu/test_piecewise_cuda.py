@@ -16,7 +16,7 @@ from tests.helpers import PagedRunner, tiny_hf_model
 from tests.test_engine import KINDS, ragged
 
 pytestmark = pytest.mark.gpu
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+SIZES = (1, 2, 4, 8, 16, 32, 64, 72)  # 72: a draft model's first step adds a row per request
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,16 @@ def target():
 
 
 def config(k, mode="PIECEWISE", **kw):
-    return dg.CompileConfig(mode=mode, num_speculative_tokens=k, max_num_seqs=8, max_num_batched_tokens=64,
-                            device="cuda", capture_sizes=SIZES, check_addresses=True, **kw)
+    return dg.CompileConfig(
+        mode=mode,
+        num_speculative_tokens=k,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        device="cuda",
+        capture_sizes=SIZES,
+        check_addresses=True,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +56,19 @@ def test_graph_replay_equals_eager(target):
         outs = []
         for fn in (eng.runner.target_fn, target):
             spec = eng.runner.target_cache.spec  # the engine's cache and table shapes: no re-trace
-            runner = PagedRunner(target.cfg, num_blocks=spec.num_blocks, block_size=spec.block_size,
-                                 device="cuda", max_blocks_per_req=eng.config.max_blocks_per_req)
+            runner = PagedRunner(
+                target.cfg,
+                num_blocks=spec.num_blocks,
+                block_size=spec.block_size,
+                device="cuda",
+                max_blocks_per_req=eng.config.max_blocks_per_req,
+            )
             meta, pos = runner.batch([(0, t)])
             padded = eng.runner.dispatcher.padded_tokens(t) if fn is not target else t
             if padded != t:  # pad like the engine: zero ids, padding metadata rows
-                meta, pos = runner.builder.build([RequestSlice(runner.tables[0].blocks, 0, t)],
-                                                 num_tokens_padded=padded)
+                meta, pos = runner.builder.build(
+                    [RequestSlice(runner.tables[0].blocks, 0, t)], num_tokens_padded=padded
+                )
                 ids_in = torch.cat([ids, ids.new_zeros(padded - t)])
             else:
                 ids_in = ids

@@ -1,0 +1,154 @@
+"""PIECEWISE mode on the CPU (graphs off, same code path): structure, numerics and losslessness.
+
+Piece counts: the target forward of an L-layer model has L attention ops, so splitting gives L+1
+compute pieces (embed..QKV of layer 0 | L-1 times o_proj..QKV of the next layer | o_proj..final norm)
+and L attention pieces. The L-1 middle pieces are identical up to their weights, so the unique count is
+3 for L >= 3 (first, middle, last), 2 for L = 1 (first, last: no middle).
+"""
+
+import os
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from draftgraph.runtime.attn_metadata import RequestSlice
+from tests.copy_drafters import make_drafter
+from tests.helpers import PagedRunner, tiny_hf_model
+from tests.test_engine import KINDS, ragged
+
+SIZES = (1, 4, 16, 64, 72)  # 72: a draft model's first step adds a row per request
+
+
+def cfg(k, backend="inductor", **kw):
+    base = dict(
+        mode="PIECEWISE",
+        num_speculative_tokens=k,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        capture_sizes=SIZES,
+        compile_backend=backend,
+        progress=False,
+    )
+    base.update(kw)
+    return dg.CompileConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+
+
+@pytest.mark.parametrize("layers,unique", [(1, 2), (3, 3), (4, 3)])
+def test_piece_counts(layers, unique):
+    model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=layers))
+    eng = dg.compile_model(model, None, cfg(0, backend="eager"))
+    c = eng.compiled.counters
+    split = eng.compiled.target.backend.split
+    assert c.traces["target"] == 1
+    assert c.pieces == layers + 1 and c.unique_pieces == unique  # derivation in the module docstring
+    assert len(split.pieces) == 2 * layers + 1 and sum(p.is_attention for p in split.pieces) == layers
+    assert [p.is_attention for p in split.pieces] == [i % 2 == 1 for i in range(2 * layers + 1)]
+    assert not c.inductor_compiles
+
+
+def test_drafter_piece_counts(target):
+    # EAGLE: one decoder layer -> 2 compute pieces; EAGLE-3 traces twice (step 1 reads [T, 3H], later
+    # steps [T, H]) -> 2 x 2 pieces; a draft model of 2 layers -> 3 pieces.
+    for kind, traces, pieces in (("eagle", 1, 2), ("eagle3", 2, 4), ("draft_model", 1, 3)):
+        eng = dg.compile_model(target, make_drafter(kind, target), cfg(3, backend="eager"))
+        c = eng.compiled.counters
+        eng.generate([[1, 2, 3], [4] * 20], dg.SamplingParams(max_tokens=6))  # steps 2..K trace too
+        assert c.traces["drafter"] == traces, kind
+        assert c.pieces == 4 + pieces, kind  # the 3-layer target's 4 plus the drafter's
+
+
+def test_no_retrace_across_twenty_batch_sizes(target):
+    eng = dg.compile_model(target, make_drafter("eagle", target), cfg(3, backend="eager"))
+    c = eng.compiled.counters
+    for n in range(1, 21):  # 20 different batch sizes of one-token prompts
+        eng.generate([[t % 96] for t in range(n)], dg.SamplingParams(max_tokens=2))
+    assert c.traces["target"] == 1 and c.traces["drafter"] == 1
+
+
+def test_compiled_equals_eager_target_and_drafter(target):
+    """Inductor pieces against the eager modules: float32, 2e-5 absolute (fusion reorders sums)."""
+    drafter = make_drafter("eagle", target)
+    eng = dg.compile_model(target, drafter, cfg(3))
+    c = eng.compiled.counters
+    # target: 4 pieces (3 unique), drafter 2 pieces (2 unique); 5 sizes + 1 dynamic version each
+    assert c.unique_pieces == 5 and c.inductor_compiles == 5 * (len(SIZES) + 1)
+    spec, maxb = eng.runner.target_cache.spec, eng.config.max_blocks_per_req
+    for t in (1, 3, 16, 50, 90):  # 90 > the largest size: the dynamic-shape pieces
+        padded = eng.runner.dispatcher.padded_tokens(t)
+        ids = torch.randint(0, 96, (t,))
+        hidden = torch.randn(t, 64)
+        outs = {}
+        for name, fn_t, fn_d, n in (
+            ("compiled", eng.runner.target_fn, eng.runner.drafter_fn, padded),
+            ("eager", target, drafter, t),
+        ):
+            runner = PagedRunner(
+                target.cfg, num_blocks=spec.num_blocks, block_size=spec.block_size, max_blocks_per_req=maxb
+            )
+            runner.batch([(0, t)])
+            meta, pos = runner.builder.build([RequestSlice(runner.tables[0].blocks, 0, t)], num_tokens_padded=n)
+            pad = torch.zeros(n - t, dtype=torch.long)
+            with torch.no_grad():
+                h, _ = fn_t(torch.cat([ids, pad]), pos, meta, runner.cache.layers)
+                d, _ = fn_d(
+                    torch.cat([ids, pad]),
+                    pos,
+                    torch.cat([hidden, torch.zeros(n - t, 64)]),
+                    meta,
+                    PagedRunner(
+                        drafter.cfg, num_blocks=spec.num_blocks, block_size=spec.block_size, num_layers=1
+                    ).cache.layers,
+                )
+            outs[name] = (h[:t], d[:t])
+        torch.testing.assert_close(outs["compiled"][0], outs["eager"][0], atol=2e-5, rtol=0)
+        torch.testing.assert_close(outs["compiled"][1], outs["eager"][1], atol=2e-5, rtol=0)
+    assert c.traces["target"] == 1 and c.traces["drafter"] == 1
+    assert c.dynamic_runs["target"] == 4  # t = 90: 4 compute pieces on their dynamic versions
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    prompts, params, arrivals = ragged(16)
+    eng = dg.compile_model(
+        target, None, dg.CompileConfig(num_speculative_tokens=0, max_num_seqs=8, max_num_batched_tokens=64)
+    )
+    return [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_lossless_suite_in_piecewise(target, reference, kind, k):
+    prompts, params, arrivals = ragged(16)
+    eng = dg.compile_model(target, make_drafter(kind, target), cfg(k))
+    assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == reference
+    c = eng.compiled.counters
+    assert c.traces["target"] == 1 and c.traces["drafter"] == (2 if kind == "eagle3" else 1)
+    assert sum(c.compiled_runs.values()) > 0 and not c.dynamic_runs  # every batch fit a compiled size
+    assert not c.graphs_captured  # the CPU runs the pieces without graphs
+
+
+def test_pass_manager_dumps_and_uuid(tmp_path, target):
+    from draftgraph.passes.manager import PassManager
+
+    eng = dg.compile_model(target, None, cfg(0, backend="eager", dump_graphs_dir=str(tmp_path)))
+    names = sorted(os.listdir(tmp_path))
+    assert names == [
+        "target.00_before_drop_size_asserts.py",
+        "target.01_before_dce.py",
+        "target.02_after_split_attention.py",
+        "target.02_before_split_attention.py",
+    ]
+    before = (tmp_path / "target.00_before_drop_size_asserts.py").read_text()
+    after = (tmp_path / "target.01_before_dce.py").read_text()
+    assert before.count("_assert_scalar") > after.count("_assert_scalar") > 0  # only u >= 0 asserts went
+    assert (tmp_path / "target.02_after_split_attention.py").read_text().count("submod_") >= 7
+    full, bare = PassManager().uuid(), PassManager([]).uuid()
+    assert len(full) == 16 and full == PassManager().uuid() and full != bare  # the pass list is in the key
+    assert eng.compiled.counters.traces["target"] == 1
