@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from draftgraph import envs
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target checkpoint directory (default: the built-in model pair)")
@@ -23,6 +25,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capture-sizes", default="", help="comma-separated token counts (default: auto)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
+    p.add_argument(
+        "--check-addresses",
+        action="store_true",
+        default=envs.check_addresses(),
+        help="verify static input addresses at every graph replay (env DRAFTGRAPH_CHECK_ADDRESSES=1)",
+    )
+    p.add_argument(
+        "--dump-graphs",
+        default=envs.dump_graphs_dir(),
+        help="write each pass's before/after graph here (env DRAFTGRAPH_DUMP_GRAPHS)",
+    )
 
 
 def cmd_generate(args) -> int:
@@ -39,6 +55,11 @@ def cmd_generate(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         drafter_kind=args.drafter_kind,
+        capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
+        compile_backend=args.compile_backend,
+        use_cuda_graphs=not args.no_cuda_graphs,
+        check_addresses=args.check_addresses,
+        dump_graphs_dir=args.dump_graphs,
     )
     print(f"config: {config}")
     if args.target:
@@ -55,6 +76,8 @@ def cmd_generate(args) -> int:
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     t0 = time.perf_counter()
     engine = dg.compile_model(target, drafter, config)
+    if engine.warm_up_report:
+        print(engine.warm_up_report)
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}, device "
         f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
@@ -91,7 +114,16 @@ def print_report(s: dict) -> None:
             f"acceptance rate {100 * s['acceptance_rate']:.1f}%, mean accepted length "
             f"{s['mean_accepted_length']:.2f} tokens per verify step"
         )
-    print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}: no CUDA graphs, eager)")
+    if "compile" in s:
+        c = s["compile"]
+        replays, compiled, dynamic = (sum(c[k].values()) for k in ("graph_replays", "compiled_runs", "dynamic_runs"))
+        ran = (
+            f"piece runs: {replays} CUDA-graph replays, {compiled} compiled without graphs, {dynamic} on "
+            f"dynamic-shape code past the captured sizes"
+        )
+    else:
+        ran = "eager, no compilation"
+    print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}; {ran})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,7 @@ class CompileConfig:
     max_capture_tokens: int = 0  # PIECEWISE bound on padded token counts; 0 = auto
     compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
     cache_dir: str = ""  # Inductor cache directory for this model's pieces; "" = Inductor's default
+    use_cuda_graphs: bool = True  # False: compiled pieces without graphs even on CUDA (for comparison)
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
     progress: bool = True  # progress bars for compile and capture
@@ -133,7 +134,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         sizes = tuple(sorted(set(config.capture_sizes)))
     else:
         sizes = auto_capture_sizes(max_capture, device.type)
-    graphs = mode != CUDAGraphMode.NONE and device.type == "cuda"
+    graphs = mode != CUDAGraphMode.NONE and device.type == "cuda" and config.use_cuda_graphs
     if mode != CUDAGraphMode.NONE and device.type != "cuda" and not _said["graphs_off"]:
         _said["graphs_off"] = True  # said once per process
         log.warning(
