@@ -61,6 +61,13 @@ def warm_up_and_capture(engine) -> str:
         return "mode NONE: nothing to compile"
     rc, runner, counters, ctx = engine.config, engine.runner, compiled.counters, compiled.ctx
     sizes = sorted(rc.capture_sizes, reverse=True)
+    static = [*engine.target.parameters(), *engine.target.buffers()]
+    static += [t for kv in runner.target_cache.layers for t in kv]
+    if engine.drafter is not None:
+        static += [*engine.drafter.parameters(), *engine.drafter.buffers()]
+        static += [t for kv in runner.draft_cache.layers for t in kv]
+        static += [p for m in getattr(engine.drafter, "_target", []) for p in m.parameters()]
+    ctx.register_static(static)
     t0 = time.perf_counter()
     for size in tqdm(sizes[:1], desc="tracing and compiling", disable=not ctx.progress, leave=False):
         runner.dummy_run(size)  # the first call traces and compiles every piece for every size
@@ -91,7 +98,11 @@ def warm_up_and_capture(engine) -> str:
         f"captured {counters.graphs_captured} CUDA graphs in {capture_s:.1f} s, graph memory "
         f"{graph_bytes / 2**20:.0f} MiB"
         if rc.graphs_enabled
-        else "CUDA graphs off (no CUDA device)"
+        else (
+            "CUDA graphs off (no CUDA device)"
+            if rc.device.type != "cuda"
+            else "CUDA graphs off (use_cuda_graphs=False)"
+        )
     )
     line = (
         f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique) x {len(sizes)} sizes "

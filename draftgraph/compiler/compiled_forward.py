@@ -51,6 +51,7 @@ class CompiledTarget:
             own_entry_point(model.forward, "target"), backend=backend, fullgraph=True, dynamic=False
         )
 
+    @torch.no_grad()  # grad mode is a Dynamo guard: inference always runs without it
     def __call__(self, input_ids, positions, meta, kv_caches, aux_layers=()):
         mark_batch_dims(input_ids, positions, meta)
         return self.fn(input_ids, positions, meta, kv_caches, aux_layers)
@@ -65,6 +66,7 @@ class CompiledDrafter:
             own_entry_point(drafter.forward, "drafter"), backend=backend, fullgraph=True, dynamic=False
         )
 
+    @torch.no_grad()
     def __call__(self, input_ids, positions, hidden, meta, kv_caches):
         mark_batch_dims(input_ids, positions, meta, hidden)
         return self.fn(input_ids, positions, hidden, meta, kv_caches)

@@ -21,6 +21,7 @@ class CompileCounters:
     compile_seconds: float = 0.0
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
+    static_buffer_bytes: int = 0  # input buffers graphs copy into before replay (activations only)
 
     def as_dict(self) -> dict:
         return {
@@ -35,4 +36,5 @@ class CompileCounters:
             "compile_seconds": round(self.compile_seconds, 2),
             "capture_seconds": round(self.capture_seconds, 2),
             "graph_memory_bytes": self.graph_memory_bytes,
+            "static_buffer_bytes": self.static_buffer_bytes,
         }

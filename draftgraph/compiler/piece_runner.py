@@ -20,9 +20,6 @@ from draftgraph.compiler.counters import CompileCounters
 
 log = logging.getLogger("draftgraph")
 
-# Placeholder names Dynamo gives module parameters/buffers and the KV caches: stable addresses.
-STATIC_PREFIXES = ("l_self_", "l_kv_caches_", "l_self__", "self_")
-
 
 @dataclass
 class GraphContext:
@@ -36,6 +33,11 @@ class GraphContext:
     allow_capture: bool = False  # set by the engine's capture phase only
     pool: object = None
     runners: list = field(default_factory=list)
+    static_ptrs: set = field(default_factory=set)  # parameters, buffers, KV caches: used in place
+
+    def register_static(self, tensors) -> None:
+        """Tensors whose storage never moves while graphs live: graphs read them in place."""
+        self.static_ptrs.update(t.data_ptr() for t in tensors)
 
     def graph_pool(self):
         if self.pool is None:
@@ -81,7 +83,6 @@ class PieceRunner(nn.Module):
         self.fn_name, self.piece, self.compiled, self.ctx = fn_name, piece, compiled, ctx
         self.graphs: dict[int, CapturedGraph] = {}
         phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
-        self.static = [n.name.startswith(STATIC_PREFIXES) for n in phs]
         self._size_at = _size_locator(phs, token)
         ctx.runners.append(self)
 
@@ -113,7 +114,12 @@ class PieceRunner(nn.Module):
         return None
 
     def _capture(self, size: int, args) -> CapturedGraph:
-        graph = CapturedGraph(self.compiled.per_size[size], list(args), self.static, self.ctx.graph_pool())
+        # Static by identity, not by name: a parameter, buffer or KV cache the engine registered.
+        static = [isinstance(a, torch.Tensor) and a.data_ptr() in self.ctx.static_ptrs for a in args]
+        graph = CapturedGraph(self.compiled.per_size[size], list(args), static, self.ctx.graph_pool())
+        self.ctx.counters.static_buffer_bytes += sum(
+            a.numel() * a.element_size() for a, s in zip(args, static) if isinstance(a, torch.Tensor) and not s
+        )
         self.graphs[size] = graph
         self.ctx.counters.graphs_captured += 1
         # The capture itself ran nothing: replay once so this call returns real values.
