@@ -116,6 +116,12 @@ class PieceRunner(nn.Module):
     def _capture(self, size: int, args) -> CapturedGraph:
         # Static by identity, not by name: a parameter, buffer or KV cache the engine registered.
         static = [isinstance(a, torch.Tensor) and a.data_ptr() in self.ctx.static_ptrs for a in args]
+        stray = [i for i, (a, st) in enumerate(zip(args, static)) if isinstance(a, nn.Parameter) and not st]
+        if stray:  # a parameter copied before every replay would be slow and double its memory
+            raise RuntimeError(
+                f"{self.fn_name} piece {self.piece.index}: inputs {stray} are parameters the engine did not "
+                "register as static (GraphContext.register_static); refusing to capture copies of weights"
+            )
         graph = CapturedGraph(self.compiled.per_size[size], list(args), static, self.ctx.graph_pool())
         self.ctx.counters.static_buffer_bytes += sum(
             a.numel() * a.element_size() for a, s in zip(args, static) if isinstance(a, torch.Tensor) and not s

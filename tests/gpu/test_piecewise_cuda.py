@@ -91,6 +91,8 @@ def test_lossless_piecewise_on_cuda(target, reference, kind, k):
     assert not c.compiled_runs, f"piece runs at captured sizes without a graph: {dict(c.compiled_runs)}"
     assert not c.dynamic_runs, f"piece runs past the captured sizes: {dict(c.dynamic_runs)}"
     assert c.traces["target"] == 1 and c.traces["drafter"] == (2 if kind == "eagle3" else 1)
-    weights = sum(p.numel() * p.element_size() for p in target.parameters())
-    assert c.static_buffer_bytes < weights  # graphs read weights in place; only activations get buffers
+    # Graphs read weights in place (capture refuses to copy a parameter); only activations get buffers:
+    # at most a few [size, 2 * hidden]-wide float32 inputs per piece, per captured size.
+    bound = sum(8 * s * 2 * 64 * 4 for s in SIZES) * c.pieces
+    assert 0 < c.static_buffer_bytes < bound
     print(f"{kind} K={k}: {eng.warm_up_report}; replays {sum(c.graph_replays.values())}")
