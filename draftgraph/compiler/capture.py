@@ -76,6 +76,7 @@ def warm_up_and_capture(engine) -> str:
     if rc.graphs_enabled:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = torch.cuda.memory_reserved()
         t1 = time.perf_counter()
         ctx.allow_capture = True
         try:
@@ -86,7 +87,9 @@ def warm_up_and_capture(engine) -> str:
         torch.cuda.synchronize()
         capture_s = time.perf_counter() - t1
         free_after = torch.cuda.mem_get_info()[0]
-        graph_bytes = max(0, free_before - free_after)
+        # The pool's memory is reserved by the caching allocator (which may already have held it, so
+        # free device memory can stay flat): count whichever grew more.
+        graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
     # Runtime counters start after warm-up: from here they count serving steps only.
     counters.graph_replays.clear()
