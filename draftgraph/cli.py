@@ -126,6 +126,51 @@ def print_report(s: dict) -> None:
     print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}; {ran})")
 
 
+def cmd_inspect(args) -> int:
+    import draftgraph as dg
+    from draftgraph.inspection.inspect import inspect_model
+    from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_pair
+
+    if args.mode == "NONE":
+        print(
+            "draftgraph inspect: error: mode NONE compiles nothing; choose a compiling mode (e.g. PIECEWISE)",
+            file=sys.stderr,
+        )
+        return 2
+    config = dg.CompileConfig(
+        mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        device="cpu",
+        dtype=args.dtype,
+        attention="reference",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x) or (1, 2, 4, 8, 16),
+        compile_backend=args.compile_backend,
+        drafter_kind=args.drafter_kind,
+        progress=False,
+    )
+    if args.target:
+        target, drafter = args.target, args.drafter
+    else:
+        target, _ = builtin_pair(BuiltinSpec(family=args.family, seed=args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "eagle", target)
+    if args.no_drafter:
+        drafter = None
+    report = inspect_model(target, drafter, config, args.out)
+    from draftgraph.inspection.inspect import summary_text
+
+    print(summary_text(report), end="")
+    print(f"inspection written to {args.out}")
+    return 1 if report["graph_breaks"] else 0
+
+
+def cmd_graph_diff(args) -> int:
+    from draftgraph.inspection.graph_diff import main_diff
+
+    return main_diff(args.a, args.b, args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
         p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("inspect", help="write normalized graph dumps and a summary for a model pair and config")
+    _add_common(p)
+    p.add_argument("--out", required=True, help="inspection directory to write")
+    p.add_argument(
+        "--family",
+        default="llama",
+        choices=["llama", "qwen2", "qwen3", "mistral"],
+        help="built-in target family (without --target)",
+    )
+    p.set_defaults(func=cmd_inspect, mode="PIECEWISE")
+    p = sub.add_parser("graph-diff", help="compare two inspections; exit 0 equal, 1 different, 2 error")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_graph_diff)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

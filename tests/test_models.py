@@ -96,6 +96,12 @@ def test_aux_hidden_states_are_layer_outputs():
         _, aux = ours(ids[0], pos, meta, runner.cache.layers, aux_layers=(0, 1))
     torch.testing.assert_close(aux[0], hf_states[1][0], atol=ATOL, rtol=0)
     torch.testing.assert_close(aux[1], hf_states[2][0], atol=ATOL, rtol=0)
+    runner = PagedRunner(ours.cfg)
+    meta, pos = runner.batch([(0, 6)])
+    with torch.no_grad():  # order as asked, repeats kept: EAGLE-3 concatenates exactly these
+        _, aux = ours(ids[0], pos, meta, runner.cache.layers, aux_layers=(1, 0, 0))
+    assert len(aux) == 3 and torch.equal(aux[1], aux[2])
+    torch.testing.assert_close(aux[0], hf_states[2][0], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -78,3 +78,82 @@ def builtin_pair(spec: BuiltinSpec = BuiltinSpec(), dtype=None, device="cpu", at
     """(target CausalLM, drafter) for the built-in pair."""
     target = CausalLM.from_hf(builtin_hf_target(spec), dtype=dtype, device=device, attn_impl=attn_impl)
     return target, truncated_draft_model(target, spec.draft_layers)
+
+
+def module_from_state_dict(state: dict) -> torch.nn.Module:
+    """An nn.Module whose state_dict is `state` (dotted names become nested modules), as a drafter held
+    in memory under its upstream key names would be."""
+    root = torch.nn.Module()
+    for name, t in state.items():
+        *parents, leaf = name.split(".")
+        mod = root
+        for p in parents:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        if t.is_floating_point():
+            mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        else:
+            mod.register_buffer(leaf, t)
+    return root
+
+
+def _random_layer(prefix: str, cfg, gen, in_features: int | None = None, input_norm: bool = True) -> dict:
+    h, std = cfg.hidden_size, 0.05
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    w = {
+        prefix + "self_attn.q_proj.weight": r(q, in_features or h),
+        prefix + "self_attn.k_proj.weight": r(kv, in_features or h),
+        prefix + "self_attn.v_proj.weight": r(kv, in_features or h),
+        prefix + "self_attn.o_proj.weight": r(h, q),
+        prefix + "mlp.gate_proj.weight": r(cfg.intermediate_size, h),
+        prefix + "mlp.up_proj.weight": r(cfg.intermediate_size, h),
+        prefix + "mlp.down_proj.weight": r(h, cfg.intermediate_size),
+        prefix + "post_attention_layernorm.weight": torch.ones(h),
+    }
+    if input_norm:
+        w[prefix + "input_layernorm.weight"] = torch.ones(h)
+    return w
+
+
+def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: int = 2):
+    """A drafter of `kind` for `target`: the truncated draft model, or an EAGLE / EAGLE-3 / MTP head with
+    random weights written under its upstream key names and loaded like a checkpoint (no real acceptance:
+    for structure, tests and inspection)."""
+    from draftgraph.models.drafters.loader import load_drafter
+
+    if kind == "draft_model":
+        return truncated_draft_model(target, min(draft_layers, target.cfg.num_layers))
+    cfg, h, vocab = target.cfg, target.cfg.hidden_size, target.cfg.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "eagle":
+        w = _random_layer("layers.0.", cfg, gen, input_norm=False)
+        w["fc.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.05
+        w["fc.bias"] = torch.zeros(h)
+    elif kind == "eagle3":
+        draft_vocab = vocab // 2
+        w = _random_layer("midlayer.", cfg, gen, in_features=2 * h)
+        w["midlayer.hidden_norm.weight"] = torch.ones(h)
+        w["fc.weight"] = torch.randn(h, 3 * h, generator=gen) * 0.05
+        w["norm.weight"] = torch.ones(h)
+        w["lm_head.weight"] = torch.randn(draft_vocab, h, generator=gen) * 0.05
+        w["d2t"] = torch.arange(draft_vocab) * 2 - torch.arange(draft_vocab)  # draft id i -> target id 2i
+        w["t2d"] = torch.arange(vocab) % 2 == 0
+    elif kind == "mtp":
+        p = f"model.layers.{cfg.num_layers}."
+        w = _random_layer(p, cfg, gen)
+        w.update(
+            {
+                p + "enorm.weight": torch.ones(h),
+                p + "hnorm.weight": torch.ones(h),
+                p + "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * 0.05,
+                p + "shared_head.norm.weight": torch.ones(h),
+            }
+        )
+    else:
+        raise ValueError(f"drafter kind {kind!r} is unknown; choose one of eagle, eagle3, mtp, draft_model")
+    return load_drafter(module_from_state_dict(w), target, kind=kind)

@@ -52,12 +52,13 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         cos, sin = rope_lookup(self.rope_table, positions)  # [T, D/2] each
         h = self.embed_tokens(input_ids)  # [T, H]
-        aux = []
+        outs = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_caches[i])
             if i in aux_layers:
-                aux.append(h)
-        return self.norm(h), aux
+                outs[i] = h
+        # In the order asked, repeats included (EAGLE-3's defaults repeat a layer in small models).
+        return self.norm(h), [outs[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab] for hidden rows `indices` (all rows when None)."""

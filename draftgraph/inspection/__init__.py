@@ -1,0 +1,1 @@
+"""Graph inspection (`draftgraph inspect`) and its semantic diff (`draftgraph graph-diff`)."""
