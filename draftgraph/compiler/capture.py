@@ -16,8 +16,9 @@ import torch
 from tqdm import tqdm
 
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledTarget
-from draftgraph.compiler.config import ResolvedConfig
+from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
+from draftgraph.compiler.full_graph import FullGraphs
 from draftgraph.compiler.piece_runner import GraphContext
 from draftgraph.compiler.piecewise import PiecewiseBackend
 from draftgraph.passes.manager import PassManager
@@ -31,6 +32,8 @@ class CompiledModels:
     ctx: GraphContext
     target: CompiledTarget
     drafter: CompiledDrafter | None
+    full_target: FullGraphs | None = None  # FULL-mode whole-forward graphs (CUDA only)
+    full_drafter: FullGraphs | None = None
 
 
 def build_compiled(
@@ -44,7 +47,8 @@ def build_compiled(
     progress: bool,
 ) -> CompiledModels:
     counters = CompileCounters()
-    ctx = GraphContext(counters, rc.graphs_enabled, rc.capture_sizes, check_addresses, progress)
+    piece_graphs = rc.graphs_enabled and rc.mode in PIECEWISE_MODES
+    ctx = GraphContext(counters, piece_graphs, rc.capture_sizes, check_addresses, progress)
     passes = PassManager(dump_dir=dump_dir or None)
 
     def backend(name):
@@ -52,7 +56,10 @@ def build_compiled(
 
     ct = CompiledTarget(target, backend("target"))
     cd = CompiledDrafter(drafter, backend("drafter")) if drafter is not None else None
-    return CompiledModels(counters, ctx, ct, cd)
+    full = rc.graphs_enabled and rc.mode in FULL_MODES
+    ft = FullGraphs("target", ctx) if full else None
+    fd = FullGraphs("drafter", ctx) if full and drafter is not None else None
+    return CompiledModels(counters, ctx, ct, cd, ft, fd)
 
 
 def warm_up_and_capture(engine) -> str:
@@ -67,6 +74,11 @@ def warm_up_and_capture(engine) -> str:
         static += [*engine.drafter.parameters(), *engine.drafter.buffers()]
         static += [t for kv in runner.draft_cache.layers for t in kv]
         static += [p for m in getattr(engine.drafter, "_target", []) for p in m.parameters()]
+    builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
+    static += [b.slot_mapping for b in builders] + [b.token_req for b in builders]
+    static += [
+        t for b in builders for t in (b.token_kv_len, b.positions, b.block_tables, b.seq_lens, b.query_start_loc)
+    ]
     ctx.register_static(static)
     t0 = time.perf_counter()
     for size in tqdm(sizes[:1], desc="tracing and compiling", disable=not ctx.progress, leave=False):
@@ -80,7 +92,22 @@ def warm_up_and_capture(engine) -> str:
         t1 = time.perf_counter()
         ctx.allow_capture = True
         try:
-            for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", disable=not ctx.progress, leave=False):
+            # FULL graphs first, then piece graphs, each largest first, all into the one shared pool.
+            for reqs in tqdm(
+                sorted(rc.full_capture_sizes, reverse=True) if compiled.full_target else [],
+                desc="capturing FULL graphs",
+                unit="size",
+                disable=not ctx.progress,
+                leave=False,
+            ):
+                runner.dummy_run_full(reqs)
+            for size in tqdm(
+                sizes if ctx.graphs_enabled else [],
+                desc="capturing piece graphs",
+                unit="size",
+                disable=not ctx.progress,
+                leave=False,
+            ):
                 runner.dummy_run(size)
         finally:
             ctx.allow_capture = False

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph.models.attention.backends import check_device, default_backend, get_backend
+from draftgraph.models.attention.backends import (
+    GraphSupport,
+    check_device,
+    default_backend,
+    get_backend,
+    require_graph_support,
+)
 
 log = logging.getLogger("draftgraph")
 
@@ -21,8 +27,10 @@ class CUDAGraphMode(str, enum.Enum):
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
 
 
+FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+PIECEWISE_MODES = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 # Modes this build implements; the others are listed in CUDAGraphMode and refused with a message.
-AVAILABLE_MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE)
+AVAILABLE_MODES = tuple(CUDAGraphMode)
 _said = {"graphs_off": False}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,6 +54,8 @@ class CompileConfig:
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # token counts with compiled pieces and graphs; () = auto
     max_capture_tokens: int = 0  # PIECEWISE bound on padded token counts; 0 = auto
+    max_capture_reqs: int = 0  # FULL bound on padded request counts; 0 = auto (max_num_seqs)
+    full_capture_sizes: tuple[int, ...] = ()  # request counts with FULL graphs; () = auto
     compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
     cache_dir: str = ""  # Inductor cache directory for this model's pieces; "" = Inductor's default
     use_cuda_graphs: bool = True  # False: compiled pieces without graphs even on CUDA (for comparison)
@@ -99,7 +109,8 @@ class ResolvedConfig:
     block_size: int
     num_kv_blocks: int
     seed: int
-    capture_sizes: tuple[int, ...]  # sorted; empty in mode NONE
+    capture_sizes: tuple[int, ...]  # token counts with compiled pieces (PIECEWISE graphs); empty in NONE
+    full_capture_sizes: tuple[int, ...]  # request counts with FULL graphs; empty without a FULL mode
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
 
     @property
@@ -135,6 +146,19 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
     else:
         sizes = auto_capture_sizes(max_capture, device.type)
     graphs = mode != CUDAGraphMode.NONE and device.type == "cuda" and config.use_cuda_graphs
+    full = mode in FULL_MODES
+    full_sizes = ()
+    if full:
+        bound = config.max_capture_reqs or config.max_num_seqs
+        full_sizes = tuple(sorted(set(config.full_capture_sizes))) or tuple(
+            sorted({s for s in (1, 2, 4) if s <= bound} | set(range(8, bound + 1, 8)) | {bound})
+        )
+        # Every FULL graph runs the compiled pieces at its token count: compile those sizes too.
+        qs = {1, k + 1, k + 2} if k else {1}
+        sizes = tuple(sorted(set(sizes) | {b * q for b in full_sizes for q in qs}))
+        if graphs:
+            need = GraphSupport.UNIFORM_BATCH if k else GraphSupport.UNIFORM_SINGLE_TOKEN
+            require_graph_support(attention, need, f"mode {mode.value} (full graphs of uniform batches)")
     if mode != CUDAGraphMode.NONE and device.type != "cuda" and not _said["graphs_off"]:
         _said["graphs_off"] = True  # said once per process
         log.warning(
@@ -153,6 +177,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         num_kv_blocks=blocks,
         seed=config.seed,
         capture_sizes=sizes,
+        full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
     )
     log.info(

@@ -1,21 +1,67 @@
-"""Which compiled artifact a batch runs on, and the padded size it runs at.
+"""Which compiled artifact a batch runs on, and the padded shape it runs at.
 
-PIECEWISE: a batch of T tokens runs at the smallest capture size >= T while T <= max_capture_tokens
-(graph pieces for that size), else at T itself on the dynamic-shape compiled pieces. NONE: no padding.
+A `BatchDescriptor` says what the real batch is (tokens, requests, and the query length when every
+request has the same one). The dispatcher answers, in this order:
+1. FULL, when the mode has full graphs, the batch is uniform with a query length that has full graphs
+   (1 + K for verify and the first draft step, K + 2 for a draft model's first step, 1 for later draft
+   steps and plain decode), and its padded request count was captured (bound: max_capture_reqs);
+2. PIECEWISE, when the mode has piece graphs and the padded token count was captured
+   (bound: max_capture_tokens);
+3. NONE: compiled code without graphs at the real size (or eager in mode NONE). Never an error.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
-from draftgraph.compiler.config import CUDAGraphMode
+from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, CUDAGraphMode
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    num_tokens: int
+    num_reqs: int
+    uniform_query_len: int | None  # every request has this many query tokens; None for mixed batches
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    runtime: str  # "FULL", "PIECEWISE" or "NONE"
+    num_tokens: int  # padded
+    num_reqs: int  # padded
+    key: str  # counters and stats report hits per key
+
+
+def _next(sizes: tuple[int, ...], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 class Dispatcher:
-    def __init__(self, mode: CUDAGraphMode, capture_sizes: tuple[int, ...]):
+    def __init__(
+        self,
+        mode: CUDAGraphMode,
+        piecewise_sizes: tuple[int, ...],
+        full_reqs: tuple[int, ...] = (),
+        full_query_lens: tuple[int, ...] = (),
+    ):
         self.mode = mode
-        self.sizes = tuple(sorted(capture_sizes)) if mode != CUDAGraphMode.NONE else ()
+        self.piecewise_sizes = tuple(sorted(piecewise_sizes)) if mode in PIECEWISE_MODES else ()
+        self.full_reqs = tuple(sorted(full_reqs)) if mode in FULL_MODES else ()
+        self.full_query_lens = tuple(sorted(full_query_lens)) if mode in FULL_MODES else ()
+
+    def dispatch(self, desc: BatchDescriptor) -> Dispatch:
+        q = desc.uniform_query_len
+        if q is not None and q in self.full_query_lens:
+            b = _next(self.full_reqs, desc.num_reqs)
+            if b is not None:
+                return Dispatch("FULL", b * q, b, f"full/q{q}/b{b}")
+        t = _next(self.piecewise_sizes, desc.num_tokens)
+        if t is not None:
+            return Dispatch("PIECEWISE", t, desc.num_reqs, f"piecewise/t{t}")
+        return Dispatch("NONE", desc.num_tokens, desc.num_reqs, "none")
 
     def padded_tokens(self, num_tokens: int) -> int:
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else num_tokens
+        """The PIECEWISE padding alone (for callers with no request structure)."""
+        return _next(self.piecewise_sizes, num_tokens) or num_tokens

@@ -46,8 +46,18 @@ class Engine:
             rc.block_size,
             rc.capture_sizes,
         )
+        k = self.k
+        dispatcher = Dispatcher(rc.mode, rc.capture_sizes, rc.full_capture_sizes, (1, k + 1, k + 2) if k else (1,))
         self.runner = StepRunner(
-            target, drafter, shape, rc.device, Dispatcher(rc.mode, rc.capture_sizes), target_fn, drafter_fn
+            target,
+            drafter,
+            shape,
+            rc.device,
+            dispatcher,
+            target_fn,
+            drafter_fn,
+            compiled.full_target if compiled else None,
+            compiled.full_drafter if compiled else None,
         )
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead

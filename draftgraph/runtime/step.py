@@ -27,7 +27,8 @@ from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
-from draftgraph.runtime.dispatcher import Dispatcher
+from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
+from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
@@ -81,6 +82,8 @@ class StepRunner:
         dispatcher: Dispatcher,
         target_fn=None,
         drafter_fn=None,
+        full_target=None,
+        full_drafter=None,
     ):
         self.target, self.drafter, self.shape = target, drafter, shape
         self.device = torch.device(device)
@@ -104,14 +107,23 @@ class StepRunner:
             )
             self.hidden_kind = drafter.target_hidden != "none"
             self.aux_layers = drafter.aux_layers if drafter.target_hidden == "aux" else ()
-            if not self.hidden_kind:  # the draft model's step 1 has one more row per request
-                self.draft_meta = MetadataBuilder(
-                    max_tokens + shape.max_num_seqs,
-                    shape.max_num_seqs,
-                    shape.max_blocks_per_req,
-                    bs,
-                    self.device,
-                )
+        self.forwards = Forwards(
+            self.target_fn,
+            self.drafter_fn,
+            self.target_cache.layers,
+            self.draft_cache.layers if drafter is not None else None,
+            getattr(self, "aux_layers", ()),
+            full_target,
+            full_drafter,
+        )
+        if drafter is not None and not self.hidden_kind:  # a draft model's step 1 has a row more per request
+            self.draft_meta = MetadataBuilder(
+                max_tokens + shape.max_num_seqs,
+                shape.max_num_seqs,
+                shape.max_blocks_per_req,
+                bs,
+                self.device,
+            )
 
     # ---- the step --------------------------------------------------------------------------------
 
@@ -133,12 +145,11 @@ class StepRunner:
             chunk_rows.append((len(ids), c.num_tokens))
             slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens))
             ids += c.req.tokens[s : s + c.num_tokens]
-        padded = self.dispatcher.padded_tokens(len(ids))
-        meta, positions = self.target_meta.build(slices, num_tokens_padded=padded)
-        input_ids = torch.tensor(ids + [0] * (padded - len(ids)), dtype=torch.long).to(dev, non_blocking=True)
-        hidden, aux = self.target_fn(
-            input_ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ())
-        )
+        uniform = k + 1 if nd and not chunks else None  # every request verifies 1 + K tokens
+        d = self.dispatcher.dispatch(BatchDescriptor(len(ids), len(slices), uniform))
+        meta, positions = self.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
+        input_ids = torch.tensor(ids + [0] * (d.num_tokens - len(ids)), dtype=torch.long).to(dev, non_blocking=True)
+        hidden, aux = self.forwards.target(d, input_ids, positions, meta)
 
         last_rows = [chunk_rows[i][0] + chunk_rows[i][1] - 1 for i, c in enumerate(chunks) if c.last]
         rows = torch.tensor(list(range(nd * (k + 1))) + last_rows, dtype=torch.long).to(dev, non_blocking=True)
@@ -166,7 +177,20 @@ class StepRunner:
         if k and (sampled or chunks):  # drafter KV for prompt chunks is written even when nothing samples
             parts.append(
                 self._propose(
-                    sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted, y, st
+                    sampled,
+                    decodes,
+                    chunks,
+                    chunk_rows,
+                    ids,
+                    input_ids,
+                    positions,
+                    meta,
+                    hidden,
+                    aux,
+                    accepted,
+                    y,
+                    st,
+                    d,
                 ).flatten()
             )
         host = torch.cat(parts).tolist()  # the step's one device -> host copy
@@ -181,9 +205,24 @@ class StepRunner:
     # ---- drafting ---------------------------------------------------------------------------------
 
     def _propose(
-        self, sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted, y, st
+        self,
+        sampled,
+        decodes,
+        chunks,
+        chunk_rows,
+        ids,
+        input_ids,
+        positions,
+        meta,
+        hidden,
+        aux,
+        accepted,
+        y,
+        st,
+        d: Dispatch,
     ) -> torch.Tensor:
-        """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step."""
+        """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step. `d` is the
+        target's dispatch: a hidden-state drafter's first step runs on the same rows, so the same shape."""
         k, dev, nd = self.k, self.device, len(decodes)
         y_dec, y_pre = y[:nd], y[nd:]
         j = torch.arange(k + 2, device=dev)[None, :]
@@ -197,7 +236,7 @@ class StepRunner:
             tok = torch.tensor(shifted, dtype=torch.long).to(dev, non_blocking=True)
             drafts_pad = torch.cat([input_ids[: nd * (k + 1)].view(nd, k + 1)[:, 1:], y_dec[:, None]], dim=1)
             tok[: nd * (k + 1)] = torch.where(j[:, : k + 1] < accepted[:, None], drafts_pad, y_dec[:, None]).flatten()
-            shift, d_meta, d_pos, rows_per_dec = 2, meta, positions, k + 1
+            shift, d_meta, d_pos, rows_per_dec, d1 = 2, meta, positions, k + 1, d
             h_in = torch.cat(aux, dim=-1) if self.aux_layers else hidden
         else:
             slices, host_tok = [], []
@@ -208,9 +247,10 @@ class StepRunner:
                 s = c.req.num_computed
                 slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens + int(c.last)))
                 host_tok += c.req.tokens[s : s + c.num_tokens] + ([0] if c.last else [])
-            padded = self.dispatcher.padded_tokens(len(host_tok))
-            d_meta, d_pos = self.draft_meta.build(slices, num_tokens_padded=padded)
-            host_tok += [0] * (padded - len(host_tok))
+            uniform = k + 2 if nd and not chunks else None
+            d1 = self.dispatcher.dispatch(BatchDescriptor(len(host_tok), len(slices), uniform))
+            d_meta, d_pos = self.draft_meta.build(slices, num_tokens_padded=d1.num_tokens, num_reqs_padded=d1.num_reqs)
+            host_tok += [0] * (d1.num_tokens - len(host_tok))
             tok = torch.tensor(host_tok, dtype=torch.long).to(dev, non_blocking=True)
             dec = tok[: nd * (k + 2)].view(nd, k + 2)
             tok[: nd * (k + 2)] = torch.where(j == accepted[:, None] + 1, y_dec[:, None], dec).flatten()
@@ -229,7 +269,7 @@ class StepRunner:
             tok[last_t] = y_pre
         sample_rows = torch.cat([starts + accepted + offset, last_t])
 
-        next_h, logit_h = self.drafter_fn(tok, d_pos, h_in, d_meta, self.draft_cache.layers)
+        next_h, logit_h = self.forwards.drafter(d1, tok, d_pos, h_in, d_meta)
         if not sampled:
             return torch.empty(0, k, dtype=torch.long, device=dev)
         row_pos = d_pos[sample_rows]  # [Bs]
@@ -240,12 +280,13 @@ class StepRunner:
         slots = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
         h, out = next_h[sample_rows], []
         n = len(sampled)
-        n_pad = self.dispatcher.padded_tokens(n)
+        d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, 1))  # later steps: one row per request
+        n_pad = d_step.num_tokens
         for step in range(k):
             if step:
-                pos, step_meta = self._advance(tables, row_pos + step, n_pad)
+                pos, step_meta = self._advance(tables, row_pos + step, n_pad, d_step.num_reqs)
                 h_pad = _pad_rows(h, n_pad) if self.hidden_kind else None
-                h, logit_h = self.drafter_fn(_pad_rows(out[-1], n_pad), pos, h_pad, step_meta, self.draft_cache.layers)
+                h, logit_h = self.forwards.drafter(d_step, _pad_rows(out[-1], n_pad), pos, h_pad, step_meta)
                 h, logit_h = h[:n], logit_h[:n]
             rows = sample_rows if step == 0 else None
             out.append(
@@ -253,11 +294,14 @@ class StepRunner:
             )
         return torch.stack(out, dim=1)
 
-    def _advance(self, tables: torch.Tensor, pos: torch.Tensor, n_pad: int):
+    def _advance(self, tables: torch.Tensor, pos: torch.Tensor, n_pad: int, reqs_pad: int):
         """Positions [n_pad] and metadata for one row per request at `pos`, built on the device from the
-        block tables; rows past the real n are padding (slot -1, nothing visible)."""
+        block tables; rows past the real n are padding (slot -1, nothing visible), and request rows past n
+        (FULL graphs pad requests too) own nothing."""
         bs = self.shape.block_size
         n = pos.shape[0]
+        if reqs_pad > n:
+            tables = torch.cat([tables, tables.new_zeros(reqs_pad - n, tables.shape[1])])
         block = tables.gather(1, (pos // bs)[:, None])[:, 0].long()
         pad = n_pad - n
         zeros = torch.zeros(pad, dtype=torch.long, device=pos.device)
@@ -266,8 +310,8 @@ class StepRunner:
             token_req=torch.cat([torch.arange(n, device=pos.device), zeros]).int(),
             token_kv_len=torch.cat([pos + 1, zeros]).int(),
             block_tables=tables,
-            seq_lens=(pos + 1).int(),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=pos.device),
+            seq_lens=torch.cat([pos + 1, pos.new_zeros(reqs_pad - n)]).int(),
+            query_start_loc=torch.cat([torch.arange(n + 1, device=pos.device), pos.new_full((reqs_pad - n,), n)]).int(),
         )
         return torch.cat([pos, zeros]), meta
 
@@ -290,6 +334,40 @@ class StepRunner:
         for width in widths:
             hidden = None if width is None else torch.zeros(num_tokens, width, dtype=self.target.cfg.dtype, device=dev)
             self.drafter_fn(ids, positions, hidden, meta, self.draft_cache.layers)
+
+    @torch.no_grad()
+    def dummy_run_full(self, num_reqs: int) -> None:
+        """Capture (while allowed) the FULL graphs of `num_reqs` padded requests: the target's verify (or
+        decode) shape, the drafter's first-step shape and its one-row-per-request shape."""
+        dev, k = self.device, self.k
+        shapes = [("target", k + 1 if self.drafter is not None else 1, None)]
+        if self.drafter is not None:
+            h = self.drafter.cfg.hidden_size
+            first_width = (3 * self.target.cfg.hidden_size if self.aux_layers else h) if self.hidden_kind else None
+            shapes += [
+                ("drafter", k + 1 if self.hidden_kind else k + 2, first_width),
+                ("drafter", 1, h if self.hidden_kind else None),
+            ]
+        for fn, q, width in shapes:
+            d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
+            if d.runtime != "FULL":
+                continue
+            # The same kind of tensors the step passes: builder views, or on-device metadata (later steps).
+            if q == 1 and fn == "drafter":
+                no_rows = torch.zeros(0, dtype=torch.long, device=dev)
+                tables = self.target_meta.block_tables[:0]
+                positions, meta = self._advance(tables, no_rows, d.num_tokens, d.num_reqs)
+            else:
+                builder = self.draft_meta if fn == "drafter" and not self.hidden_kind else self.target_meta
+                meta, positions = builder.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
+            ids = torch.zeros(d.num_tokens, dtype=torch.long, device=dev)
+            if fn == "target":
+                self.forwards.target(d, ids, positions, meta)
+            else:
+                hidden = (
+                    None if width is None else torch.zeros(d.num_tokens, width, dtype=self.target.cfg.dtype, device=dev)
+                )
+                self.forwards.drafter(d, ids, positions, hidden, meta)
 
     def _choose(self, logits, st: SamplingTensors, pred_pos, slots, step) -> torch.Tensor:
         """A draft token per request (target ids); for sampling requests record q for the next verify."""

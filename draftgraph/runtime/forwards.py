@@ -1,0 +1,48 @@
+"""Run the target forward and the drafter step for a `Dispatch`: a FULL graph replay, or the function
+itself (compiled with its piece graphs, or eager) at the dispatch's padded size."""
+
+from __future__ import annotations
+
+from draftgraph.compiler.full_graph import FullGraphs
+from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.runtime.dispatcher import Dispatch
+
+_META = ("slot_mapping", "token_req", "token_kv_len", "block_tables", "seq_lens", "query_start_loc")
+
+
+def _flat(ids, positions, meta: AttentionMetadata, hidden=None) -> dict:
+    out = {"ids": ids, "positions": positions, "hidden": hidden}
+    out.update({f: getattr(meta, f) for f in _META})
+    return out
+
+
+def _meta(x: dict) -> AttentionMetadata:
+    return AttentionMetadata(**{f: x[f] for f in _META})
+
+
+class Forwards:
+    def __init__(
+        self,
+        target_fn,
+        drafter_fn,
+        target_caches,
+        draft_caches,
+        aux_layers,
+        full_target: FullGraphs | None = None,
+        full_drafter: FullGraphs | None = None,
+    ):
+        self.target_fn, self.drafter_fn = target_fn, drafter_fn
+        self.target_caches, self.draft_caches, self.aux_layers = target_caches, draft_caches, aux_layers
+        self.full_target, self.full_drafter = full_target, full_drafter
+
+    def target(self, d: Dispatch, ids, positions, meta):
+        if d.runtime == "FULL" and self.full_target is not None:
+            call = lambda x: self.target_fn(x["ids"], x["positions"], _meta(x), self.target_caches, self.aux_layers)
+            return self.full_target.run(d.key, _flat(ids, positions, meta), call)
+        return self.target_fn(ids, positions, meta, self.target_caches, self.aux_layers)
+
+    def drafter(self, d: Dispatch, ids, positions, hidden, meta):
+        if d.runtime == "FULL" and self.full_drafter is not None:
+            call = lambda x: self.drafter_fn(x["ids"], x["positions"], x["hidden"], _meta(x), self.draft_caches)
+            return self.full_drafter.run(d.key, _flat(ids, positions, meta, hidden), call)
+        return self.drafter_fn(ids, positions, hidden, meta, self.draft_caches)

@@ -1,0 +1,86 @@
+"""GPU tier: FULL graphs (whole forward, attention inside) for uniform batches.
+
+The lossless suite gives identical tokens and identical acceptance in NONE, PIECEWISE, FULL and
+FULL_AND_PIECEWISE; the counters prove full graphs replayed for uniform batches, and every request
+count 1..9 replays across the padding boundaries (1, 2, 4, 8 captured; 3, 5..7 and 9 pad or fall back).
+"""
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import KINDS, ragged
+
+pytestmark = pytest.mark.gpu
+SIZES = (1, 2, 4, 8, 16, 32, 64, 72)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
+
+
+def run(target, kind, mode, k=3):
+    prompts, params, arrivals = ragged(16)
+    cfg = dg.CompileConfig(
+        mode=mode,
+        num_speculative_tokens=k,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        device="cuda",
+        capture_sizes=SIZES,
+        full_capture_sizes=(1, 2, 4, 8),
+        progress=False,
+    )
+    eng = dg.compile_model(target, make_drafter(kind, target), cfg)
+    out = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+    return out, eng.stats(), eng
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_mode_gives_the_same_tokens_and_acceptance(target, kind):
+    ref, ref_stats, _ = run(target, kind, "NONE")
+    for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        out, stats, eng = run(target, kind, mode)
+        assert out == ref, mode
+        assert stats["acceptance_histogram"] == ref_stats["acceptance_histogram"], mode
+        replays = eng.compiled.counters.graph_replays
+        full = {k: v for k, v in replays.items() if "/full/" in k}
+        if mode != "PIECEWISE":
+            assert full, f"{mode}: no full graph replayed"
+            assert any(k.startswith("target/full/q4/") for k in full)  # verify: 1 + K = 4 tokens per request
+            assert any(k.startswith("drafter/full/q1/") for k in full)  # later draft steps: 1 token
+            first = "q4" if kind != "draft_model" else "q5"  # the first draft step's shape
+            assert any(k.startswith(f"drafter/full/{first}/") for k in full)
+        print(f"{kind} {mode}: {dict(sorted(full.items()))}")
+
+
+def test_every_request_count_across_padding(target):
+    """Uniform decode batches of 1..9 requests (8 captured): FULL for 1..8 (padded to 1, 2, 4, 8), 9 falls
+    back; tokens equal mode NONE."""
+    for n in range(1, 10):
+        prompts, params, _ = ragged(16)
+        prompts, params = prompts[:n], [dg.SamplingParams(max_tokens=8, ignore_eos=True)] * n
+        outs = {}
+        for mode in ("NONE", "FULL"):
+            cfg = dg.CompileConfig(
+                mode=mode,
+                num_speculative_tokens=3,
+                max_num_seqs=16,
+                max_num_batched_tokens=128,
+                device="cuda",
+                capture_sizes=SIZES,
+                full_capture_sizes=(1, 2, 4, 8),
+                progress=False,
+            )
+            eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
+            outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
+            if mode == "FULL":
+                keys = eng.compiled.counters.graph_replays.keys()
+                padded = min([s for s in (1, 2, 4, 8) if s >= n], default=None)
+                assert (f"target/full/q4/b{padded}" in keys) if padded else not any("full" in k for k in keys)
+        assert outs["FULL"] == outs["NONE"], n
