@@ -89,5 +89,8 @@ def test_every_request_count_across_padding(target):
             if mode == "FULL":
                 keys = eng.compiled.counters.graph_replays.keys()
                 padded = min([s for s in (1, 2, 4, 8) if s >= n], default=None)
-                assert (f"target/full/q4/b{padded}" in keys) if padded else not any("full" in k for k in keys)
+                target_full = [k for k in keys if k.startswith("target/full/")]
+                # 9 verifying requests exceed the FULL bound: the target falls back (later draft steps of
+                # fewer sampled requests may still use their own full graphs)
+                assert target_full == [f"target/full/q4/b{padded}"] if padded else not target_full, (n, target_full)
         assert outs["FULL"] == outs["NONE"], n
