@@ -38,7 +38,8 @@ def draft_fn(engine, b, k, ctx):
     r = engine.runner
     bs = r.shape.block_size
     per = math.ceil((ctx + 2 * k + 2) / bs)
-    tables = torch.arange(b * per, device="cuda", dtype=torch.int32).view(b, per)
+    tables = torch.zeros(b, engine.config.max_blocks_per_req, device="cuda", dtype=torch.int32)  # engine width
+    tables[:, :per] = torch.arange(b * per, device="cuda", dtype=torch.int32).view(b, per)
     d = r.dispatcher.dispatch(BatchDescriptor(b, b, 1))
     hidden = torch.randn(d.num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
     base = torch.full((b,), ctx, device="cuda", dtype=torch.long)
