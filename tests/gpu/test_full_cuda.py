@@ -2,7 +2,8 @@
 
 The lossless suite gives identical tokens in NONE, PIECEWISE, FULL and FULL_AND_PIECEWISE (and
 acceptance within a few drafts: see the test's comment); the counters prove full graphs replayed for
-uniform batches, and every request count 1..9 replays across the padding boundaries (1, 2, 4, 8 captured; 3, 5..7 pad; 9 falls back).
+uniform batches, and every request count 1..9 replays across the padding boundaries (1, 2, 4, 8
+captured; 3, 5..7 pad; 9 falls back).
 """
 
 import pytest
