@@ -152,3 +152,24 @@ def test_pass_manager_dumps_and_uuid(tmp_path, target):
     full, bare = PassManager().uuid(), PassManager([]).uuid()
     assert len(full) == 16 and full == PassManager().uuid() and full != bare  # the pass list is in the key
     assert eng.compiled.counters.traces["target"] == 1
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+def test_lossless_suite_in_full_modes_on_cpu(target, reference, mode, kind):
+    """The FULL dispatch path (uniform batches padded by request count) without graphs on the CPU."""
+    prompts, params, arrivals = ragged(16)
+    eng = dg.compile_model(target, make_drafter(kind, target), cfg(3, backend="eager", mode=mode))
+    assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == reference
+    c = eng.compiled.counters
+    assert c.traces["target"] == 1 and not c.graphs_captured
+    # FULL token counts are request counts x query length (4 for verify, 5 for a draft model's first step)
+    assert eng.config.full_capture_sizes == (1, 2, 4, 8)
+    assert {4, 8, 16, 32} <= set(eng.config.capture_sizes)
+
+
+def test_full_mode_refuses_an_attention_without_graph_support():
+    from draftgraph.compiler.config import resolve
+
+    with pytest.raises(ValueError, match="'reference' supports CUDA graphs up to NEVER.*needs UNIFORM_BATCH"):
+        resolve(dg.CompileConfig(mode="FULL", device="cuda", attention="reference"), 256, True)
