@@ -171,7 +171,7 @@ def test_bad_input_is_refused_with_the_value(target):
         eng.add_request([1, 96])
     with pytest.raises(ValueError, match="max_num_batched_tokens=10 cannot hold a full decode batch"):
         dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=10)
-    with pytest.raises(ValueError, match="mode='FULL' is not available in this build yet"):
-        dg.CompileConfig(mode="FULL")
+    with pytest.raises(ValueError, match="mode='FULLEST' is unknown; choose one of"):
+        dg.CompileConfig(mode="FULLEST")
     with pytest.raises(ValueError, match="temperature=-1"):
         dg.SamplingParams(temperature=-1)

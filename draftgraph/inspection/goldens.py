@@ -10,7 +10,7 @@ import os
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 KINDS = ("eagle", "eagle3", "mtp", "draft_model")
-MODES = ("PIECEWISE",)  # the modes that compile (NONE has nothing to inspect)
+MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")  # modes that compile (NONE has nothing to inspect)
 REFRESH = "python scripts/refresh_goldens.py"
 
 

@@ -154,12 +154,9 @@ def inspect_model(target, drafter, config, out_dir: str, workload=None) -> dict:
             traces = []
             for t, (gm, split) in enumerate(backend.traces):
                 summary, trace_texts = summarize_trace(gm, split)
-                summary["captures"] = {
-                    rc.mode.value: {
-                        "sizes": list(rc.capture_sizes),
-                        "graphs": summary["compute_pieces"] * len(rc.capture_sizes),
-                    }
-                }
+                summary["captures"] = captures(
+                    rc, engine.k, name, summary["compute_pieces"], getattr(engine.runner, "hidden_kind", True)
+                )
                 traces.append(summary)
                 texts.update({f"{name}.trace{t}.{k}": v for k, v in trace_texts.items()})
             mine = [r for r in recompiles.records if r["function"] == name]
@@ -173,6 +170,22 @@ def inspect_model(target, drafter, config, out_dir: str, workload=None) -> dict:
     report = {"config": _config_summary(config, drafter), "functions": functions, "graph_breaks": breaks}
     write_inspection(report, texts, out_dir)
     return report
+
+
+def captures(rc, k: int, fn: str, compute_pieces: int, hidden_kind: bool) -> dict:
+    """The CUDA graphs a CUDA run of this config captures for one traced function, per graph kind."""
+    from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES
+
+    out = {}
+    if rc.mode in PIECEWISE_MODES:
+        out["PIECEWISE"] = {"sizes": list(rc.capture_sizes), "graphs": compute_pieces * len(rc.capture_sizes)}
+    if rc.mode in FULL_MODES:
+        # verify: 1 + K per request; a drafter's first step: 1 + K (hidden-state drafters) or K + 2 (a draft
+        # model), its later steps 1; without a drafter, plain decode: 1
+        first = k + 1 if hidden_kind else k + 2
+        qs = ([k + 1] if fn == "target" else [first, 1]) if k else [1]
+        out["FULL"] = {"request_counts": list(rc.full_capture_sizes), "query_lens": qs}
+    return out
 
 
 def inspect_function(name: str, fn, args: tuple, out_dir: str) -> dict:
@@ -228,8 +241,14 @@ def summary_text(report: dict) -> str:
             for p in tr["pieces"]:
                 what = p.get("splitting_op", f"{sum(p['ops'].values())} ops")
                 lines.append(f"    piece {p['index']:2d} {p['kind']:9s} {what}; out {', '.join(p['outputs'])}")
-            for mode, cap in sorted(tr.get("captures", {}).items()):
-                lines.append(f"    {mode}: {cap['graphs']} CUDA graphs at sizes {cap['sizes']}")
+            for kind, cap in sorted(tr.get("captures", {}).items()):
+                if kind == "FULL":
+                    lines.append(
+                        f"    FULL: whole-forward graphs for query lengths {cap['query_lens']} x request "
+                        f"counts {cap['request_counts']}"
+                    )
+                else:
+                    lines.append(f"    {kind}: {cap['graphs']} piece graphs at token counts {cap['sizes']}")
         if "draft_loop" in fn:
             dl = fn["draft_loop"]
             lines.append(f"  draft loop: {dl['steps']} steps, {dl['graph_launches_per_proposal']} graph launches")
