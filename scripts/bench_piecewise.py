@@ -23,6 +23,7 @@ import transformers
 import triton
 
 import draftgraph as dg
+from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.drafters import load_drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import RequestSlice
@@ -64,15 +65,7 @@ def build_pair(device="cuda"):
         "layers.0.mlp.down_proj.weight": r(h, inter),
         "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
     }
-    holder = torch.nn.Module()
-    for name, t in state.items():  # a module with the upstream EAGLE names
-        *parents, leaf = name.split(".")
-        mod = holder
-        for p in parents:
-            if not hasattr(mod, p):
-                mod.add_module(p, torch.nn.Module())
-            mod = getattr(mod, p)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    holder = module_from_state_dict(state)  # a module with the upstream EAGLE names
     drafter = load_drafter(holder, target, kind="eagle")
     return target, drafter
 

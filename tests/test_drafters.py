@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
+from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.drafters import load_drafter
 from draftgraph.models.drafters.loader import truncated_draft_model
 from draftgraph.models.llama import CausalLM
@@ -48,21 +48,7 @@ def write_ckpt(path, config, state, fmt="safetensors"):
     return str(path)
 
 
-def module_from_state(state):
-    """An nn.Module whose state_dict is `state` (upstream names), as a user's in-memory drafter would be."""
-    root = nn.Module()
-    for name, t in state.items():
-        *parents, leaf = name.split(".")
-        mod = root
-        for p in parents:
-            if not hasattr(mod, p):
-                mod.add_module(p, nn.Module())
-            mod = getattr(mod, p)
-        if t.is_floating_point():
-            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
-        else:
-            mod.register_buffer(leaf, t)
-    return root
+module_from_state = module_from_state_dict  # a user's in-memory drafter under upstream key names
 
 
 def run_drafter(drafter, ids, hidden, steps=1):
