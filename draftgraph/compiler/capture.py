@@ -74,12 +74,21 @@ def warm_up_and_capture(engine) -> str:
         static += [*engine.drafter.parameters(), *engine.drafter.buffers()]
         static += [t for kv in runner.draft_cache.layers for t in kv]
         static += [p for m in getattr(engine.drafter, "_target", []) for p in m.parameters()]
-    builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
-    static += [b.slot_mapping for b in builders] + [b.token_req for b in builders]
-    static += [
-        t for b in builders for t in (b.token_kv_len, b.positions, b.block_tables, b.seq_lens, b.query_start_loc)
-    ]
     ctx.register_static(static)
+    builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
+    ctx.register_persistent(
+        t
+        for b in builders
+        for t in (
+            b.slot_mapping,
+            b.token_req,
+            b.token_kv_len,
+            b.positions,
+            b.block_tables,
+            b.seq_lens,
+            b.query_start_loc,
+        )
+    )
     t0 = time.perf_counter()
     for size in tqdm(sizes[:1], desc="tracing and compiling", disable=not ctx.progress, leave=False):
         runner.dummy_run(size)  # the first call traces and compiles every piece for every size

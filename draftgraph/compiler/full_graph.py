@@ -22,7 +22,8 @@ from draftgraph.compiler.piece_runner import GraphContext, _strided_copy
 class FullGraph:
     def __init__(self, key: str, call: Callable[[dict], object], inputs: dict, ctx: GraphContext):
         self.key = key
-        self.static = {k: v is not None and v.data_ptr() in ctx.static_ptrs for k, v in inputs.items()}
+        in_place = ctx.static_ptrs | ctx.persistent_ptrs
+        self.static = {k: v is not None and v.data_ptr() in in_place for k, v in inputs.items()}
         self.inputs = {k: v if v is None or self.static[k] else _strided_copy(v) for k, v in inputs.items()}
         self.shapes = {k: None if v is None else tuple(v.shape) for k, v in inputs.items()}
         with pieces_without_graphs(ctx):

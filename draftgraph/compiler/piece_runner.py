@@ -34,10 +34,17 @@ class GraphContext:
     pool: object = None
     runners: list = field(default_factory=list)
     static_ptrs: set = field(default_factory=set)  # parameters, buffers, KV caches: used in place
+    # The metadata builders' persistent buffers: FULL graphs read their views in place (and refuse a replay
+    # whose input moved). Piece graphs must not: a piece also runs on fresh on-device metadata (later draft
+    # steps) that its capture would then never see.
+    persistent_ptrs: set = field(default_factory=set)
 
     def register_static(self, tensors) -> None:
-        """Tensors whose storage never moves while graphs live: graphs read them in place."""
+        """Tensors whose storage never moves while graphs live: every graph reads them in place."""
         self.static_ptrs.update(t.data_ptr() for t in tensors)
+
+    def register_persistent(self, tensors) -> None:
+        self.persistent_ptrs.update(t.data_ptr() for t in tensors)
 
     def graph_pool(self):
         if self.pool is None:
