@@ -36,6 +36,7 @@ def run(target, kind, mode, k=3):
         capture_sizes=SIZES,
         full_capture_sizes=(1, 2, 4, 8),
         progress=False,
+        check_addresses=True,
     )
     eng = dg.compile_model(target, make_drafter(kind, target), cfg)
     out = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
@@ -84,6 +85,7 @@ def test_every_request_count_across_padding(target):
                 capture_sizes=SIZES,
                 full_capture_sizes=(1, 2, 4, 8),
                 progress=False,
+                check_addresses=True,
             )
             eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
             outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
