@@ -65,7 +65,6 @@ class Engine:
         self._eos = frozenset(target.cfg.eos_token_ids)
         self._next_id = 0
         self._rng = random.Random(rc.seed)
-        self._finished: dict[int, RequestOutput] = {}
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
         self._stats = {
             "steps": 0,

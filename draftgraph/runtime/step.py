@@ -46,7 +46,7 @@ class RunnerShape:
     max_blocks_per_req: int
     num_kv_blocks: int
     block_size: int
-    capture_sizes: tuple[int, ...] = ()  # padded token counts (empty: no padding)
+    capture_sizes: tuple[int, ...] = ()  # compiled token counts: the metadata buffers must hold the largest
 
 
 @dataclass
