@@ -123,9 +123,9 @@ def warm_up_and_capture(engine) -> str:
         torch.cuda.synchronize()
         capture_s = time.perf_counter() - t1
         free_after = torch.cuda.mem_get_info()[0]
-        # The pool's memory is reserved by the caching allocator (which may already have held it, so
-        # free device memory can stay flat): count whichever grew more.
-        graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
+        graph_bytes = pool_bytes(ctx.pool)
+        if graph_bytes is None:  # no allocator snapshot: fall back to what the device lost
+            graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
     # Runtime counters start after warm-up: from here they count serving steps only.
     counters.graph_replays.clear()
@@ -149,3 +149,17 @@ def warm_up_and_capture(engine) -> str:
     )
     log.info(line)
     return line
+
+
+def pool_bytes(pool) -> int | None:
+    """Bytes held by the segments of the graphs' shared memory pool (from the allocator's snapshot), or
+    None when it cannot be read. Free-memory deltas undercount: the caching allocator may already hold
+    the memory a pool takes."""
+    if pool is None:
+        return 0
+    try:
+        segments = torch.cuda.memory._snapshot()["segments"]
+    except Exception:  # an allocator without snapshots
+        return None
+    want = tuple(pool)
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id", ())) == want)
