@@ -32,7 +32,6 @@ class GraphContext:
     progress: bool = True
     allow_capture: bool = False  # set by the engine's capture phase only
     pool: object = None
-    runners: list = field(default_factory=list)
     static_ptrs: set = field(default_factory=set)  # parameters, buffers, KV caches: used in place
     # The metadata builders' persistent buffers: FULL graphs read their views in place (and refuse a replay
     # whose input moved). Piece graphs must not: a piece also runs on fresh on-device metadata (later draft
@@ -91,7 +90,6 @@ class PieceRunner(nn.Module):
         self.graphs: dict[int, CapturedGraph] = {}
         phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
         self._size_at = _size_locator(phs, token)
-        ctx.runners.append(self)
 
     def forward(self, *args):
         size = self._size(args)

@@ -51,7 +51,6 @@ class PiecewiseBackend:
         self.fn_name, self.sizes, self.ctx, self.passes = fn_name, tuple(sorted(sizes)), ctx, passes
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code (shared by layers)
-        self.split = None  # the last SplitGraph
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -59,7 +58,6 @@ class PiecewiseBackend:
         counters.traces[self.fn_name] += 1
         t0 = time.perf_counter()
         split = self.passes.run(gm, self.fn_name)
-        self.split = split
         self.traces.append((gm, split))
         token = token_symbol(gm)
         pieces = split.compute_pieces
