@@ -34,6 +34,7 @@ class CompiledModels:
     drafter: CompiledDrafter | None
     full_target: FullGraphs | None = None  # FULL-mode whole-forward graphs (CUDA only)
     full_drafter: FullGraphs | None = None
+    loop_backend: PiecewiseBackend | None = None  # the fused draft loop's backend (FULL modes with a drafter)
 
 
 def build_compiled(
@@ -59,7 +60,12 @@ def build_compiled(
     full = rc.graphs_enabled and rc.mode in FULL_MODES
     ft = FullGraphs("target", ctx) if full else None
     fd = FullGraphs("drafter", ctx) if full and drafter is not None else None
-    return CompiledModels(counters, ctx, ct, cd, ft, fd)
+    loop = (
+        PiecewiseBackend("draft_loop", (), ctx, passes, compile_backend, cache_dir or None)
+        if rc.fuse_draft_loop
+        else None
+    )
+    return CompiledModels(counters, ctx, ct, cd, ft, fd, loop)
 
 
 def warm_up_and_capture(engine) -> str:
@@ -74,6 +80,7 @@ def warm_up_and_capture(engine) -> str:
         static += [*engine.drafter.parameters(), *engine.drafter.buffers()]
         static += [t for kv in runner.draft_cache.layers for t in kv]
         static += [p for m in getattr(engine.drafter, "_target", []) for p in m.parameters()]
+        static.append(runner.proposer.draft_probs)
     ctx.register_static(static)
     builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
     ctx.register_persistent(
@@ -92,6 +99,8 @@ def warm_up_and_capture(engine) -> str:
     t0 = time.perf_counter()
     for size in tqdm(sizes[:1], desc="tracing and compiling", disable=not ctx.progress, leave=False):
         runner.dummy_run(size)  # the first call traces and compiles every piece for every size
+    if compiled.loop_backend is not None and rc.full_capture_sizes:
+        runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (capture is not allowed yet)
     compile_s = time.perf_counter() - t0
     capture_s, graph_bytes = 0.0, 0
     if rc.graphs_enabled:
@@ -131,6 +140,7 @@ def warm_up_and_capture(engine) -> str:
     counters.graph_replays.clear()
     counters.compiled_runs.clear()
     counters.dynamic_runs.clear()
+    runner.forwards.hits.clear()
     counters.capture_seconds += capture_s
     counters.graph_memory_bytes = graph_bytes
     graphs = (

@@ -35,8 +35,8 @@ def own_entry_point(fn, name: str):
     `forward` code object (hitting the recompile limit after 8 engines); this entry point's cache
     entries belong to one engine and are freed with it."""
 
-    def entry(*args):
-        return fn(*args)
+    def entry(*args, **kwargs):
+        return fn(*args, **kwargs)
 
     code = entry.__code__.replace(co_name=f"{name}_{next(_serial)}")
     return types.FunctionType(code, entry.__globals__, code.co_name, None, entry.__closure__)
@@ -70,3 +70,28 @@ class CompiledDrafter:
     def __call__(self, input_ids, positions, hidden, meta, kv_caches):
         mark_batch_dims(input_ids, positions, meta, hidden)
         return self.fn(input_ids, positions, hidden, meta, kv_caches)
+
+
+_TOKEN_ARGS = ("input_ids", "positions", "hidden", "slot_mapping", "token_req", "token_kv_len")
+_REQ_ARGS = ("block_tables", "seq_lens", "sample_rows", "valid", "slots", "temperature", "top_k", "top_p", "seeds")
+
+
+class CompiledLoop:
+    """The fused draft loop (runtime/drafting.py) traced once by Dynamo: all K drafter forwards, the
+    token choices and the on-device advance in one graph, split at attention like any other function.
+    Called with the loop's keyword arguments; batch dims are unbacked as for the forwards."""
+
+    def __init__(self, loop_fn, name: str, backend: PiecewiseBackend):
+        self.backend = backend
+        self.fn = torch.compile(own_entry_point(loop_fn, name), backend=backend, fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def __call__(self, **kw):
+        for name in _TOKEN_ARGS:
+            if kw.get(name) is not None:
+                mark_unbacked(kw[name], 0, shape_id="tokens")
+        for name in _REQ_ARGS:
+            if kw.get(name) is not None:
+                mark_unbacked(kw[name], 0, shape_id="reqs")
+        mark_unbacked(kw["query_start_loc"], 0, shape_id="reqs_plus_one")
+        return self.fn(**kw)

@@ -59,6 +59,7 @@ class CompileConfig:
     compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
     cache_dir: str = ""  # Inductor cache directory for this model's pieces; "" = Inductor's default
     use_cuda_graphs: bool = True  # False: compiled pieces without graphs even on CUDA (for comparison)
+    fuse_draft_loop: bool = True  # FULL modes: the drafter's K steps as one graph (False: a graph per step)
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
     progress: bool = True  # progress bars for compile and capture
@@ -112,6 +113,7 @@ class ResolvedConfig:
     capture_sizes: tuple[int, ...]  # token counts with compiled pieces (PIECEWISE graphs); empty in NONE
     full_capture_sizes: tuple[int, ...]  # request counts with FULL graphs; empty without a FULL mode
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
+    fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
 
     @property
     def lookahead(self) -> int:
@@ -179,6 +181,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         capture_sizes=sizes,
         full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
+        fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "

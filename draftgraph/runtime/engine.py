@@ -58,6 +58,7 @@ class Engine:
             drafter_fn,
             compiled.full_target if compiled else None,
             compiled.full_drafter if compiled else None,
+            compiled.loop_backend if compiled else None,
         )
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead
@@ -185,6 +186,11 @@ class Engine:
         s["mode"] = self.config.mode.value
         s["num_speculative_tokens"] = self.k
         s["cuda_graphs"] = self.config.graphs_enabled
+        # Which artifact ran each forward: "fn/full/q5/b8", "fn/loop/q5/b8/greedy" (the fused draft loop),
+        # "fn/piecewise/t16", or "fn/none" (no graph: a fallback in a graph mode).
+        hits = dict(sorted(self.runner.forwards.hits.items()))
+        s["dispatch"] = hits
+        s["fallbacks"] = 0 if not self.config.graphs_enabled else sum(v for k, v in hits.items() if k.endswith("/none"))
         if self.compiled is not None:
             s["compile"] = self.compiled.counters.as_dict()
         return s

@@ -1,7 +1,10 @@
-"""Run the target forward and the drafter step for a `Dispatch`: a FULL graph replay, or the function
-itself (compiled with its piece graphs, or eager) at the dispatch's padded size."""
+"""Run the target forward, the drafter step and the fused draft loop for a `Dispatch`: a FULL graph
+replay, or the function itself (compiled with its piece graphs, or eager) at the dispatch's padded size.
+Every call counts one hit for its dispatch key (`engine.stats()["dispatch"]`)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from draftgraph.compiler.full_graph import FullGraphs
 from draftgraph.models.attention.metadata import AttentionMetadata
@@ -34,15 +37,25 @@ class Forwards:
         self.target_fn, self.drafter_fn = target_fn, drafter_fn
         self.target_caches, self.draft_caches, self.aux_layers = target_caches, draft_caches, aux_layers
         self.full_target, self.full_drafter = full_target, full_drafter
+        self.hits: Counter = Counter()  # "fn/dispatch key" -> calls
 
     def target(self, d: Dispatch, ids, positions, meta):
+        self.hits[f"target/{d.key}"] += 1
         if d.runtime == "FULL" and self.full_target is not None:
             call = lambda x: self.target_fn(x["ids"], x["positions"], _meta(x), self.target_caches, self.aux_layers)
             return self.full_target.run(d.key, _flat(ids, positions, meta), call)
         return self.target_fn(ids, positions, meta, self.target_caches, self.aux_layers)
 
     def drafter(self, d: Dispatch, ids, positions, hidden, meta):
+        self.hits[f"drafter/{d.key}"] += 1
         if d.runtime == "FULL" and self.full_drafter is not None:
             call = lambda x: self.drafter_fn(x["ids"], x["positions"], x["hidden"], _meta(x), self.draft_caches)
             return self.full_drafter.run(d.key, _flat(ids, positions, meta, hidden), call)
         return self.drafter_fn(ids, positions, hidden, meta, self.draft_caches)
+
+    def loop(self, key: str, inputs: dict, loop_fn):
+        """The fused draft loop (`loop_fn(**inputs)`) as one FULL graph, or its compiled code without one."""
+        self.hits[f"drafter/{key}"] += 1
+        if self.full_drafter is not None:
+            return self.full_drafter.run(key, inputs, lambda x: loop_fn(**x))
+        return loop_fn(**inputs)

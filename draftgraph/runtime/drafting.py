@@ -1,0 +1,127 @@
+"""The drafter's K steps as one plain Python loop, run two ways.
+
+`draft_loop` is the loop: the first step over the rows the target verified, the token choice at each
+request's sampling row, then K - 1 single-token steps whose positions, slots and visible lengths
+advance on the device from the block tables. Nothing in it touches the host, so it can be:
+
+* traced once by Dynamo with the drafter module inside (compiler/compiled_forward.py, `CompiledLoop`)
+  and captured as one CUDA graph per padded request count: the fused loop of FULL mode;
+* run as written around the compiled drafter step (its split pieces, piece graphs or per-step FULL
+  graphs): the K replays of PIECEWISE mode, and mode NONE with the eager drafter.
+
+Both run the same arithmetic in the same order, so they choose the same tokens.
+
+Every row of the loop is a request slot of the padded batch: rows with `valid` False (padding) read
+nothing (visible length 0), write no KV (slot -1) and record their sampling probabilities in the
+scratch row of `draft_probs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.drafters.base import Drafter
+from draftgraph.runtime.sampler import SALT_DRAFT, SamplingTensors, probabilities, sample_from_probs
+
+META_FIELDS = ("slot_mapping", "token_req", "token_kv_len", "block_tables", "seq_lens", "query_start_loc")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata], tuple]
+
+
+def advance(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """Metadata for one token per request at positions `pos` [B] (request i reads row i of `tables`);
+    rows where `valid` is False write nothing and see nothing."""
+    b = pos.shape[0]
+    rows = torch.arange(b, device=pos.device)
+    block = tables.gather(1, (pos // block_size)[:, None])[:, 0].long()
+    kv_len = torch.where(valid, pos + 1, torch.zeros_like(pos))
+    meta = AttentionMetadata(
+        slot_mapping=torch.where(valid, block * block_size + pos % block_size, torch.full_like(pos, -1)),
+        token_req=rows.int(),
+        token_kv_len=kv_len.int(),
+        block_tables=tables,
+        seq_lens=kv_len.int(),
+        query_start_loc=torch.arange(b + 1, device=pos.device).int(),
+    )
+    return pos, meta
+
+
+class Chooser:
+    """The token choice of one draft step: argmax, or a draw with per-(seed, position) noise whose
+    probabilities are kept (at `draft_probs[slots, step]`) for the next verify's rejection sampling."""
+
+    def __init__(self, drafter: Drafter, target_vocab: int):
+        self.drafter, self.target_vocab = drafter, target_vocab
+
+    def __call__(self, logit_h, rows, pred_pos, step: int, sampling: dict | None, slots, draft_probs):
+        drafter = self.drafter
+        logits = drafter.compute_logits(logit_h, rows)
+        greedy_ids = logits.argmax(-1)
+        if sampling is None:  # every request greedy (host-known): no probability work at all
+            return drafter.to_target_ids(greedy_ids)
+        st = SamplingTensors(**sampling, greedy_rows=())
+        q = probabilities(logits, st)
+        drawn = sample_from_probs(q, st.seeds, pred_pos, SALT_DRAFT)
+        draft_probs[slots, step] = drafter.draft_probs_to_target(q, self.target_vocab)
+        return drafter.to_target_ids(torch.where(st.temperature <= 0, greedy_ids, drawn))
+
+
+def draft_loop(
+    first: StepFn,
+    step: StepFn,
+    choose: Chooser,
+    k: int,
+    shift: int,
+    block_size: int,
+    feed_hidden: bool,
+    input_ids,
+    positions,
+    hidden,
+    meta: AttentionMetadata,
+    sample_rows,
+    valid,
+    tables,
+    sampling: dict | None,
+    slots,
+    draft_probs,
+) -> torch.Tensor:
+    """K draft tokens [B, K] (target ids) for the B rows of `sample_rows` (one per request slot).
+
+    `first` runs over the first step's rows; request i's first draft comes from row sample_rows[i],
+    which sits at position p_i, so draft j predicts position p_i + j + shift (shift: 2 for drafters
+    that pair the target's hidden at i with the token at i + 1, 1 for a draft model)."""
+    next_h, logit_h = first(input_ids, positions, hidden, meta)
+    row_pos = positions[sample_rows]
+    h = next_h[sample_rows]
+    out = [choose(logit_h, sample_rows, row_pos + shift, 0, sampling, slots, draft_probs)]
+    for j in range(1, k):
+        pos, step_meta = advance(tables, row_pos + j, valid, block_size)
+        h, logit_h = step(out[-1], pos, h if feed_hidden else None, step_meta)
+        out.append(choose(logit_h, None, row_pos + j + shift, j, sampling, slots, draft_probs))
+    return torch.stack(out, dim=1)
+
+
+def fused_loop_fn(drafter: Drafter, caches, choose: Chooser, k: int, shift: int, block_size: int, feed_hidden: bool):
+    """The loop with the drafter module itself as every step, over flat tensor arguments (what Dynamo
+    traces for the fused graph, and what a FULL graph captures)."""
+
+    def run(drafter_step, *, sampled: bool):
+        def loop(input_ids, positions, hidden, slot_mapping, token_req, token_kv_len, block_tables, seq_lens,
+                 query_start_loc, sample_rows, valid, slots, draft_probs, temperature=None, top_k=None, top_p=None,
+                 seeds=None):  # fmt: skip
+            meta = AttentionMetadata(slot_mapping, token_req, token_kv_len, block_tables, seq_lens, query_start_loc)
+            sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds) if sampled else None
+            return draft_loop(drafter_step, drafter_step, choose, k, shift, block_size, feed_hidden, input_ids,
+                              positions, hidden, meta, sample_rows, valid, block_tables, sampling, slots,
+                              draft_probs)  # fmt: skip
+
+        return loop
+
+    def drafter_step(ids, pos, hidden, meta):
+        return drafter(ids, pos, hidden, meta, caches)
+
+    return run(drafter_step, sampled=False), run(drafter_step, sampled=True)

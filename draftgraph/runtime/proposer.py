@@ -1,0 +1,202 @@
+"""Proposing the next K drafts, after the target verified: the drafter's first-step inputs, then the
+draft loop (runtime/drafting.py), fused into one graph or run step by step.
+
+The first step runs over a fixed set of rows chosen without knowing the accepted count `a`:
+
+* Hidden-state drafters (EAGLE, EAGLE-3, MTP) take every verify and prefill row: row i pairs the
+  target hidden state at i with the token at i+1, which the device picks (accepted draft, or the new
+  token y at row a, filler past it). The first draft is read at row n+a.
+* An independent draft model takes K+2 rows per decode request: its own tokens n..n+K+1, with y at
+  n+a+1, and the first draft is read there. Rows past it hold stale keys that later steps overwrite
+  before they are read (reads stop at each token's position, so KV is rolled back by length).
+
+A uniform decode batch whose first step dispatches FULL runs the fused loop: one graph replay per
+proposal. Anything else runs the same loop around the per-step forwards (piece graphs, per-step FULL
+graphs for the later single-token steps, or compiled code).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.models.drafters.base import Drafter
+from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
+from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
+from draftgraph.runtime.drafting import META_FIELDS, SAMPLING_FIELDS, Chooser, draft_loop, fused_loop_fn
+from draftgraph.runtime.forwards import Forwards
+from draftgraph.runtime.sampler import SamplingTensors
+
+
+class Proposer:
+    def __init__(
+        self,
+        drafter: Drafter,
+        target_cfg,
+        k: int,
+        block_size: int,
+        max_num_seqs: int,
+        target_meta: MetadataBuilder,
+        draft_meta: MetadataBuilder | None,
+        draft_caches,
+        forwards: Forwards,
+        dispatcher: Dispatcher,
+        device,
+        loop_backend=None,
+    ):
+        self.drafter, self.target_cfg, self.k, self.block_size = drafter, target_cfg, k, block_size
+        self.target_meta, self.draft_meta, self.forwards, self.dispatcher = (
+            target_meta,
+            draft_meta,
+            forwards,
+            dispatcher,
+        )
+        self.device = torch.device(device)
+        self.hidden_kind = drafter.target_hidden != "none"
+        self.aux = drafter.target_hidden == "aux"
+        self.shift = 2 if self.hidden_kind else 1
+        self.first_q = k + 1 if self.hidden_kind else k + 2  # first-step rows per decode request
+        self.max_num_seqs = max_num_seqs
+        # q of the pending drafts per request slot; the last row is the padding rows' scratch.
+        self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
+        self.choose = Chooser(drafter, target_cfg.vocab_size)
+        self.loops = None  # (greedy, sampled) compiled fused loops (FULL modes)
+        if loop_backend is not None:
+            from draftgraph.compiler.compiled_forward import CompiledLoop
+
+            fns = fused_loop_fn(drafter, draft_caches, self.choose, k, self.shift, block_size, self.hidden_kind)
+            self.loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", loop_backend) for fn, v in zip(fns, ("g", "s")))
+
+    # ---- one proposal ------------------------------------------------------------------------------
+
+    def propose(self, sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
+                y, st: SamplingTensors, d: Dispatch) -> torch.Tensor:  # fmt: skip
+        """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step. `d` is the
+        target's dispatch: a hidden-state drafter's first step runs on the same rows, so the same shape."""
+        k, dev, nd = self.k, self.device, len(decodes)
+        y_dec, y_pre = y[:nd], y[nd:]
+        j = torch.arange(k + 2, device=dev)[None, :]
+        if self.hidden_kind:
+            # Row i takes the token at i+1: prompt tokens for chunks (y after a prompt's end), and for
+            # decodes the accepted drafts then y (entries past row a are filler).
+            shifted = list(ids) + [0] * (input_ids.shape[0] - len(ids))  # padding rows too
+            for (first, n), c in zip(chunk_rows, chunks):
+                s = c.req.num_computed
+                shifted[first : first + n] = (c.req.tokens[s + 1 : s + n + 1] + [0])[:n]
+            tok = torch.tensor(shifted, dtype=torch.long).to(dev, non_blocking=True)
+            drafts_pad = torch.cat([input_ids[: nd * (k + 1)].view(nd, k + 1)[:, 1:], y_dec[:, None]], dim=1)
+            tok[: nd * (k + 1)] = torch.where(j[:, : k + 1] < accepted[:, None], drafts_pad, y_dec[:, None]).flatten()
+            d_meta, d_pos, d1 = meta, positions, d
+            h_in = torch.cat(aux, dim=-1) if self.aux else hidden
+        else:
+            slices, host_tok = [], []
+            for r in decodes:
+                slices.append(RequestSlice(r.block_table.blocks, r.num_computed, k + 2))
+                host_tok += [r.tokens[-1], *r.drafts, 0]
+            for c in chunks:
+                s = c.req.num_computed
+                slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens + int(c.last)))
+                host_tok += c.req.tokens[s : s + c.num_tokens] + ([0] if c.last else [])
+            uniform = k + 2 if nd and not chunks else None
+            d1 = self.dispatcher.dispatch(BatchDescriptor(len(host_tok), len(slices), uniform))
+            d_meta, d_pos = self.draft_meta.build(slices, num_tokens_padded=d1.num_tokens, num_reqs_padded=d1.num_reqs)
+            host_tok += [0] * (d1.num_tokens - len(host_tok))
+            tok = torch.tensor(host_tok, dtype=torch.long).to(dev, non_blocking=True)
+            dec = tok[: nd * (k + 2)].view(nd, k + 2)
+            tok[: nd * (k + 2)] = torch.where(j == accepted[:, None] + 1, y_dec[:, None], dec).flatten()
+            h_in = None
+        # Each request's sampling row: decodes at their accepted count, chunks at their last row.
+        offset = 0 if self.hidden_kind else 1
+        starts = torch.arange(nd, device=dev) * self.first_q
+        chunk_last, row = [], nd * self.first_q
+        for c in chunks:
+            n = c.num_tokens + (0 if self.hidden_kind else int(c.last))
+            if c.last:
+                chunk_last.append(row + n - 1)
+            row += n
+        last_t = torch.tensor(chunk_last, dtype=torch.long).to(dev, non_blocking=True)
+        if chunk_last:
+            tok[last_t] = y_pre
+        sample_rows = torch.cat([starts + accepted + offset, last_t])
+        n = len(sampled)
+        if not n:  # prompt chunks only: their drafter KV is written, nothing is proposed
+            self.forwards.drafter(d1, tok, d_pos, h_in, d_meta)
+            return torch.empty(0, k, dtype=torch.long, device=dev)
+
+        fused = self.loops is not None and d1.runtime == "FULL" and not chunks
+        if fused:
+            rows, tables = d1.num_reqs, d_meta.block_tables  # requests in order, padded by the builder
+        else:
+            d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, 1))  # later steps: one row per request
+            rows = d_step.num_tokens
+            table_rows = list(range(nd)) + [nd + i for i, c in enumerate(chunks) if c.last]
+            tables = _pad_rows(d_meta.block_tables[torch.tensor(table_rows, device=dev)], rows)
+        greedy = st.all_greedy
+        args = dict(
+            sample_rows=_pad_rows(sample_rows, rows),
+            valid=torch.arange(rows, device=dev) < n,
+            slots=torch.tensor([r.slot for r in sampled] + [self.max_num_seqs] * (rows - n)).to(dev, non_blocking=True),
+            draft_probs=self.draft_probs,
+        )
+        if not greedy:
+            args.update({f: _pad_rows(getattr(st, f), rows) for f in SAMPLING_FIELDS})
+        if fused:
+            key = f"loop/q{self.first_q}/b{rows}/{'greedy' if greedy else 'sample'}"
+            flat = dict(input_ids=tok, positions=d_pos, hidden=h_in, **{f: getattr(d_meta, f) for f in META_FIELDS})
+            drafts = self.forwards.loop(key, {**flat, **args}, self.loops[0 if greedy else 1])
+        else:
+            sampling = None if greedy else {f: args[f] for f in SAMPLING_FIELDS}
+
+            def first(ids_, pos_, h_, m_):
+                return self.forwards.drafter(d1, ids_, pos_, h_, m_)
+
+            def step(ids_, pos_, h_, m_):
+                return self.forwards.drafter(d_step, ids_, pos_, h_, m_)
+
+            drafts = draft_loop(first, step, self.choose, k, self.shift, self.block_size, self.hidden_kind, tok,
+                                d_pos, h_in, d_meta, args["sample_rows"], args["valid"], tables, sampling,
+                                args["slots"], self.draft_probs)  # fmt: skip
+        return drafts[:n]
+
+    def probs_for(self, slots: list[int]) -> torch.Tensor:
+        """q [len(slots), K, V] of the pending drafts of these request slots."""
+        return self.draft_probs[torch.tensor(slots, device=self.device)]
+
+    # ---- capture --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def dummy_loops(self, num_reqs: int) -> None:
+        """Run (capturing while allowed) both fused loops at `num_reqs` padded requests, on padding only."""
+        d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * self.first_q, num_reqs, self.first_q))
+        if self.loops is None or d.runtime != "FULL":
+            return
+        dev, b = self.device, d.num_reqs
+        builder = self.target_meta if self.hidden_kind else self.draft_meta
+        meta, positions = builder.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=b)
+        width = None
+        if self.hidden_kind:
+            width = 3 * self.target_cfg.hidden_size if self.aux else self.drafter.cfg.hidden_size
+        x = dict(
+            input_ids=torch.zeros(d.num_tokens, dtype=torch.long, device=dev),
+            positions=positions,
+            hidden=None if width is None else torch.zeros(d.num_tokens, width, dtype=self.target_cfg.dtype, device=dev),
+            **{f: getattr(meta, f) for f in META_FIELDS},
+            sample_rows=torch.zeros(b, dtype=torch.long, device=dev),
+            valid=torch.zeros(b, dtype=torch.bool, device=dev),
+            slots=torch.full((b,), self.max_num_seqs, dtype=torch.long, device=dev),
+            draft_probs=self.draft_probs,
+        )
+        self.forwards.loop(f"loop/q{self.first_q}/b{b}/greedy", x, self.loops[0])
+        x.update(
+            temperature=torch.ones(b, device=dev),
+            top_k=torch.zeros(b, dtype=torch.long, device=dev),
+            top_p=torch.ones(b, device=dev),
+            seeds=torch.zeros(b, dtype=torch.long, device=dev),
+        )
+        self.forwards.loop(f"loop/q{self.first_q}/b{b}/sample", x, self.loops[1])
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x with zero rows appended up to n rows."""
+    if x.shape[0] == n:
+        return x
+    return torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])
