@@ -98,6 +98,15 @@ def cmd_generate(args) -> int:
     for out in outputs[: min(3, len(outputs))]:
         print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
     print_report(engine.stats())
+    if args.profile:
+        from draftgraph.runtime.profiling import profile_steps
+
+        for prompt in prompts:  # the same requests again, profiled for the first --profile steps
+            engine.add_request(prompt, params)
+        summary = profile_steps(engine, args.profile)
+        while engine.has_unfinished():
+            engine.step()
+        print(summary.format())
     return 0
 
 
@@ -124,6 +133,9 @@ def print_report(s: dict) -> None:
     else:
         ran = "eager, no compilation"
     print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}; {ran})")
+    if s.get("dispatch") and s["mode"] != "NONE":
+        hits = ", ".join(f"{key} {n}" for key, n in s["dispatch"].items())
+        print(f"forwards by artifact ({s['fallbacks']} fallbacks without graphs): {hits}")
 
 
 def cmd_inspect(args) -> int:
@@ -183,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument(
+            "--profile",
+            type=int,
+            default=0,
+            metavar="STEPS",
+            help="afterwards, profile this many steps: GPU kernels launched from CUDA graphs vs outside them",
+        )
         p.set_defaults(func=cmd_generate)
     p = sub.add_parser("inspect", help="write normalized graph dumps and a summary for a model pair and config")
     _add_common(p)

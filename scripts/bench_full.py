@@ -1,17 +1,22 @@
-"""Target verify and the drafter's K steps: eager vs PIECEWISE vs FULL (whole-forward CUDA graphs), on the
-Llama-3.2-1B-shaped target with an EAGLE head (see bench_piecewise.py for the models), K = 4, bf16.
+"""FULL mode on the Llama-3.2-1B-shaped target with an EAGLE head (models: bench_piecewise.py), K = 4, bf16.
 
-Verify: B requests x (1 + K) tokens at `--context` cached tokens. Draft: K steps of B rows (step 1 on B
-rows here, as in later steps; forward, logits over the full vocabulary, argmax, on-device advance). FULL
-draft steps are K separate full-graph replays (the fused one-graph loop is not built yet). Bandwidth floor
-beside each row; medians of CUDA-event timings.
+Three measurements per batch size B, each against its bandwidth floor (bytes that must be read once over
+the measured device-to-device copy bandwidth) and as a ratio to it:
+
+1. Target verify, B requests x (1 + K) tokens at `--context` cached tokens: eager vs PIECEWISE vs FULL.
+2. The drafter's K steps as the engine runs them (Proposer.run_loop; first step over the verify rows):
+   eager vs K PIECEWISE replays vs K separate FULL graphs (fusing off) vs the fused one-graph loop.
+3. The whole speculative step (engine.step(): metadata, verify, rejection sampling, proposal, the one
+   host copy), wall time per step in steady decode, eager vs PIECEWISE vs FULL (fused).
+
+Medians: CUDA-event timings (triton do_bench) for 1 and 2, wall clock of synchronous steps for 3.
 Usage: python scripts/bench_full.py [--sizes 1,8,32,128] [--k 4] [--context 512]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import time
 
 import torch
@@ -20,13 +25,24 @@ import triton
 import draftgraph as dg
 from draftgraph.runtime.attn_metadata import RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor
-from scripts.bench_piecewise import build_pair, copy_bandwidth, layer_bytes
+from scripts.bench_piecewise import Bench, build_pair, copy_bandwidth, layer_bytes
+
+MODES = {
+    "eager": dict(mode="NONE"),
+    "piecewise": dict(mode="PIECEWISE"),
+    "full_steps": dict(mode="FULL", fuse_draft_loop=False),
+    "full": dict(mode="FULL"),
+}
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=80, return_mode="median")
 
 
 def verify_fn(engine, b, k, ctx):
     r = engine.runner
-    bs, q = r.shape.block_size, k + 1
-    per = math.ceil((ctx + 2 * k + 2) / bs)
+    per = -(-(ctx + 2 * k + 2) // r.shape.block_size)
+    q = k + 1
     slices = [RequestSlice(list(range(i * per, (i + 1) * per)), ctx, q) for i in range(b)]
     d = r.dispatcher.dispatch(BatchDescriptor(b * q, b, q))
     meta, pos = r.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
@@ -34,28 +50,30 @@ def verify_fn(engine, b, k, ctx):
     return lambda: r.forwards.target(d, ids, pos, meta), d.runtime
 
 
-def draft_fn(engine, b, k, ctx):
-    r = engine.runner
-    bs = r.shape.block_size
-    per = math.ceil((ctx + 2 * k + 2) / bs)
-    tables = torch.zeros(b, engine.config.max_blocks_per_req, device="cuda", dtype=torch.int32)  # engine width
-    tables[:, :per] = torch.arange(b * per, device="cuda", dtype=torch.int32).view(b, per)
-    d = r.dispatcher.dispatch(BatchDescriptor(b, b, 1))
-    hidden = torch.randn(d.num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
-    base = torch.full((b,), ctx, device="cuda", dtype=torch.long)
-    toks0 = torch.randint(0, 1000, (d.num_tokens,), device="cuda")
-
-    def run():
-        h, toks = hidden, toks0
-        for step in range(k):
-            pos, meta = r._advance(tables, base + step, d.num_tokens, d.num_reqs)
-            nh, lh = r.forwards.drafter(d, toks, pos, h, meta)
-            t = r.drafter.compute_logits(lh[:b]).argmax(-1)
-            toks = torch.cat([t, t.new_zeros(d.num_tokens - b)])
-            h = nh
-        return toks
-
-    return run, d.runtime
+def step_time(engine, b, k, ctx, steps=30) -> tuple[float, float]:
+    """Median wall ms of engine.step() over `steps` uniform decode steps of b requests; acceptance."""
+    g = torch.Generator().manual_seed(b)
+    for _ in range(b):
+        prompt = torch.randint(0, 1000, (ctx,), generator=g).tolist()
+        engine.add_request(prompt, dg.SamplingParams(max_tokens=steps + 12, ignore_eos=True))
+    sched = engine.scheduler
+    while any(r.prefilling for r in sched.running) or sched.waiting:
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # warm
+    before = engine.stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()  # ends with the step's one device-to-host copy (a sync)
+        times.append((time.perf_counter() - t0) * 1e3)
+    after = engine.stats()
+    acc = (after["accepted_tokens"] - before["accepted_tokens"]) / max(
+        1, after["draft_tokens"] - before["draft_tokens"]
+    )
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times), acc
 
 
 def main():
@@ -72,7 +90,7 @@ def main():
     base = dict(
         num_speculative_tokens=k,
         max_num_seqs=max_b,
-        max_num_batched_tokens=max_b * (k + 1),
+        max_num_batched_tokens=max(max_b * (k + 1), 2048),
         max_model_len=ctx + 64,
         device="cuda",
         progress=False,
@@ -80,9 +98,9 @@ def main():
         full_capture_sizes=tuple(sizes),
     )
     engines = {}
-    for name, mode in (("eager", "NONE"), ("piecewise", "PIECEWISE"), ("full", "FULL")):
+    for name, extra in MODES.items():
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(mode=mode, **base))
+        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
     t_bytes = layer_bytes(target) - target.head_weight.numel() * 2
     d_bytes, head = layer_bytes(drafter), target.head_weight.numel() * 2
@@ -91,36 +109,46 @@ def main():
         f"{bw / 1e9:.0f} GB/s; context {ctx}, K={k}; milliseconds (median)"
     )
     hdr = (
-        f"{'B':>4} | {'verify eager':>12} {'piecewise':>9} {'FULL':>7} {'floor':>6} {'FULL/floor':>10} | "
-        f"{'K drafts eager':>14} {'piecewise':>9} {'FULL xK':>7} {'floor':>6} {'FULL/floor':>10}"
+        f"{'B':>4} | {'verify eager':>12} {'piecewise':>9} {'FULL':>7} {'floor':>6} {'FULL/fl':>7} | "
+        f"{'K drafts eager':>14} {'pw xK':>7} {'FULL xK':>7} {'fused':>7} {'floor':>6} {'fused/fl':>8} "
+        f"{'pw/fused':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
     for b in sizes:
-        kv = 2 * b * ctx * 8 * 64 * 2
+        kv = 2 * b * ctx * 8 * 64 * 2  # K and V of one layer, bf16
         t_floor = (t_bytes + 16 * kv) / bw * 1e3
-        d_floor = k * (d_bytes + head + kv) / bw * 1e3
-        rows = {}
+        d_floor = (k * (d_bytes + head + kv)) / bw * 1e3
+        v, dr = {}, {}
         for name in ("eager", "piecewise", "full"):
-            fv, rv = verify_fn(engines[name], b, k, ctx)
-            fd, rd = draft_fn(engines[name], b, k, ctx)
-            rows[name] = (
-                triton.testing.do_bench(fv, warmup=10, rep=60, return_mode="median"),
-                triton.testing.do_bench(fd, warmup=10, rep=60, return_mode="median"),
-                rv,
-                rd,
-            )
-        assert rows["full"][2] == "FULL" and rows["full"][3] == "FULL", rows["full"]
-        e, p, f = rows["eager"], rows["piecewise"], rows["full"]
+            fn, runtime = verify_fn(engines[name], b, k, ctx)
+            v[name] = timed(fn)
+            if name == "full":
+                assert runtime == "FULL", runtime
+        for name in MODES:
+            dr[name] = timed(Bench(engines[name], ctx, k).draft_steps(b))
         print(
-            f"{b:>4} | {e[0]:>12.3f} {p[0]:>9.3f} {f[0]:>7.3f} {t_floor:>6.3f} {f[0] / t_floor:>10.2f} | "
-            f"{e[1]:>14.3f} {p[1]:>9.3f} {f[1]:>7.3f} {d_floor:>6.3f} {f[1] / d_floor:>10.2f}"
+            f"{b:>4} | {v['eager']:>12.3f} {v['piecewise']:>9.3f} {v['full']:>7.3f} {t_floor:>6.3f} "
+            f"{v['full'] / t_floor:>7.2f} | {dr['eager']:>14.3f} {dr['piecewise']:>7.3f} {dr['full_steps']:>7.3f} "
+            f"{dr['full']:>7.3f} {d_floor:>6.3f} {dr['full'] / d_floor:>8.2f} {dr['piecewise'] / dr['full']:>8.2f}"
         )
-    c = engines["full"].compiled.counters
-    print(
-        f"\nFULL engine: graphs captured {c.graphs_captured}, replays {sum(c.graph_replays.values())}, "
-        f"compiled runs without graph {sum(c.compiled_runs.values())}"
-    )
+    hits = engines["full"].stats()["dispatch"]
+    assert any("/loop/" in key for key in hits), hits  # the fused loop ran
+    print("\nwhole speculative step (engine.step, wall ms, steady decode; floor = verify floor + K-draft floor)")
+    hdr = f"{'B':>4} | {'eager':>8} {'piecewise':>9} {'FULL':>8} {'floor':>6} {'FULL/fl':>7} {'pw/FULL':>7} | accept"
+    print(hdr)
+    print("-" * len(hdr))
+    for b in sizes:
+        kv = 2 * b * ctx * 8 * 64 * 2
+        floor = ((t_bytes + 16 * kv) + k * (d_bytes + head + kv)) / bw * 1e3
+        st = {name: step_time(engines[name], b, k, ctx) for name in ("eager", "piecewise", "full")}
+        e, p, f = st["eager"][0], st["piecewise"][0], st["full"][0]
+        print(
+            f"{b:>4} | {e:>8.2f} {p:>9.2f} {f:>8.2f} {floor:>6.2f} {f / floor:>7.2f} {p / f:>7.2f} | "
+            f"{st['full'][1]:.3f}"
+        )
+    s = engines["full"].stats()
+    print(f"\nFULL engine: fallbacks {s['fallbacks']}, forwards by artifact {s['dispatch']}")
 
 
 if __name__ == "__main__":

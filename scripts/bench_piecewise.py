@@ -5,10 +5,11 @@ Target: 16 layers, hidden 2048, 32 query / 8 KV heads (head_dim 64), intermediat
 128256, random weights, bf16. Drafter: a 1-layer EAGLE head of the same shape (upstream key names,
 random weights). Decode batches of B requests with `--context` cached tokens each.
 
-Rows: B in 1..256. Columns: the target forward of B decode tokens, and the drafter's K steps (K rows
-of B tokens each: forward, logits over the full vocabulary, argmax, positions/slots advanced on the
-device), each with its bandwidth floor: the bytes it must read once (weights, KV cache; the LM head for
-every draft step) over the measured device-to-device copy bandwidth. Medians of CUDA-event timings.
+Rows: B in 1..256. Columns: the target forward of B decode tokens, and the drafter's K steps as the
+engine runs them (first step over B x (1 + K) rows, then K - 1 steps of B rows: forward, logits over the
+full vocabulary, argmax, positions/slots advanced on the device), each with its bandwidth floor: the
+bytes it must read once (weights, KV cache; the LM head for every draft step) over the measured
+device-to-device copy bandwidth. Medians of CUDA-event timings.
 Usage: python scripts/bench_piecewise.py [--sizes 1,8,64,256] [--k 4] [--context 512]
 """
 
@@ -27,6 +28,8 @@ from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.drafters import load_drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import RequestSlice
+from draftgraph.runtime.dispatcher import BatchDescriptor
+from draftgraph.runtime.sampler import SamplingTensors
 
 SHAPE = dict(
     vocab_size=128256,
@@ -103,25 +106,22 @@ class Bench:
         return lambda: fn(ids, pos, meta, self.runner.target_cache.layers)
 
     def draft_steps(self, b):
-        """K drafter forwards of b rows with logits + argmax and the on-device advance between them."""
-        meta, pos, ids = self.inputs(b)
+        """The drafter's K steps for b decode requests as the engine runs them (Proposer.run_loop): the first
+        step over b x (1 + K) verify rows, the choice at each request's last row, then K - 1 single-row
+        steps with the on-device advance; the fused one-graph loop where the engine has it."""
         r = self.runner
-        n_pad = r.dispatcher.padded_tokens(b)
-        hidden = torch.randn(n_pad, 2048, device="cuda", dtype=torch.bfloat16)
-        tables = meta.block_tables[:b]
-
-        def run():
-            h, toks, p, m = hidden, ids, pos, meta
-            for step in range(self.k):
-                if step:
-                    p, m = r._advance(tables, pos[:b] + step, n_pad)
-                nh, lh = r.drafter_fn(toks, p, h, m, r.draft_cache.layers)
-                toks = r.drafter.compute_logits(lh[:b]).argmax(-1)
-                toks = torch.cat([toks, toks.new_zeros(n_pad - b)])
-                h = nh
-            return toks
-
-        return run
+        p, k, q = r.proposer, self.k, r.proposer.first_q
+        per = math.ceil((self.context + 2 * k + 2) / r.shape.block_size)
+        slices = [RequestSlice(list(range(i * per, (i + 1) * per)), self.context, q) for i in range(b)]
+        d1 = r.dispatcher.dispatch(BatchDescriptor(b * q, b, q))
+        meta, pos = r.target_meta.build(slices, num_tokens_padded=d1.num_tokens, num_reqs_padded=d1.num_reqs)
+        tok = torch.randint(0, 1000, (d1.num_tokens,), device="cuda")
+        hidden = torch.randn(d1.num_tokens, r.drafter.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        sample_rows = torch.arange(b, device="cuda") * q + (q - 1)  # every draft accepted: the last row
+        zeros = torch.zeros(b, device="cuda")
+        st = SamplingTensors(zeros, zeros.long(), zeros + 1, zeros.long(), (True,) * b)
+        rows = list(range(b))
+        return lambda: p.run_loop(d1, tok, pos, hidden, meta, sample_rows, rows, rows, st)
 
 
 def timed(fn) -> float:
@@ -147,7 +147,7 @@ def main():
         max_num_batched_tokens=max_b * (k + 1),
         max_model_len=ctx + 64,
         device="cuda",
-        capture_sizes=tuple(sizes),
+        capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
         progress=False,
     )
     engines = {}

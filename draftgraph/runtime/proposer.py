@@ -122,19 +122,27 @@ class Proposer:
             self.forwards.drafter(d1, tok, d_pos, h_in, d_meta)
             return torch.empty(0, k, dtype=torch.long, device=dev)
 
-        fused = self.loops is not None and d1.runtime == "FULL" and not chunks
+        table_rows = list(range(nd)) + [nd + i for i, c in enumerate(chunks) if c.last]
+        return self.run_loop(d1, tok, d_pos, h_in, d_meta, sample_rows, table_rows, [r.slot for r in sampled], st)
+
+    def run_loop(self, d1: Dispatch, tok, d_pos, h_in, d_meta, sample_rows, table_rows: list[int], slots: list[int],
+                 st: SamplingTensors) -> torch.Tensor:  # fmt: skip
+        """Drafts [n, K] for the n requests whose first drafts come from rows `sample_rows` of the first step
+        (dispatched as `d1`); request i reads row table_rows[i] of the block tables and owns slot slots[i]."""
+        k, dev, n = self.k, self.device, len(slots)
+        uniform = table_rows == list(range(n)) and d1.num_reqs >= n  # decodes only: requests in table order
+        fused = self.loops is not None and d1.runtime == "FULL" and uniform
         if fused:
-            rows, tables = d1.num_reqs, d_meta.block_tables  # requests in order, padded by the builder
+            rows, tables = d1.num_reqs, d_meta.block_tables  # padded by the builder
         else:
             d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, 1))  # later steps: one row per request
             rows = d_step.num_tokens
-            table_rows = list(range(nd)) + [nd + i for i, c in enumerate(chunks) if c.last]
             tables = _pad_rows(d_meta.block_tables[torch.tensor(table_rows, device=dev)], rows)
         greedy = st.all_greedy
         args = dict(
             sample_rows=_pad_rows(sample_rows, rows),
             valid=torch.arange(rows, device=dev) < n,
-            slots=torch.tensor([r.slot for r in sampled] + [self.max_num_seqs] * (rows - n)).to(dev, non_blocking=True),
+            slots=torch.tensor(slots + [self.max_num_seqs] * (rows - n)).to(dev, non_blocking=True),
             draft_probs=self.draft_probs,
         )
         if not greedy:

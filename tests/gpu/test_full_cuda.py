@@ -1,9 +1,9 @@
-"""GPU tier: FULL graphs (whole forward, attention inside) for uniform batches.
+"""GPU tier: FULL graphs (whole forward, attention inside) for uniform batches, and the fused draft loop.
 
 The lossless suite gives identical tokens in NONE, PIECEWISE, FULL and FULL_AND_PIECEWISE (and
-acceptance within a few drafts: see the test's comment); the counters prove full graphs replayed for
-uniform batches, and every request count 1..9 replays across the padding boundaries (1, 2, 4, 8
-captured; 3, 5..7 pad; 9 falls back).
+acceptance within a few drafts: see the test's comment); the counters prove full graphs and the fused
+loop replayed for uniform batches; every request count 1..65 replays across the padding boundaries
+(65 falls back); the profiler shows which kernels ran from graphs.
 """
 
 import pytest
@@ -61,7 +61,9 @@ def test_every_mode_gives_the_same_tokens_and_acceptance(target, kind):
             assert any(k.startswith("target/full/q4/") for k in full)  # verify: 1 + K = 4 tokens per request
             assert any(k.startswith("drafter/full/q1/") for k in full)  # later draft steps: 1 token
             first = "q4" if kind != "draft_model" else "q5"  # the first draft step's shape
-            assert any(k.startswith(f"drafter/full/{first}/") for k in full)
+            # The fused loop (first step + K - 1 later steps in one graph) replaces per-step first-step graphs
+            assert any(k.startswith(f"drafter/loop/{first}/") and k.endswith("/greedy") for k in replays)
+            assert not any(k.startswith(f"drafter/full/{first}/") for k in full)
         print(
             f"{kind} {mode}: acceptance {stats['acceptance_histogram']} (NONE {ref_stats['acceptance_histogram']}); "
             f"full graph replays {sum(full.values())}"
@@ -69,36 +71,62 @@ def test_every_mode_gives_the_same_tokens_and_acceptance(target, kind):
 
 
 def test_every_request_count_across_padding(target):
-    """Uniform decode batches of 1..9 requests (8 captured): FULL for 1..8 (padded to 1, 2, 4, 8), 9 falls
-    back; tokens equal mode NONE."""
-    for n in range(1, 10):
-        prompts, params, _ = ragged(16)
-        prompts, params = prompts[:n], [dg.SamplingParams(max_tokens=8, ignore_eos=True)] * n
+    """Uniform decode batches of 1..65 requests (64 captured): FULL for 1..64, padded to the next of 1, 2,
+    4, 8, 16, 24, .., 64, and 65 falls back; tokens equal mode NONE at every count."""
+    engines = {}
+    for mode in ("NONE", "FULL"):
+        cfg = dg.CompileConfig(
+            mode=mode,
+            num_speculative_tokens=3,
+            max_num_seqs=65,
+            max_num_batched_tokens=65 * 4,
+            max_model_len=128,
+            device="cuda",
+            progress=False,
+            max_capture_reqs=64,
+            check_addresses=True,
+        )
+        engines[mode] = dg.compile_model(target, make_drafter("eagle", target), cfg)
+    full_sizes = engines["FULL"].config.full_capture_sizes
+    assert full_sizes[:5] == (1, 2, 4, 8, 16) and full_sizes[-1] == 64
+    prompts_all, _, _ = ragged(65)
+    for n in range(1, 66):
+        prompts = [p[:6] for p in prompts_all[:n]]  # short prompts: one prefill step, then uniform decodes
+        params = [dg.SamplingParams(max_tokens=6, ignore_eos=True)] * n
         outs = {}
-        for mode in ("NONE", "FULL"):
-            cfg = dg.CompileConfig(
-                mode=mode,
-                num_speculative_tokens=3,
-                max_num_seqs=16,
-                max_num_batched_tokens=128,
-                device="cuda",
-                capture_sizes=SIZES,
-                full_capture_sizes=(1, 2, 4, 8),
-                progress=False,
-                check_addresses=True,
-            )
-            eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
+        for mode, eng in engines.items():
+            eng.runner.forwards.hits.clear()
             outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
-            if mode == "FULL":
-                keys = eng.compiled.counters.graph_replays.keys()
-                padded = min([s for s in (1, 2, 4, 8) if s >= n], default=None)
-                target_full = [k for k in keys if k.startswith("target/full/")]
-                # 9 verifying requests exceed the FULL bound: the target falls back (later draft steps of
-                # fewer sampled requests may still use their own full graphs)
-                # requests finish at different steps, so smaller padded counts appear too
-                if padded:
-                    assert f"target/full/q4/b{padded}" in target_full, (n, target_full)
-                    assert all(int(key.rsplit("b", 1)[1]) <= padded for key in target_full), (n, target_full)
-                else:
-                    assert f"target/full/q4/b{padded}" not in target_full and n == 9
         assert outs["FULL"] == outs["NONE"], n
+        hits = engines["FULL"].runner.forwards.hits
+        padded = min([s for s in full_sizes if s >= n], default=None)
+        if padded:
+            assert hits[f"target/full/q4/b{padded}"] > 0, (n, dict(hits))
+            assert hits[f"drafter/loop/q4/b{padded}/greedy"] > 0, (n, dict(hits))
+            assert all(int(key.split("/b")[1].split("/")[0]) <= padded for key in hits if "/b" in key)
+        else:
+            assert n == 65 and not any(key.startswith("target/full/") for key in hits), dict(hits)
+    c = engines["FULL"].compiled.counters
+    assert c.traces["draft_loop"] == 2  # greedy and sampled loops, each traced once for every size
+
+
+def test_profiler_shows_the_step_runs_from_graphs(target):
+    from draftgraph.runtime.profiling import profile_steps
+
+    cfg = dg.CompileConfig(
+        mode="FULL_AND_PIECEWISE",
+        num_speculative_tokens=3,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        device="cuda",
+        progress=False,
+    )
+    eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
+    for i in range(8):
+        eng.add_request([1 + i, 2, 3, 4], dg.SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()  # the prefill
+    s = profile_steps(eng, 5)  # uniform decode steps: verify graph + fused loop graph each
+    print(s.format())
+    assert s.steps == 5
+    assert s.graph_launches == 2 * 5  # one target verify graph, one fused draft loop graph per step
+    assert s.in_graphs > 2 * s.outside  # graphs carry most of the kernels; the rest is the step's glue

@@ -1,0 +1,171 @@
+"""The fused draft loop on the CPU (graphs off, same code path): one Dynamo trace per variant holding all K
+drafter forwards, the same tokens and acceptance as the step-by-step loop and as mode NONE, greedy and
+sampled, and dispatch hits that show which artifact ran."""
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from draftgraph.runtime.drafting import advance
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+KINDS = ["eagle", "eagle3", "mtp", "draft_model"]
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target():
+    return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+
+
+def cfg(mode, backend="eager", **kw):
+    base = dict(
+        mode=mode,
+        num_speculative_tokens=K,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        compile_backend=backend,
+        progress=False,
+    )
+    base.update(kw)
+    return dg.CompileConfig(**base)
+
+
+def run(target, drafter, config, sampled=False):
+    prompts, params, arrivals = ragged(16)
+    if sampled:
+        params = [
+            dg.SamplingParams(
+                max_tokens=p.max_tokens, ignore_eos=True, temperature=0.8, top_k=(0, 20)[i % 2], seed=i, top_p=0.95
+            )
+            for i, p in enumerate(params)
+        ]
+    eng = dg.compile_model(target, drafter, config)
+    outs = eng.generate(prompts, params, arrivals)
+    return eng, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_loop_equals_step_by_step_and_none(target, kind):
+    drafter = make_drafter(kind, target)
+    none, ref = run(target, drafter, cfg("NONE"))
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE"))
+    assert toks == ref
+    assert fused.stats()["accepted_tokens"] == none.stats()["accepted_tokens"] > 0
+
+    c = fused.compiled.counters
+    # One trace per loop variant (greedy, sampled), whatever the batch size; the loop graph holds all K
+    # forwards: K x (drafter attention layers) attention ops, one more compute piece than that.
+    assert c.traces["draft_loop"] == 2 and c.traces["target"] == 1
+    layers = drafter.num_kv_layers
+    for gm, split in fused.compiled.loop_backend.traces:
+        attn = [n for n in gm.graph.nodes if "paged_attention" in str(n.target)]
+        assert len(attn) == K * layers
+        assert len(split.compute_pieces) == K * layers + 1
+    hits = fused.stats()["dispatch"]
+    q = K + 1 if kind != "draft_model" else K + 2
+    loop_hits = sum(v for key, v in hits.items() if key.startswith(f"drafter/loop/q{q}/") and key.endswith("/greedy"))
+    full_verify = sum(v for key, v in hits.items() if key.startswith("target/full/"))
+    assert loop_hits == full_verify > 0  # every FULL verify was followed by one fused proposal
+    assert not any(key.startswith(f"drafter/full/q{q}/") for key in hits)  # no per-step first-step graphs
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+def test_sampled_fused_loop_equals_step_by_step(target, kind):
+    """Sampling inside the loop: the same per-(seed, position) noise gives the same drafts, so the same
+    acceptance, as the step-by-step loop (FULL with fusing off) and mode NONE."""
+    drafter = make_drafter(kind, target)
+    none, ref = run(target, drafter, cfg("NONE"), sampled=True)
+    steps, toks_steps = run(target, drafter, cfg("FULL_AND_PIECEWISE", fuse_draft_loop=False), sampled=True)
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE"), sampled=True)
+    assert toks == toks_steps == ref
+    acc = [e.stats()["accepted_tokens"] for e in (none, steps, fused)]
+    assert acc[0] == acc[1] == acc[2] > 0
+    assert any(key.endswith("/sample") for key in fused.stats()["dispatch"])
+    assert not any("/loop/" in key for key in steps.stats()["dispatch"])
+    assert steps.compiled.loop_backend is None
+
+
+def test_inductor_fused_loop_matches_eager(target):
+    """The Inductor-compiled loop against the loop run eagerly on the same inputs, then end to end."""
+    drafter = make_drafter("eagle", target)
+    fused, toks = run(target, drafter, cfg("FULL", backend="inductor"))
+    none, ref = run(target, drafter, cfg("NONE"))
+    assert toks == ref and fused.stats()["accepted_tokens"] == none.stats()["accepted_tokens"]
+
+    p = fused.runner.proposer
+    b, q = 4, K + 1
+    g = torch.Generator().manual_seed(0)
+    meta, pos = fused.runner.target_meta.build(
+        [dg.runtime.attn_metadata.RequestSlice(list(range(i * 4, i * 4 + 4)), 9 + i, q) for i in range(b)],
+        num_tokens_padded=b * q,
+        num_reqs_padded=b,
+    )
+    x = dict(
+        input_ids=torch.randint(0, 96, (b * q,), generator=g),
+        positions=pos,
+        hidden=torch.randn(b * q, 64, generator=g),
+        **{f: getattr(meta, f) for f in ("slot_mapping", "token_req", "token_kv_len", "block_tables")},
+        seq_lens=meta.seq_lens,
+        query_start_loc=meta.query_start_loc,
+        sample_rows=torch.arange(b) * q + torch.tensor([0, 3, 1, 2]),
+        valid=torch.tensor([True, True, True, False]),
+        slots=torch.tensor([0, 1, 2, 8]),
+        draft_probs=p.draft_probs,
+    )
+    from draftgraph.runtime.drafting import fused_loop_fn
+
+    eager_loop = fused_loop_fn(drafter, fused.runner.draft_cache.layers, p.choose, K, p.shift, 16, True)[0]
+    cache = fused.runner.draft_cache.layers
+    saved = [(kk.clone(), v.clone()) for kk, v in cache]
+    compiled = p.loops[0](**x)
+    after_compiled = [(kk.clone(), v.clone()) for kk, v in cache]
+    for (kk, v), (k0, v0) in zip(cache, saved):
+        kk.copy_(k0), v.copy_(v0)
+    eager = eager_loop(**x)
+    assert compiled.shape == (b, K)
+    assert torch.equal(compiled[:3], eager[:3])  # the padding row's drafts are never read
+    for (kc, vc), (ke, ve) in zip(after_compiled, cache):  # the same KV written, padding wrote nothing
+        torch.testing.assert_close(kc, ke, atol=2e-5, rtol=0)
+        torch.testing.assert_close(vc, ve, atol=2e-5, rtol=0)
+    assert fused.compiled.counters.traces["draft_loop"] == 2  # the direct call re-used the trace
+
+
+def test_advance_masks_padding_rows():
+    tables = torch.tensor([[3, 5], [7, 2], [0, 0]], dtype=torch.int32)
+    pos = torch.tensor([17, 4, 30])
+    positions, meta = advance(tables, pos, torch.tensor([True, True, False]), block_size=16)
+    assert meta.slot_mapping.tolist() == [5 * 16 + 1, 7 * 16 + 4, -1]
+    assert meta.token_kv_len.tolist() == [18, 5, 0] and meta.seq_lens.tolist() == [18, 5, 0]
+    assert meta.token_req.tolist() == [0, 1, 2] and meta.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert positions.tolist() == [17, 4, 30]
+
+
+def test_kernel_summary_counts_launches_by_their_launcher():
+    from draftgraph.runtime.profiling import summarize_trace
+
+    events = [
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "triton_poi_fused_0", "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "paged_attention_kernel", "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "argmax_kernel", "args": {"correlation": 2}},
+        {"cat": "cpu_op", "name": "aten::mm", "args": {}},
+    ]
+    s = summarize_trace(events, steps=1)
+    assert (s.graph_launches, s.in_graphs, s.outside) == (1, 2, 1)
+    assert s.outside_by_name == {"argmax_kernel": 1}
+    assert "2 (66.7%) from 1 CUDA graph replays, 1 launched outside" in s.format()
+
+
+def test_profile_steps_on_cpu_runs_the_steps(target):
+    from draftgraph.runtime.profiling import profile_steps
+
+    eng = dg.compile_model(target, make_drafter("eagle", target), cfg("NONE"))
+    eng.add_request([1, 2, 3], dg.SamplingParams(max_tokens=20, ignore_eos=True))
+    s = profile_steps(eng, 3)
+    assert s.steps == 3 and not s.cuda and "no GPU kernels" in s.format()
+    assert eng.stats()["steps"] == 3
