@@ -79,11 +79,13 @@ def test_every_request_count_across_padding(target):
             mode=mode,
             num_speculative_tokens=3,
             max_num_seqs=65,
-            max_num_batched_tokens=65 * 4,
+            max_num_batched_tokens=512,  # every prompt prefills in one step: then all decode together
             max_model_len=128,
             device="cuda",
             progress=False,
             max_capture_reqs=64,
+            capture_sizes=(1,),
+            compile_backend="eager",  # padding and replay are under test here, not Inductor's code
             check_addresses=True,
         )
         engines[mode] = dg.compile_model(target, make_drafter("eagle", target), cfg)
@@ -105,7 +107,9 @@ def test_every_request_count_across_padding(target):
             assert hits[f"drafter/loop/q4/b{padded}/greedy"] > 0, (n, dict(hits))
             assert all(int(key.split("/b")[1].split("/")[0]) <= padded for key in hits if "/b" in key)
         else:
-            assert n == 65 and not any(key.startswith("target/full/") for key in hits), dict(hits)
+            # 65 verifying requests exceed the bound: those steps fall back; once some requests finish, the
+            # rest fit a captured size again
+            assert n == 65 and hits["target/none"] > 0, dict(hits)
     c = engines["FULL"].compiled.counters
     assert c.traces["draft_loop"] == 2  # greedy and sampled loops, each traced once for every size
 
