@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from draftgraph.compiler.capture import build_compiled
 from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
+from draftgraph.compiler.memory import measure_and_plan
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
@@ -50,18 +52,32 @@ def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None
         for m in draft.modules():
             if hasattr(m, "attn_impl"):
                 m.attn_impl = rc.attention
-    if rc.mode == CUDAGraphMode.NONE:
-        return Engine(model, draft, rc)
-    compiled = build_compiled(
-        model,
-        draft,
-        rc,
-        config.compile_backend,
-        config.cache_dir,
-        config.check_addresses,
-        config.dump_graphs_dir,
-        config.progress,
-    )
-    engine = Engine(model, draft, rc, compiled.target, compiled.drafter, compiled)
-    engine.warm_up_report = engine.warm_up()
+    compiled = None
+    if rc.mode != CUDAGraphMode.NONE:
+        compiled = build_compiled(
+            model,
+            draft,
+            rc,
+            config.compile_backend,
+            config.cache_dir,
+            config.check_addresses,
+            config.dump_graphs_dir,
+            config.progress,
+        )
+
+    def build(resolved):
+        if compiled is None:
+            return Engine(model, draft, resolved)
+        return Engine(model, draft, resolved, compiled.target, compiled.drafter, compiled)
+
+    plan = None
+    if config.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
+        plan = measure_and_plan(build, rc, config.gpu_memory_utilization)
+        rc = replace(rc, num_kv_blocks=plan.num_blocks)
+    engine = build(rc)
+    engine.memory_plan = plan
+    if compiled is not None:
+        engine.warm_up_report = engine.warm_up()
+    if plan is not None:
+        engine.warm_up_report = "; ".join(x for x in (engine.warm_up_report, plan.describe()) if x)
     return engine

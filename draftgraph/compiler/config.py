@@ -48,7 +48,10 @@ class CompileConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 0  # 0 = auto: the target's max_position_embeddings, capped at 4096
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len
+    num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len (or see below)
+    # CUDA: the fraction of device memory the engine may hold; the KV cache gets what weights, activations
+    # and CUDA graphs leave, measured before it is allocated (compiler/memory.py). 0 = off.
+    gpu_memory_utilization: float = 0.0
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
     seed: int = 0  # seeds requests that give none
     # Compilation (modes other than NONE)
@@ -81,6 +84,15 @@ class CompileConfig:
             raise ValueError(f"device={self.device!r} is unknown; choose 'auto', 'cpu' or 'cuda'")
         if self.attention != "auto":
             get_backend(self.attention)
+        if not 0.0 <= self.gpu_memory_utilization < 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1), e.g. 0.9; 0 turns it off"
+            )
+        if self.gpu_memory_utilization and self.num_kv_blocks:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} and gpu_memory_utilization={self.gpu_memory_utilization} both "
+                "size the KV cache; set one of them"
+            )
         if self.compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={self.compile_backend!r} is unknown; choose 'inductor' or 'eager'")
         if any(s < 1 for s in self.capture_sizes):
@@ -133,6 +145,11 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         else ("cpu" if config.device == "auto" else config.device)
     )
     attention = default_backend(device.type) if config.attention == "auto" else config.attention
+    if config.gpu_memory_utilization and device.type != "cuda":
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} sizes the KV cache from CUDA memory, but the "
+            f"device is {device.type}; set num_kv_blocks (or leave both at 0 for room for max_num_seqs requests)"
+        )
     check_device(attention, device.type)
     max_len = config.max_model_len or min(target_max_positions or 4096, 4096)
     k = config.num_speculative_tokens if has_drafter else 0

@@ -35,6 +35,7 @@ class Engine:
         self.target, self.drafter, self.config = target, drafter, rc
         self.compiled = compiled  # compiled forwards and their counters (None in mode NONE)
         self.warm_up_report = ""
+        self.memory_plan = None  # compiler/memory.py's MemoryPlan when the KV cache was sized from measurements
         self.k = rc.num_speculative_tokens
         self.allocator = BlockAllocator(rc.num_kv_blocks)
         shape = RunnerShape(
@@ -193,4 +194,7 @@ class Engine:
         s["fallbacks"] = 0 if not self.config.graphs_enabled else sum(v for k, v in hits.items() if k.endswith("/none"))
         if self.compiled is not None:
             s["compile"] = self.compiled.counters.as_dict()
+        s["kv_blocks"] = self.config.num_kv_blocks
+        if self.memory_plan is not None:
+            s["memory"] = self.memory_plan.as_dict()
         return s

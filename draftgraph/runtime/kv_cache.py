@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class PagedKVCache:
             (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+        # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
+        # cache is resized after measuring graph memory (compiler/memory.py) re-uses its traces.
+        for kv in self.layers:
+            for t in kv:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class OutOfBlocksError(RuntimeError):

@@ -1,0 +1,50 @@
+"""GPU tier: the KV cache sized after measuring weights, activations and CUDA graphs
+(gpu_memory_utilization): the probe's graphs are released, the final engine re-uses the compiled code
+(no trace, no Inductor compile), and the engine stays inside its share of device memory."""
+
+import gc
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+pytestmark = pytest.mark.gpu
+
+
+def test_kv_cache_sized_after_graph_memory():
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
+    drafter = make_drafter("eagle", target)
+    prompts, params, arrivals = ragged(16)
+    base = dict(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64, device="cuda", progress=False)
+    ref_engine = dg.compile_model(target, drafter, dg.CompileConfig(**base))
+    ref = [o.token_ids for o in ref_engine.generate(prompts, params, arrivals)]
+    del ref_engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # What the device holds now plus 2% of it: room for the engine's weights, activations and graphs, and a
+    # KV cache of a few GB beside them.
+    util = (total - free) / total + 0.02
+    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", gpu_memory_utilization=util, **base)
+    eng = dg.compile_model(target, drafter, config)
+    plan = eng.memory_plan
+    print(eng.warm_up_report)
+    assert plan is not None and plan.graph_memory > 0 and plan.num_blocks == eng.config.num_kv_blocks
+    assert eng.runner.target_cache.spec.num_blocks == plan.num_blocks
+    budget = int(util * total) - plan.outside - plan.peak_without_kv - plan.graph_memory
+    assert 0 <= budget - plan.num_blocks * plan.bytes_per_block < plan.bytes_per_block
+    c = eng.compiled.counters
+    assert c.traces["target"] == 1 and c.traces["drafter"] == 1 and c.traces["draft_loop"] == 2  # compiled once
+    assert c.graphs_captured > 0 and c.graph_memory_bytes > 0
+    out = eng.generate(prompts, params, arrivals)
+    assert [o.token_ids for o in out] == ref
+    assert eng.stats()["fallbacks"] == 0
+    torch.cuda.synchronize()
+    used = total - torch.cuda.mem_get_info()[0]
+    print(f"device memory in use {used / 2**20:.0f} MiB, budget {util * total / 2**20:.0f} MiB")
+    assert used <= util * total + 256 * 2**20  # allocator rounding and fragmentation
