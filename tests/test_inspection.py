@@ -55,7 +55,11 @@ def test_two_inspections_of_one_model_are_byte_identical(tmp_path, capsys):
     target = summary["functions"]["target"]["traces"][0]
     # built-in target: 6 layers -> 7 compute pieces (3 unique) and 6 attention pieces
     assert target["compute_pieces"] == 7 and target["unique_compute_pieces"] == 3 and len(target["pieces"]) == 13
-    assert summary["functions"]["drafter"]["draft_loop"] == {"steps": 2, "graph_launches_per_proposal": 4}
+    assert summary["functions"]["drafter"]["draft_loop"] == {
+        "steps": 2,
+        "graph_launches_per_proposal": 4,
+        "fused": False,
+    }
     text = (tmp_path / "a" / "graphs" / "target.trace0.graph.txt").read_text()
     import re
 

@@ -149,41 +149,49 @@ def inspect_model(target, drafter, config, out_dir: str, workload=None) -> dict:
         backends = {"target": engine.compiled.target.backend}
         if engine.compiled.drafter is not None:
             backends["drafter"] = engine.compiled.drafter.backend
+        if engine.compiled.loop_backend is not None:
+            backends["draft_loop"] = engine.compiled.loop_backend
         rc = engine.config
         for name, backend in backends.items():
             traces = []
             for t, (gm, split) in enumerate(backend.traces):
                 summary, trace_texts = summarize_trace(gm, split)
                 summary["captures"] = captures(
-                    rc, engine.k, name, summary["compute_pieces"], getattr(engine.runner, "hidden_kind", True)
+                    rc, engine.k, name, summary["compute_pieces"], getattr(engine.runner, "hidden_kind", True), t
                 )
                 traces.append(summary)
                 texts.update({f"{name}.trace{t}.{k}": v for k, v in trace_texts.items()})
-            mine = [r for r in recompiles.records if r["function"] == name]
+            mine = [r for r in recompiles.records if r["function"].startswith(name)]
             functions[name] = {"traces": traces, "recompiles": mine, "graph_breaks": []}
         if "drafter" in functions and engine.k:
             tr = functions["drafter"]["traces"]
             functions["drafter"]["draft_loop"] = {
                 "steps": engine.k,
+                # PIECEWISE: every compute piece of every step is a graph launch; fused FULL: one launch
                 "graph_launches_per_proposal": tr[0]["compute_pieces"] + (engine.k - 1) * tr[-1]["compute_pieces"],
+                "fused": "draft_loop" in functions,
             }
     report = {"config": _config_summary(config, drafter), "functions": functions, "graph_breaks": breaks}
     write_inspection(report, texts, out_dir)
     return report
 
 
-def captures(rc, k: int, fn: str, compute_pieces: int, hidden_kind: bool) -> dict:
+def captures(rc, k: int, fn: str, compute_pieces: int, hidden_kind: bool, trace: int = 0) -> dict:
     """The CUDA graphs a CUDA run of this config captures for one traced function, per graph kind."""
     from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES
 
     out = {}
+    first = k + 1 if hidden_kind else k + 2
+    if fn == "draft_loop":  # the fused loop: FULL graphs only, one per request count and variant
+        variant = ("greedy", "sample")[min(trace, 1)]
+        return {"FULL": {"request_counts": list(rc.full_capture_sizes), "first_query_len": first, "variant": variant}}
     if rc.mode in PIECEWISE_MODES:
         out["PIECEWISE"] = {"sizes": list(rc.capture_sizes), "graphs": compute_pieces * len(rc.capture_sizes)}
     if rc.mode in FULL_MODES:
         # verify: 1 + K per request; a drafter's first step: 1 + K (hidden-state drafters) or K + 2 (a draft
         # model), its later steps 1; without a drafter, plain decode: 1
-        first = k + 1 if hidden_kind else k + 2
-        qs = ([k + 1] if fn == "target" else [first, 1]) if k else [1]
+        drafter_qs = [1] if rc.fuse_draft_loop else [first, 1]  # fused: the first step lives in the loop
+        qs = ([k + 1] if fn == "target" else drafter_qs) if k else [1]
         out["FULL"] = {"request_counts": list(rc.full_capture_sizes), "query_lens": qs}
     return out
 
@@ -242,7 +250,9 @@ def summary_text(report: dict) -> str:
                 what = p.get("splitting_op", f"{sum(p['ops'].values())} ops")
                 lines.append(f"    piece {p['index']:2d} {p['kind']:9s} {what}; out {', '.join(p['outputs'])}")
             for kind, cap in sorted(tr.get("captures", {}).items()):
-                if kind == "FULL":
+                if name == "draft_loop":
+                    lines.append(f"    FULL ({cap['variant']}): request counts {cap['request_counts']}")
+                elif kind == "FULL":
                     lines.append(
                         f"    FULL: whole-forward graphs for query lengths {cap['query_lens']} x request "
                         f"counts {cap['request_counts']}"
@@ -251,7 +261,10 @@ def summary_text(report: dict) -> str:
                     lines.append(f"    {kind}: {cap['graphs']} piece graphs at token counts {cap['sizes']}")
         if "draft_loop" in fn:
             dl = fn["draft_loop"]
-            lines.append(f"  draft loop: {dl['steps']} steps, {dl['graph_launches_per_proposal']} graph launches")
+            fused = "; fused into one FULL graph for uniform batches" if dl.get("fused") else ""
+            lines.append(
+                f"  draft loop: {dl['steps']} steps, {dl['graph_launches_per_proposal']} piece graph launches{fused}"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
+from torch._dynamo.decorators import maybe_mark_dynamic
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class PagedKVCache:
         # cache is resized after measuring graph memory (compiler/memory.py) re-uses its traces.
         for kv in self.layers:
             for t in kv:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+                maybe_mark_dynamic(t, 0)
 
 
 class OutOfBlocksError(RuntimeError):
