@@ -25,7 +25,7 @@ import triton
 import draftgraph as dg
 from draftgraph.runtime.attn_metadata import RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor
-from scripts.bench_piecewise import Bench, build_pair, copy_bandwidth, layer_bytes
+from scripts.bench_piecewise import Bench, build_pair, copy_bandwidth, layer_bytes, target_layer_bytes
 
 MODES = {
     "eager": dict(mode="NONE"),
@@ -102,7 +102,7 @@ def main():
         t0 = time.perf_counter()
         engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
-    t_bytes = layer_bytes(target) - target.head_weight.numel() * 2
+    t_bytes = target_layer_bytes(target)
     d_bytes, head = layer_bytes(drafter), target.head_weight.numel() * 2
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy bandwidth "

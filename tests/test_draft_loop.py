@@ -118,8 +118,9 @@ def test_inductor_fused_loop_matches_eager(target):
     )
     from draftgraph.runtime.drafting import fused_loop_fn
 
-    eager_loop = fused_loop_fn(drafter, fused.runner.draft_cache.layers, p.choose, K, p.shift, 16, True)[0]
+    eager_loop = fused_loop_fn(drafter, p.choose, K, 16)[0]
     cache = fused.runner.draft_cache.layers
+    x["kv_caches"] = cache
     saved = [(kk.clone(), v.clone()) for kk, v in cache]
     compiled = p.loops[0](**x)
     after_compiled = [(kk.clone(), v.clone()) for kk, v in cache]

@@ -37,3 +37,38 @@ def test_config_errors():
         dg.CompileConfig(gpu_memory_utilization=0.5, num_kv_blocks=100)
     with pytest.raises(ValueError, match="but the device is cpu; set num_kv_blocks"):
         resolve(dg.CompileConfig(gpu_memory_utilization=0.5, device="cpu"), 256, True)
+
+
+def test_a_resized_cache_reuses_every_trace():
+    """What the sizing relies on: engines over one set of compiled functions with different KV block counts
+    (the probe's and the final one) trace nothing again and give the same tokens."""
+    from dataclasses import replace
+
+    from draftgraph.compiler.capture import build_compiled
+    from draftgraph.models.llama import CausalLM
+    from draftgraph.runtime.engine import Engine
+    from tests.copy_drafters import make_drafter
+    from tests.helpers import tiny_hf_model
+    from tests.test_engine import ragged
+
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    drafter = make_drafter("eagle", target)
+    config = dg.CompileConfig(
+        mode="FULL_AND_PIECEWISE",
+        num_speculative_tokens=3,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        compile_backend="eager",
+        progress=False,
+    )
+    rc = resolve(config, 256, True)
+    compiled = build_compiled(target, drafter, rc, "eager", "", False, "", False)
+    prompts, params, arrivals = ragged(16)
+    outs = []
+    for blocks in (rc.max_blocks_per_req + 1, rc.num_kv_blocks):
+        eng = Engine(target, drafter, replace(rc, num_kv_blocks=blocks), compiled.target, compiled.drafter, compiled)
+        eng.warm_up()
+        assert eng.runner.target_cache.spec.num_blocks == blocks
+        outs.append([o.token_ids for o in eng.generate(prompts, params, arrivals)])
+    assert outs[0] == outs[1]
+    assert dict(compiled.counters.traces) == {"target": 1, "drafter": 1, "draft_loop": 2}

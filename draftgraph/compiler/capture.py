@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledTarget
+from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.full_graph import FullGraphs
 from draftgraph.compiler.piece_runner import GraphContext
 from draftgraph.compiler.piecewise import PiecewiseBackend
 from draftgraph.passes.manager import PassManager
+from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 
 log = logging.getLogger("draftgraph")
 
@@ -35,6 +36,7 @@ class CompiledModels:
     full_target: FullGraphs | None = None  # FULL-mode whole-forward graphs (CUDA only)
     full_drafter: FullGraphs | None = None
     loop_backend: PiecewiseBackend | None = None  # the fused draft loop's backend (FULL modes with a drafter)
+    loops: tuple | None = None  # the fused loop's CompiledLoops: (greedy, sampled)
 
 
 def build_compiled(
@@ -60,12 +62,13 @@ def build_compiled(
     full = rc.graphs_enabled and rc.mode in FULL_MODES
     ft = FullGraphs("target", ctx) if full else None
     fd = FullGraphs("drafter", ctx) if full and drafter is not None else None
-    loop = (
-        PiecewiseBackend("draft_loop", (), ctx, passes, compile_backend, cache_dir or None)
-        if rc.fuse_draft_loop
-        else None
-    )
-    return CompiledModels(counters, ctx, ct, cd, ft, fd, loop)
+    backend_l, loops = None, None
+    if rc.fuse_draft_loop:  # traced once per engine build, whatever cache the runner allocates
+        backend_l = PiecewiseBackend("draft_loop", (), ctx, passes, compile_backend, cache_dir or None)
+        choose = Chooser(drafter, target.cfg.vocab_size)
+        fns = fused_loop_fn(drafter, choose, rc.num_speculative_tokens, rc.block_size)
+        loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", backend_l) for fn, v in zip(fns, ("greedy", "sample")))
+    return CompiledModels(counters, ctx, ct, cd, ft, fd, backend_l, loops)
 
 
 def warm_up_and_capture(engine) -> str:

@@ -105,14 +105,19 @@ def draft_loop(
     return torch.stack(out, dim=1)
 
 
-def fused_loop_fn(drafter: Drafter, caches, choose: Chooser, k: int, shift: int, block_size: int, feed_hidden: bool):
-    """The loop with the drafter module itself as every step, over flat tensor arguments (what Dynamo
-    traces for the fused graph, and what a FULL graph captures)."""
+def fused_loop_fn(drafter: Drafter, choose: Chooser, k: int, block_size: int):
+    """The loop with the drafter module itself as every step, over flat tensor arguments plus the drafter's
+    KV caches (what Dynamo traces for the fused graph, and what a FULL graph captures); (greedy, sampled)."""
+    shift = 2 if drafter.target_hidden != "none" else 1
+    feed_hidden = drafter.target_hidden != "none"
 
-    def run(drafter_step, *, sampled: bool):
+    def make(sampled: bool):
         def loop(input_ids, positions, hidden, slot_mapping, token_req, token_kv_len, block_tables, seq_lens,
-                 query_start_loc, sample_rows, valid, slots, draft_probs, temperature=None, top_k=None, top_p=None,
-                 seeds=None):  # fmt: skip
+                 query_start_loc, sample_rows, valid, slots, draft_probs, kv_caches, temperature=None, top_k=None,
+                 top_p=None, seeds=None):  # fmt: skip
+            def drafter_step(ids, pos, h, meta):
+                return drafter(ids, pos, h, meta, kv_caches)
+
             meta = AttentionMetadata(slot_mapping, token_req, token_kv_len, block_tables, seq_lens, query_start_loc)
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds) if sampled else None
             return draft_loop(drafter_step, drafter_step, choose, k, shift, block_size, feed_hidden, input_ids,
@@ -121,7 +126,4 @@ def fused_loop_fn(drafter: Drafter, caches, choose: Chooser, k: int, shift: int,
 
         return loop
 
-    def drafter_step(ids, pos, hidden, meta):
-        return drafter(ids, pos, hidden, meta, caches)
-
-    return run(drafter_step, sampled=False), run(drafter_step, sampled=True)
+    return make(False), make(True)

@@ -59,7 +59,7 @@ class Engine:
             drafter_fn,
             compiled.full_target if compiled else None,
             compiled.full_drafter if compiled else None,
-            compiled.loop_backend if compiled else None,
+            compiled.loops if compiled else None,
         )
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead

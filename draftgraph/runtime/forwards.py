@@ -57,5 +57,5 @@ class Forwards:
         """The fused draft loop (`loop_fn(**inputs)`) as one FULL graph, or its compiled code without one."""
         self.hits[f"drafter/{key}"] += 1
         if self.full_drafter is not None:
-            return self.full_drafter.run(key, inputs, lambda x: loop_fn(**x))
-        return loop_fn(**inputs)
+            return self.full_drafter.run(key, inputs, lambda x: loop_fn(kv_caches=self.draft_caches, **x))
+        return loop_fn(kv_caches=self.draft_caches, **inputs)

@@ -22,7 +22,7 @@ import torch
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
-from draftgraph.runtime.drafting import META_FIELDS, SAMPLING_FIELDS, Chooser, draft_loop, fused_loop_fn
+from draftgraph.runtime.drafting import META_FIELDS, SAMPLING_FIELDS, Chooser, draft_loop
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.sampler import SamplingTensors
 
@@ -37,11 +37,10 @@ class Proposer:
         max_num_seqs: int,
         target_meta: MetadataBuilder,
         draft_meta: MetadataBuilder | None,
-        draft_caches,
         forwards: Forwards,
         dispatcher: Dispatcher,
         device,
-        loop_backend=None,
+        loops=None,
     ):
         self.drafter, self.target_cfg, self.k, self.block_size = drafter, target_cfg, k, block_size
         self.target_meta, self.draft_meta, self.forwards, self.dispatcher = (
@@ -59,12 +58,7 @@ class Proposer:
         # q of the pending drafts per request slot; the last row is the padding rows' scratch.
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
         self.choose = Chooser(drafter, target_cfg.vocab_size)
-        self.loops = None  # (greedy, sampled) compiled fused loops (FULL modes)
-        if loop_backend is not None:
-            from draftgraph.compiler.compiled_forward import CompiledLoop
-
-            fns = fused_loop_fn(drafter, draft_caches, self.choose, k, self.shift, block_size, self.hidden_kind)
-            self.loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", loop_backend) for fn, v in zip(fns, ("g", "s")))
+        self.loops = loops  # (greedy, sampled) compiled fused loops (FULL modes), else None
 
     # ---- one proposal ------------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ class StepRunner:
         drafter_fn=None,
         full_target=None,
         full_drafter=None,
-        loop_backend=None,
+        loops=None,
     ):
         self.target, self.drafter, self.shape = target, drafter, shape
         self.device = torch.device(device)
@@ -122,11 +122,10 @@ class StepRunner:
                 shape.max_num_seqs,
                 self.target_meta,
                 getattr(self, "draft_meta", None),
-                self.draft_cache.layers,
                 self.forwards,
                 dispatcher,
                 self.device,
-                loop_backend if self.k else None,
+                loops if self.k else None,
             )
 
     # ---- the step --------------------------------------------------------------------------------
