@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from draftgraph.compiler.artifacts import ArtifactError, load_functions, mismatches, read_manifest
 from draftgraph.compiler.capture import build_compiled
 from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
 from draftgraph.compiler.memory import measure_and_plan
@@ -14,6 +16,8 @@ from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.engine import Engine
+
+log = logging.getLogger("draftgraph")
 
 
 def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
@@ -35,8 +39,19 @@ def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
     return model
 
 
-def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None = None) -> Engine:
-    """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None)."""
+def compile_model(
+    target: Any,
+    drafter: Any = None,
+    config: CompileConfig | None = None,
+    artifacts: str | None = None,
+    strict_artifacts: bool = False,
+) -> Engine:
+    """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None).
+
+    `artifacts`: a directory written by `draftgraph build` (compiler/artifacts.py). Its compiled code is
+    loaded without tracing or compiling; only CUDA graph capture remains. When it was built for something
+    else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
+    reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`."""
     config = config or CompileConfig()
     max_pos = getattr(getattr(target, "cfg", None), "max_position_embeddings", None)
     if max_pos is None and hasattr(target, "config"):
@@ -65,6 +80,12 @@ def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None
             config.progress,
         )
 
+    artifact_note = ""
+    if artifacts is not None:
+        if compiled is None:
+            raise ValueError("artifacts hold compiled code, which mode NONE does not use; choose a compiling mode")
+        artifact_note = _use_artifacts(artifacts, strict_artifacts, compiled, rc, model, draft)
+
     def build(resolved):
         if compiled is None:
             return Engine(model, draft, resolved)
@@ -80,4 +101,33 @@ def compile_model(target: Any, drafter: Any = None, config: CompileConfig | None
         engine.warm_up_report = engine.warm_up()
     if plan is not None:
         engine.warm_up_report = "; ".join(x for x in (engine.warm_up_report, plan.describe()) if x)
+    if artifact_note:
+        engine.warm_up_report = "; ".join(x for x in (artifact_note, engine.warm_up_report) if x)
     return engine
+
+
+def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
+    """Load the artifacts into `compiled`, or say why not (and raise when strict)."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        manifest = read_manifest(path)
+        diffs = mismatches(manifest, rc, model, draft)
+        if diffs:
+            raise ArtifactError(
+                f"artifacts in {path} were built for something else: "
+                + "; ".join(f"{k}: built for {a!r}, running {b!r}" for k, a, b in diffs)
+            )
+    except ArtifactError as e:
+        if strict:
+            raise
+        log.warning("%s; compiling instead", e)
+        return f"artifacts not used ({e}); compiled instead"
+    fns = {"target": model.forward}
+    if draft is not None:
+        fns["drafter"] = draft.forward
+    if compiled.loops is not None:
+        fns["draft_loop"] = tuple(loop.loop_fn for loop in compiled.loops)
+    load_functions(path, manifest, compiled, fns)
+    return f"loaded compiled code from {path} in {time.perf_counter() - t0:.1f} s (no trace, no Inductor compile)"

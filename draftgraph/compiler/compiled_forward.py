@@ -82,7 +82,7 @@ class CompiledLoop:
     Called with the loop's keyword arguments; batch dims are unbacked as for the forwards."""
 
     def __init__(self, loop_fn, name: str, backend: PiecewiseBackend):
-        self.backend = backend
+        self.backend, self.loop_fn = backend, loop_fn
         self.fn = torch.compile(own_entry_point(loop_fn, name), backend=backend, fullgraph=True, dynamic=False)
 
     @torch.no_grad()

@@ -84,12 +84,14 @@ class CapturedGraph:
 class PieceRunner(nn.Module):
     """Stands in for one compute submodule of the split graph."""
 
-    def __init__(self, fn_name: str, piece, compiled, token, ctx: GraphContext):
+    def __init__(self, fn_name: str, piece, compiled, token, ctx: GraphContext, size_at=None):
         super().__init__()
         self.fn_name, self.piece, self.compiled, self.ctx = fn_name, piece, compiled, ctx
         self.graphs: dict[int, CapturedGraph] = {}
-        phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
-        self._size_at = _size_locator(phs, token)
+        if size_at is None:  # from the traced piece's example values (a loaded artifact passes it)
+            phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
+            size_at = _size_locator(phs, token)
+        self.size_at = tuple(size_at)
 
     def forward(self, *args):
         size = self._size(args)
@@ -111,7 +113,7 @@ class PieceRunner(nn.Module):
         return tuple(out) if self.compiled.multi_output else out[0]
 
     def _size(self, args) -> int | None:
-        kind, i = self._size_at
+        kind, i = self.size_at
         if kind == "int":
             return int(args[i])
         if kind == "shape":

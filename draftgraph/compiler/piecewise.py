@@ -52,11 +52,18 @@ class PiecewiseBackend:
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code (shared by layers)
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
+        # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
+        # expression of each graph input, and each compute piece's size locator.
+        self.records: list[dict] = []
+        self.recorded_outputs: dict[int, tuple] | None = None  # trace -> last outputs, while recording
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         counters = self.ctx.counters
         counters.traces[self.fn_name] += 1
         t0 = time.perf_counter()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        sources = [_source_name(n) for n in placeholders]
+        static_shapes = [_static_shape(n.meta.get("example_value")) for n in placeholders]
         split = self.passes.run(gm, self.fn_name)
         self.traces.append((gm, split))
         token = token_symbol(gm)
@@ -75,13 +82,22 @@ class PiecewiseBackend:
             for p in unique_todo:
                 self._compiled[p.key] = self._compile(p, token, bar)
         bar.close()
-        for p in pieces:
-            setattr(split.module, p.name, PieceRunner(self.fn_name, p, self._compiled[p.key], token, self.ctx))
+        runners = [PieceRunner(self.fn_name, p, self._compiled[p.key], token, self.ctx) for p in pieces]
+        for p, r in zip(pieces, runners):
+            setattr(split.module, p.name, r)
+        self.records.append(
+            {
+                "sources": sources,
+                "static_shapes": static_shapes,
+                "split": split,
+                "size_at": {p.name: list(r.size_at) for p, r in zip(pieces, runners)},
+            }
+        )
         counters.pieces += len(pieces)
         counters.unique_pieces += len(unique_todo)
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
-        return split.module
+        return _Recorded(self, len(self.records) - 1, split.module)
 
     def _compile(self, piece: Piece, token, bar) -> CompiledPiece:
         gm = piece.graph
@@ -104,6 +120,34 @@ class PiecewiseBackend:
         self.ctx.counters.inductor_compiles += 1
         bar.update(1)
         return CompiledPiece(per_size, dynamic, multi)
+
+
+class _Recorded:
+    """The split module as Dynamo calls it; keeps its outputs while an artifact build records them."""
+
+    def __init__(self, backend: PiecewiseBackend, index: int, module):
+        self.backend, self.index, self.module = backend, index, module
+
+    def __call__(self, *args):
+        out = self.module(*args)
+        if self.backend.recorded_outputs is not None:
+            self.backend.recorded_outputs[self.index] = out
+        return out
+
+
+def _static_shape(value):
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [None if isinstance(d, torch.SymInt) else int(d) for d in value.shape]
+
+
+def _source_name(node) -> str | None:
+    """The Python expression (over the frame's locals `L`) Dynamo reads this graph input from."""
+    arg = node.meta.get("grapharg")
+    if arg is None or arg.source is None:
+        return None
+    name = arg.source.name
+    return name() if callable(name) else name
 
 
 def token_symbol(gm: fx.GraphModule):

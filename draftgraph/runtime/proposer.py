@@ -171,30 +171,38 @@ class Proposer:
         d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * self.first_q, num_reqs, self.first_q))
         if self.loops is None or d.runtime != "FULL":
             return
-        dev, b = self.device, d.num_reqs
+        for variant, loop in zip(("greedy", "sample"), self.loops):
+            x = self.dummy_loop_inputs(d.num_reqs, sampled=variant == "sample")
+            self.forwards.loop(f"loop/q{self.first_q}/b{d.num_reqs}/{variant}", x, loop)
+
+    def dummy_loop_inputs(self, b: int, sampled: bool) -> dict:
+        """The fused loop's inputs for `b` padded requests with padding rows only (nothing written)."""
+        dev = self.device
         builder = self.target_meta if self.hidden_kind else self.draft_meta
-        meta, positions = builder.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=b)
+        meta, positions = builder.build([], num_tokens_padded=b * self.first_q, num_reqs_padded=b)
         width = None
         if self.hidden_kind:
             width = 3 * self.target_cfg.hidden_size if self.aux else self.drafter.cfg.hidden_size
         x = dict(
-            input_ids=torch.zeros(d.num_tokens, dtype=torch.long, device=dev),
+            input_ids=torch.zeros(b * self.first_q, dtype=torch.long, device=dev),
             positions=positions,
-            hidden=None if width is None else torch.zeros(d.num_tokens, width, dtype=self.target_cfg.dtype, device=dev),
+            hidden=None
+            if width is None
+            else torch.zeros(b * self.first_q, width, dtype=self.target_cfg.dtype, device=dev),
             **{f: getattr(meta, f) for f in META_FIELDS},
             sample_rows=torch.zeros(b, dtype=torch.long, device=dev),
             valid=torch.zeros(b, dtype=torch.bool, device=dev),
             slots=torch.full((b,), self.max_num_seqs, dtype=torch.long, device=dev),
             draft_probs=self.draft_probs,
         )
-        self.forwards.loop(f"loop/q{self.first_q}/b{b}/greedy", x, self.loops[0])
-        x.update(
-            temperature=torch.ones(b, device=dev),
-            top_k=torch.zeros(b, dtype=torch.long, device=dev),
-            top_p=torch.ones(b, device=dev),
-            seeds=torch.zeros(b, dtype=torch.long, device=dev),
-        )
-        self.forwards.loop(f"loop/q{self.first_q}/b{b}/sample", x, self.loops[1])
+        if sampled:
+            x.update(
+                temperature=torch.ones(b, device=dev),
+                top_k=torch.zeros(b, dtype=torch.long, device=dev),
+                top_p=torch.ones(b, device=dev),
+                seeds=torch.zeros(b, dtype=torch.long, device=dev),
+            )
+        return x
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,0 +1,359 @@
+"""Ahead-of-time artifacts: build once (`draftgraph build`), start warm (`compile_model(..., artifacts=DIR)`).
+
+An artifact directory holds, per compiled function (target, drafter, the fused loop's two variants) and per
+Dynamo trace, the split graph, the input expressions and output layout (compiler/loaded.py), and each unique
+compute piece's compiled code for every capture size plus its dynamic version (Inductor's
+`CompiledArtifact`, or the FX graph with compile_backend="eager"); a JSON manifest; a readable summary.
+
+The manifest records what the code was built for: draftgraph, torch, triton, CUDA and Python versions, the
+GPU architecture, hashes of the resolved config, of both model configs and of draftgraph's compiler, pass,
+model and runtime sources, the capture sizes and mode, and a SHA-256 per file. Loading checks every file's
+checksum before anything is read (a truncated or altered file is never run), then compares each field with
+the running setup: a difference is named, and the engine compiles from scratch, or stops when strict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+import draftgraph
+from draftgraph.compiler.fx_serialize import decode_module, encode_module
+
+log = logging.getLogger("draftgraph")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SUMMARY = "summary.txt"
+_SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
+_FUNCTIONS = ("target", "drafter", "draft_loop")
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory that cannot be used (missing, corrupt, or built for something else)."""
+
+
+# ---- what an artifact is built for ------------------------------------------------------------------
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def source_hash() -> str:
+    """Hash of draftgraph's compiler, pass, model and runtime sources: any code change invalidates."""
+    root = Path(draftgraph.__file__).parent
+    h = hashlib.sha256()
+    for sub in _SOURCE_DIRS:
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def config_hash(rc) -> str:
+    """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
+    skip = {"num_kv_blocks", "seed", "graphs_enabled"}
+    fields = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
+    return _sha(json.dumps(fields, sort_keys=True).encode())[:16]
+
+
+def model_hash(model) -> str:
+    cfg = getattr(model, "cfg", None)
+    text = repr(cfg) + "|" + getattr(model, "kind", type(model).__name__)
+    if getattr(model, "target_hidden", None) == "aux":
+        text += f"|aux={model.aux_layers}"
+    return _sha(text.encode())[:16]
+
+
+def gpu_arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def expected_fields(rc, target, drafter) -> dict:
+    """What the running setup would write into a manifest (the fields a load compares)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {
+        "format": FORMAT,
+        "draftgraph": draftgraph.__version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "gpu_arch": gpu_arch(rc.device),
+        "config_hash": config_hash(rc),
+        "target_hash": model_hash(target),
+        "drafter_hash": model_hash(drafter) if drafter is not None else "none",
+        "source_hash": source_hash(),
+        "mode": rc.mode.value,
+        "capture_sizes": list(rc.capture_sizes),
+        "full_capture_sizes": list(rc.full_capture_sizes),
+    }
+
+
+# ---- build ------------------------------------------------------------------------------------------
+
+
+def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
+    """Write the compiled code of `engine` (built with compile_model, any mode but NONE) to out_dir."""
+    compiled = engine.compiled
+    if compiled is None:
+        raise ArtifactError(
+            "mode NONE compiles nothing: build artifacts with a compiling mode (e.g. FULL_AND_PIECEWISE)"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise ArtifactError(f"{out_dir} is not empty; artifacts go into a new or empty directory")
+    t0 = time.perf_counter()
+    calls = _exercise(engine)  # every trace once, recording its graph outputs and the returned value
+    functions = {}
+    for fn_name, backend in _backends(compiled).items():
+        traces = []
+        for i, rec in enumerate(backend.records):
+            if i not in calls[fn_name]:
+                raise ArtifactError(f"{fn_name} trace {i} did not run while building; cannot record its outputs")
+            graph_outs, value, variant = calls[fn_name][i]
+            leaves, spec = pytree.tree_flatten(value)
+            leaf_map = []
+            for leaf in leaves:
+                hits = [j for j, g in enumerate(graph_outs) if g is leaf]
+                if not hits:
+                    raise ArtifactError(f"{fn_name} trace {i} returns a value that is not one of its graph outputs")
+                leaf_map.append(hits[0])
+            bad = [s for s in rec["sources"] if s is None or not s.startswith("L[")]
+            if bad:
+                raise ArtifactError(f"{fn_name} trace {i} reads inputs from {bad[:3]}: only arguments are supported")
+            path = f"functions/{fn_name}.{i}.json"
+            _save_split(rec["split"], out / path)
+            traces.append(
+                {
+                    "graph": path,
+                    "variant": variant,  # the fused loop: "greedy" or "sample"
+                    "sources": rec["sources"],
+                    "static_shapes": rec["static_shapes"],
+                    "leaf_map": leaf_map,
+                    "treespec": pytree.treespec_dumps(spec),
+                    "pieces": [
+                        {"name": p.name, "key": p.key, "size_at": rec["size_at"][p.name]}
+                        for p in rec["split"].compute_pieces
+                    ],
+                }
+            )
+        pieces = {}
+        for key, cp in backend._compiled.items():
+            entry = {"multi_output": cp.multi_output, "per_size": {}, "dynamic": None}
+            for size, art in cp.per_size.items():
+                entry["per_size"][str(size)] = _save_piece(art, out / f"pieces/{fn_name}/{key}/{size}.bin")
+            entry["dynamic"] = _save_piece(cp.dynamic, out / f"pieces/{fn_name}/{key}/dynamic.bin")
+            pieces[key] = entry
+        functions[fn_name] = {"traces": traces, "pieces": pieces, "backend": backend.compile_backend}
+    fields = expected_fields(engine.config, engine.target, engine.drafter)
+    files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = {**fields, "functions": functions, "files": files, "build_seconds": round(time.perf_counter() - t0, 2)}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    (out / SUMMARY).write_text(summary_text(manifest))
+    return manifest
+
+
+def _backends(compiled) -> dict:
+    out = {"target": compiled.target.backend}
+    if compiled.drafter is not None:
+        out["drafter"] = compiled.drafter.backend
+    if compiled.loop_backend is not None:
+        out["draft_loop"] = compiled.loop_backend
+    return out
+
+
+def _exercise(engine) -> dict:
+    """Call every compiled function on padding-only inputs so each trace runs once through its Python
+    entry (not a graph replay), recording (graph outputs, returned value) per trace."""
+    compiled, runner = engine.compiled, engine.runner
+    backends = _backends(compiled)
+    calls = {name: {} for name in backends}
+    for b in backends.values():
+        b.recorded_outputs = {}
+    saved = compiled.full_target, compiled.full_drafter
+    runner.forwards.full_target = runner.forwards.full_drafter = None  # call the compiled code itself
+    try:
+
+        def record(name, value, tag=None):
+            rec = backends[name].recorded_outputs
+            for i, graph_outs in rec.items():
+                calls[name][i] = (graph_outs, value, tag)
+            rec.clear()
+
+        size = max(engine.config.capture_sizes)
+        meta, positions = runner.target_meta.build([], num_tokens_padded=size, num_reqs_padded=1)
+        ids = torch.zeros(size, dtype=torch.long, device=runner.device)
+        aux = getattr(runner, "aux_layers", ())
+        record("target", compiled.target(ids, positions, meta, runner.target_cache.layers, aux))
+        if engine.drafter is not None:
+            widths = [None]
+            if runner.hidden_kind:
+                h = engine.drafter.cfg.hidden_size
+                widths = [3 * engine.target.cfg.hidden_size, h] if runner.aux_layers else [h]
+            for width in widths:
+                hidden = (
+                    None
+                    if width is None
+                    else torch.zeros(size, width, dtype=engine.target.cfg.dtype, device=runner.device)
+                )
+                record("drafter", compiled.drafter(ids, positions, hidden, meta, runner.draft_cache.layers))
+        if compiled.loops is not None:
+            p = runner.proposer
+            for variant, loop in zip(("greedy", "sample"), compiled.loops):
+                x = p.dummy_loop_inputs(max(engine.config.full_capture_sizes), sampled=variant == "sample")
+                record("draft_loop", loop(kv_caches=runner.draft_cache.layers, **x), variant)
+    finally:
+        runner.forwards.full_target, runner.forwards.full_drafter = saved
+        for b in backends.values():
+            b.recorded_outputs = None
+    return calls
+
+
+def _save_split(split, path: Path) -> None:
+    """The split graph with its compute pieces as plain FX graphs (the runners hold compiled code)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = split.module
+    runners = {p.name: getattr(module, p.name) for p in split.compute_pieces}
+    try:
+        for p in split.compute_pieces:
+            setattr(module, p.name, p.graph)
+        path.write_text(json.dumps(encode_module(module)))
+    finally:
+        for name, r in runners.items():
+            setattr(module, name, r)
+
+
+def _save_piece(art, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(art, torch.fx.GraphModule):  # compile_backend="eager"
+        path.write_text(json.dumps(encode_module(art)))
+        return "fx"
+    art.save(path=str(path), format="binary")
+    return "inductor"
+
+
+def summary_text(m: dict) -> str:
+    lines = [
+        f"draftgraph artifacts (format {m['format']}), built in {m['build_seconds']} s",
+        f"for: draftgraph {m['draftgraph']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+        f"Python {m['python']}, {m['gpu_arch']}",
+        f"mode {m['mode']}; capture sizes {m['capture_sizes']}; FULL request counts {m['full_capture_sizes']}",
+        f"hashes: config {m['config_hash']}, target {m['target_hash']}, drafter {m['drafter_hash']}, "
+        f"sources {m['source_hash']}",
+    ]
+    for name, fn in m["functions"].items():
+        n_art = sum(len(p["per_size"]) + 1 for p in fn["pieces"].values())
+        lines.append(
+            f"{name}: {len(fn['traces'])} trace(s), {sum(len(t['pieces']) for t in fn['traces'])} compute pieces, "
+            f"{len(fn['pieces'])} unique, {n_art} compiled artifacts ({fn['backend']})"
+        )
+    total = sum(1 for _ in m["files"])
+    lines.append(f"{total} files, each with its SHA-256 in {MANIFEST}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- load -------------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest, after checking every file it lists against its checksum."""
+    root = Path(path)
+    if not (root / MANIFEST).is_file():
+        raise ArtifactError(
+            f"{path} holds no {MANIFEST}: not an artifact directory (build one with `draftgraph build`)"
+        )
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}/{MANIFEST} is not valid JSON ({e}); rebuild the artifacts") from e
+    for rel, digest in manifest.get("files", {}).items():
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"artifact file {rel} is missing from {path}; rebuild the artifacts")
+        if _sha(f.read_bytes()) != digest:
+            raise ArtifactError(
+                f"artifact file {rel} does not match its checksum (truncated or altered); it was not loaded. "
+                "Rebuild the artifacts"
+            )
+    return manifest
+
+
+def mismatches(manifest: dict, rc, target, drafter) -> list[tuple[str, object, object]]:
+    """(field, built for, running now) for every field that differs."""
+    now = expected_fields(rc, target, drafter)
+    return [(k, manifest.get(k), v) for k, v in now.items() if manifest.get(k) != v]
+
+
+def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
+    """Replace compiled.target / drafter / loops by LoadedFunctions over the stored code (no Dynamo, no
+    Inductor). `fns` maps a function name to what its traces' `L['fn']` was: the bound forward, or the loops."""
+    from torch._inductor import CompiledArtifact
+
+    from draftgraph.compiler.loaded import LoadedFunction, LoadedTrace
+    from draftgraph.compiler.piecewise import CompiledPiece
+
+    root = Path(path)
+    ctx = compiled.ctx
+    loaded = {}
+    for fn_name, fn in manifest["functions"].items():
+        pieces = {}
+        for key, entry in fn["pieces"].items():
+
+            def load(rel, kind):
+                if kind == "fx":
+                    return decode_module(json.loads((root / rel).read_text()))
+                return CompiledArtifact.load(path=str(root / rel), format="binary")
+
+            per_size = {int(s): load(f"pieces/{fn_name}/{key}/{s}.bin", k) for s, k in entry["per_size"].items()}
+            dynamic = load(f"pieces/{fn_name}/{key}/dynamic.bin", entry["dynamic"])
+            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"])
+        traces = [
+            LoadedTrace(fn_name, decode_module(json.loads((root / t["graph"]).read_text())), t, pieces, ctx)
+            for t in fn["traces"]
+        ]
+        loaded[fn_name] = (traces, len(pieces), sum(len(t["pieces"]) for t in fn["traces"]))
+    counters = compiled.counters
+    for fn_name, (traces, unique, total) in loaded.items():
+        counters.pieces += total
+        counters.unique_pieces += unique
+        if fn_name == "draft_loop":
+            variants = [t["variant"] for t in manifest["functions"][fn_name]["traces"]]
+            compiled.loops = tuple(
+                LoadedFunction(fn_name, f, [t for t, v in zip(traces, variants) if v == name])
+                for f, name in zip(fns["draft_loop"], ("greedy", "sample"))
+            )
+        else:
+            setattr(compiled, fn_name, _Loaded(LoadedFunction(fn_name, fns[fn_name], traces)))
+
+
+class _Loaded:
+    """Stands where CompiledTarget / CompiledDrafter stood (a `.backend` with no traces, for inspection)."""
+
+    class _NoBackend:
+        traces: list = []
+        records: list = []
+
+    def __init__(self, fn):
+        self.fn, self.backend = fn, self._NoBackend()
+
+    def __call__(self, *args):
+        return self.fn(*args)
