@@ -10,6 +10,7 @@ import time
 import torch
 
 from draftgraph import envs
+from draftgraph.compiler.artifacts import ArtifactError
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -41,11 +42,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_generate(args) -> int:
+def _config(args, **over):
     import draftgraph as dg
-    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
 
-    config = dg.CompileConfig(
+    fields = dict(
         mode=args.mode,
         num_speculative_tokens=args.num_speculative_tokens,
         attention=args.attention,
@@ -61,7 +61,14 @@ def cmd_generate(args) -> int:
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
     )
-    print(f"config: {config}")
+    fields.update(over)
+    return dg.CompileConfig(**fields)
+
+
+def _models(args):
+    """(target, drafter) from --target / --drafter, or the built-in pair."""
+    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
+
     if args.target:
         target, drafter = args.target, None if args.no_drafter else args.drafter
         if drafter is None and not args.no_drafter:
@@ -74,8 +81,17 @@ def cmd_generate(args) -> int:
         )
         target, built_drafter = builtin_pair(spec)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
+    return target, drafter
+
+
+def cmd_generate(args) -> int:
+    import draftgraph as dg
+
+    config = _config(args)
+    print(f"config: {config}")
+    target, drafter = _models(args)
     t0 = time.perf_counter()
-    engine = dg.compile_model(target, drafter, config)
+    engine = dg.compile_model(target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts)
     if engine.warm_up_report:
         print(engine.warm_up_report)
     print(
@@ -138,6 +154,31 @@ def print_report(s: dict) -> None:
         print(f"forwards by artifact ({s['fallbacks']} fallbacks without graphs): {hits}")
 
 
+def cmd_build(args) -> int:
+    """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
+    import os
+
+    import draftgraph as dg
+    from draftgraph.compiler.artifacts import CACHE, build_artifacts, summary_text
+
+    if args.mode == "NONE":
+        print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
+        return 2
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        print(f"draftgraph build: error: {args.out} is not empty; choose a new directory", file=sys.stderr)
+        return 2
+    # Graphs are captured at load, not here; Inductor's cache (CPU: the built code) goes into the artifact.
+    config = _config(args, use_cuda_graphs=False, cache_dir=os.path.join(args.out, CACHE))
+    print(f"config: {config}")
+    target, drafter = _models(args)
+    t0 = time.perf_counter()
+    engine = dg.compile_model(target, drafter, config)
+    manifest = build_artifacts(engine, args.out)
+    print(summary_text(manifest), end="")
+    print(f"built {args.out} in {time.perf_counter() - t0:.1f} s ({len(manifest['files'])} files)")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     import draftgraph as dg
     from draftgraph.inspection.inspect import inspect_model
@@ -195,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
+        p.add_argument(
+            "--strict-artifacts",
+            action="store_true",
+            help="stop (exit 2) when the artifacts do not match, instead of compiling",
+        )
         p.add_argument(
             "--profile",
             type=int,
@@ -203,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             help="afterwards, profile this many steps: GPU kernels launched from CUDA graphs vs outside them",
         )
         p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("build", help="compile ahead of time into an artifact directory (manifest, summary, code)")
+    _add_common(p)
+    p.add_argument("--out", required=True, help="artifact directory to write (new or empty)")
+    p.set_defaults(func=cmd_build, mode="FULL_AND_PIECEWISE")
     p = sub.add_parser("inspect", help="write normalized graph dumps and a summary for a model pair and config")
     _add_common(p)
     p.add_argument("--out", required=True, help="inspection directory to write")
@@ -223,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, ArtifactError) as e:
         print(f"draftgraph: error: {e}", file=sys.stderr)
         return 2
 

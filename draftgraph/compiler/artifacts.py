@@ -32,6 +32,9 @@ log = logging.getLogger("draftgraph")
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+# Inductor's cache of the build (CPU: the built .so files, which a CPU artifact does not bundle; without
+# them every load would re-run the C++ compiler). `build_engine_for_artifacts` points Inductor here.
+CACHE = "inductor_cache"
 SUMMARY = "summary.txt"
 _SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
 _FUNCTIONS = ("target", "drafter", "draft_loop")
@@ -119,7 +122,7 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
+    if any(p.name != CACHE for p in out.iterdir()):
         raise ArtifactError(f"{out_dir} is not empty; artifacts go into a new or empty directory")
     t0 = time.perf_counter()
     calls = _exercise(engine)  # every trace once, recording its graph outputs and the returned value
@@ -306,12 +309,21 @@ def mismatches(manifest: dict, rc, target, drafter) -> list[tuple[str, object, o
 def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
     """Replace compiled.target / drafter / loops by LoadedFunctions over the stored code (no Dynamo, no
     Inductor). `fns` maps a function name to what its traces' `L['fn']` was: the bound forward, or the loops."""
+
+    from draftgraph.compiler.piecewise import _cache_dir
+
+    cache = Path(path) / CACHE
+    with _cache_dir(str(cache.resolve()) if cache.is_dir() else None):
+        _load_functions(root_path=Path(path), manifest=manifest, compiled=compiled, fns=fns)
+
+
+def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict) -> None:
     from torch._inductor import CompiledArtifact
 
     from draftgraph.compiler.loaded import LoadedFunction, LoadedTrace
     from draftgraph.compiler.piecewise import CompiledPiece
 
-    root = Path(path)
+    root = root_path
     ctx = compiled.ctx
     loaded = {}
     for fn_name, fn in manifest["functions"].items():

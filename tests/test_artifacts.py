@@ -1,0 +1,187 @@
+"""Ahead-of-time artifacts on the CPU: build, load with zero traces and zero Inductor compiles, identical
+outputs; every mismatch field named (then compiled instead, or stopped when strict); a corrupted file
+caught by its checksum and never run; the CLI in a fresh process."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import draftgraph as dg
+from draftgraph.compiler.artifacts import MANIFEST, ArtifactError, build_artifacts
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+
+@pytest.fixture(scope="module")
+def target():
+    return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+
+
+def cfg(backend="eager", **kw):
+    base = dict(
+        mode="FULL_AND_PIECEWISE",
+        num_speculative_tokens=3,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        capture_sizes=(1, 4, 16, 64),
+        compile_backend=backend,
+        progress=False,
+    )
+    base.update(kw)
+    return dg.CompileConfig(**base)
+
+
+def tokens(engine):
+    prompts, params, arrivals = ragged(16)
+    return [o.token_ids for o in engine.generate(prompts, params, arrivals)]
+
+
+@pytest.fixture(scope="module")
+def built(target, tmp_path_factory):
+    """An eagle3 pair (two drafter traces) built into a directory, with its reference outputs."""
+    drafter = make_drafter("eagle3", target)
+    engine = dg.compile_model(target, drafter, cfg())
+    ref = tokens(engine)
+    out = str(tmp_path_factory.mktemp("art") / "a")
+    manifest = build_artifacts(engine, out)
+    return drafter, out, manifest, ref, engine.compiled.counters
+
+
+def test_load_runs_no_trace_and_no_compile(target, built):
+    drafter, out, manifest, ref, built_counters = built
+    assert {"target", "drafter", "draft_loop"} <= set(manifest["functions"])
+    assert len(manifest["functions"]["drafter"]["traces"]) == 2  # hidden width 3H at step 1, H later
+    eng = dg.compile_model(target, drafter, cfg(), artifacts=out, strict_artifacts=True)
+    c = eng.compiled.counters
+    assert not c.traces and c.inductor_compiles == 0
+    assert (c.pieces, c.unique_pieces) == (built_counters.pieces, built_counters.unique_pieces)
+    assert "no trace, no Inductor compile" in eng.warm_up_report
+    assert tokens(eng) == ref
+    hits = eng.stats()["dispatch"]
+    assert any("/loop/" in k for k in hits) and any("/piecewise/" in k for k in hits)
+    with open(os.path.join(out, "summary.txt")) as f:
+        summary = f.read()
+    assert "drafter: 2 trace(s)" in summary and "SHA-256" in summary
+
+
+def _edit_manifest(src, dst, **fields):
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, MANIFEST)
+    with open(path) as f:
+        m = json.load(f)
+    m.update(fields)
+    with open(path, "w") as f:
+        json.dump(m, f)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("torch", "2.11.0+cu130"),
+        ("triton", "3.6.0"),
+        ("cuda", "13.0"),
+        ("gpu_arch", "sm_90"),
+        ("python", "3.12"),
+        ("draftgraph", "0.0.1"),
+        ("config_hash", "0123456789abcdef"),
+        ("target_hash", "0123456789abcdef"),
+        ("drafter_hash", "0123456789abcdef"),
+        ("source_hash", "0123456789abcdef"),
+    ],
+)
+def test_each_mismatch_is_named(target, built, tmp_path, field, value):
+    drafter, out, manifest, ref, _ = built
+    bad = _edit_manifest(out, str(tmp_path / "b"), **{field: value})
+    with pytest.raises(ArtifactError, match=re.escape(f"{field}: built for '{value}', running")):
+        dg.compile_model(target, drafter, cfg(), artifacts=bad, strict_artifacts=True)
+    if field == "torch":  # not strict: says why, then compiles instead (the same path for every field)
+        eng = dg.compile_model(target, drafter, cfg(), artifacts=bad)
+        assert eng.compiled.counters.traces["target"] == 1
+        assert f"{field}: built for '{value}'" in eng.warm_up_report and "compiled instead" in eng.warm_up_report
+
+
+def test_a_real_config_change_is_caught(target, built):
+    drafter, out, *_ = built
+    with pytest.raises(ArtifactError, match="config_hash: built for"):
+        dg.compile_model(target, drafter, cfg(num_speculative_tokens=2), artifacts=out, strict_artifacts=True)
+    bigger = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=4))
+    with pytest.raises(ArtifactError, match="target_hash: built for"):
+        dg.compile_model(bigger, make_drafter("eagle3", bigger), cfg(), artifacts=out, strict_artifacts=True)
+
+
+def test_a_corrupted_file_is_never_run(target, built, tmp_path):
+    import shutil
+
+    drafter, out, manifest, ref, _ = built
+    bad = str(tmp_path / "c")
+    shutil.copytree(out, bad)
+    victim = next(f for f in sorted(manifest["files"]) if f.startswith("pieces/target/"))
+    with open(os.path.join(bad, victim), "r+b") as f:  # truncate one compiled piece
+        f.truncate(os.path.getsize(os.path.join(bad, victim)) // 2)
+    with pytest.raises(ArtifactError, match=re.escape(f"artifact file {victim} does not match its checksum")):
+        dg.compile_model(target, drafter, cfg(), artifacts=bad, strict_artifacts=True)
+    eng = dg.compile_model(target, drafter, cfg(), artifacts=bad)
+    assert eng.compiled.counters.traces["target"] == 1  # compiled from scratch: the bad file was not read
+    assert tokens(eng) == ref
+    os.remove(os.path.join(bad, MANIFEST))
+    with pytest.raises(ArtifactError, match="holds no manifest.json: not an artifact directory"):
+        dg.compile_model(target, drafter, cfg(), artifacts=bad, strict_artifacts=True)
+
+
+def test_inductor_artifacts_load_and_match(target, tmp_path):
+    drafter = make_drafter("eagle", target)
+    config = cfg(backend="inductor", capture_sizes=(1, 4))  # Inductor's cache stays warm across the suite
+    engine = dg.compile_model(target, drafter, config)
+    ref = tokens(engine)
+    manifest = build_artifacts(engine, str(tmp_path / "a"))
+    kinds = {k for fn in manifest["functions"].values() for p in fn["pieces"].values() for k in p["per_size"].values()}
+    assert kinds == {"inductor"}
+    eng = dg.compile_model(target, drafter, config, artifacts=str(tmp_path / "a"), strict_artifacts=True)
+    assert not eng.compiled.counters.traces and eng.compiled.counters.inductor_compiles == 0
+    assert tokens(eng) == ref
+
+
+def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
+    out = str(tmp_path / "art")
+    common = ["--mode", "FULL_AND_PIECEWISE", "--compile-backend", "eager", "--capture-sizes", "1,4,16"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    b = subprocess.run(
+        [sys.executable, "-m", "draftgraph", "build", "--out", out, *common],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert "draft_loop: 2 trace(s)" in b.stdout and "SHA-256" in b.stdout
+    runs = {}
+    for name, extra in (("compiled", []), ("loaded", ["--artifacts", out, "--strict-artifacts"])):
+        r = subprocess.run(
+            [sys.executable, "-m", "draftgraph", "generate", *common, "--max-tokens", "16", *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = r.stdout
+    assert "no trace, no Inductor compile" in runs["loaded"]
+    first = [line for line in runs["compiled"].splitlines() if line.startswith("request ")]
+    assert first and first == [line for line in runs["loaded"].splitlines() if line.startswith("request ")]
+    bad = subprocess.run(
+        [sys.executable, "-m", "draftgraph", "generate", *common, "-k", "2", "--artifacts", out, "--strict-artifacts"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert bad.returncode == 2 and "config_hash: built for" in bad.stderr
