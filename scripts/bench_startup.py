@@ -1,0 +1,122 @@
+"""Startup: cold (trace, compile every piece for every capture size, capture) against warm (load the
+artifacts, capture), each in a fresh process, for the 1B-shaped pair of bench_piecewise.py in
+FULL_AND_PIECEWISE with auto capture sizes. The cold process starts from an empty Inductor cache and
+writes the artifacts; the warm one loads them with strict checking. Both generate the same prompts,
+and their tokens are compared.
+
+Usage: python scripts/bench_startup.py [--k 4] [--max-num-seqs 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def config(args, **kw):
+    import draftgraph as dg
+
+    return dg.CompileConfig(
+        mode="FULL_AND_PIECEWISE",
+        num_speculative_tokens=args.k,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(512, args.max_num_seqs * (args.k + 1)),
+        max_model_len=1024,
+        device="cuda",
+        progress=False,
+        **kw,
+    )
+
+
+def phase(args) -> None:
+    import torch
+
+    import draftgraph as dg
+    from draftgraph.compiler.artifacts import CACHE, build_artifacts
+    from scripts.bench_piecewise import build_pair
+
+    t_start = time.perf_counter()
+    target, drafter = build_pair()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if args.phase == "cold":
+        engine = dg.compile_model(target, drafter, config(args, cache_dir=os.path.join(args.dir, CACHE)))
+    else:
+        engine = dg.compile_model(target, drafter, config(args), artifacts=args.dir, strict_artifacts=True)
+    torch.cuda.synchronize()
+    ready = time.perf_counter() - t0
+    write_s = 0.0
+    if args.phase == "cold":
+        t1 = time.perf_counter()
+        build_artifacts(engine, args.dir)
+        write_s = time.perf_counter() - t1
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in (17, 60, 5, 33)]
+    outs = engine.generate(prompts, dg.SamplingParams(max_tokens=24, ignore_eos=True))
+    c = engine.compiled.counters
+    print(
+        json.dumps(
+            {
+                "phase": args.phase,
+                "ready_s": round(ready, 2),
+                "write_s": round(write_s, 2),
+                "model_build_s": round(t0 - t_start, 2),
+                "traces": dict(c.traces),
+                "inductor_compiles": c.inductor_compiles,
+                "graphs_captured": c.graphs_captured,
+                "capture_s": round(c.capture_seconds, 2),
+                "report": engine.warm_up_report,
+                "tokens": [o.token_ids for o in outs],
+            }
+        )
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--phase", choices=["cold", "warm"])
+    ap.add_argument("--dir")
+    args = ap.parse_args()
+    if args.phase:
+        phase(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        art, cache = os.path.join(tmp, "artifacts"), os.path.join(tmp, "inductor")
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": os.getcwd()}
+        res = {}
+        for name in ("cold", "warm"):
+            cmd = [sys.executable, "-m", "scripts.bench_startup", "--phase", name, "--dir", art]
+            cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs)]
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode:
+                print(r.stderr[-4000:])
+                raise SystemExit(f"{name} phase failed")
+            res[name] = json.loads(r.stdout.strip().splitlines()[-1])
+            res[name]["process_s"] = round(time.perf_counter() - t0, 1)
+        files = sum(len(f) for _, _, f in os.walk(art))
+        size = sum(os.path.getsize(os.path.join(d, x)) for d, _, fs in os.walk(art) for x in fs)
+    cold, warm = res["cold"], res["warm"]
+    print(f"artifact directory: {files} files, {size / 2**20:.1f} MiB; written in {cold['write_s']} s")
+    for r in (cold, warm):
+        print(
+            f"{r['phase']:>4}: engine ready in {r['ready_s']:7.2f} s (capture {r['capture_s']} s, "
+            f"{r['graphs_captured']} graphs), traces {r['traces']}, Inductor compiles {r['inductor_compiles']}; "
+            f"whole process {r['process_s']} s (model build {r['model_build_s']} s)"
+        )
+        print(f"      {r['report']}")
+    print(
+        f"warm start {cold['ready_s'] / warm['ready_s']:.1f}x faster than cold; "
+        f"tokens equal: {cold['tokens'] == warm['tokens']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
