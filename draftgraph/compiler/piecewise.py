@@ -97,7 +97,7 @@ class PiecewiseBackend:
         counters.unique_pieces += len(unique_todo)
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
-        return _Recorded(self, len(self.records) - 1, split.module)
+        return _recorded(self, len(self.records) - 1, split.module)
 
     def _compile(self, piece: Piece, token, bar) -> CompiledPiece:
         gm = piece.graph
@@ -122,17 +122,17 @@ class PiecewiseBackend:
         return CompiledPiece(per_size, dynamic, multi)
 
 
-class _Recorded:
-    """The split module as Dynamo calls it; keeps its outputs while an artifact build records them."""
+def _recorded(backend: PiecewiseBackend, index: int, module):
+    """The split module as Dynamo calls it; keeps its outputs while an artifact build records them. (A
+    plain function: tools that read compiled code, depyf among them, expect one.)"""
 
-    def __init__(self, backend: PiecewiseBackend, index: int, module):
-        self.backend, self.index, self.module = backend, index, module
-
-    def __call__(self, *args):
-        out = self.module(*args)
-        if self.backend.recorded_outputs is not None:
-            self.backend.recorded_outputs[self.index] = out
+    def run(*args):
+        out = module(*args)
+        if backend.recorded_outputs is not None:
+            backend.recorded_outputs[index] = out
         return out
+
+    return run
 
 
 def _static_shape(value):
