@@ -208,11 +208,7 @@ def _exercise(engine) -> dict:
         aux = getattr(runner, "aux_layers", ())
         record("target", compiled.target(ids, positions, meta, runner.target_cache.layers, aux))
         if engine.drafter is not None:
-            widths = [None]
-            if runner.hidden_kind:
-                h = engine.drafter.cfg.hidden_size
-                widths = [3 * engine.target.cfg.hidden_size, h] if runner.aux_layers else [h]
-            for width in widths:
+            for width in runner.proposer.hidden_widths:
                 hidden = (
                     None
                     if width is None
@@ -354,18 +350,4 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict) -> Non
                 for f, name in zip(fns["draft_loop"], ("greedy", "sample"))
             )
         else:
-            setattr(compiled, fn_name, _Loaded(LoadedFunction(fn_name, fns[fn_name], traces)))
-
-
-class _Loaded:
-    """Stands where CompiledTarget / CompiledDrafter stood (a `.backend` with no traces, for inspection)."""
-
-    class _NoBackend:
-        traces: list = []
-        records: list = []
-
-    def __init__(self, fn):
-        self.fn, self.backend = fn, self._NoBackend()
-
-    def __call__(self, *args):
-        return self.fn(*args)
+            setattr(compiled, fn_name, LoadedFunction(fn_name, fns[fn_name], traces))

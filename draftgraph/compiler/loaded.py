@@ -53,8 +53,18 @@ class LoadedTrace:
         return pytree.tree_unflatten([outs[j] for j in self.leaf_map], self.spec)
 
 
+class _NoTraces:
+    """A loaded function's `backend`: it traced nothing (inspection and artifact builds read `records`)."""
+
+    traces: list = []
+    records: list = []
+
+
 class LoadedFunction:
-    """Called like the compiled function it replaces (positional arguments, or keywords for the loop)."""
+    """Called like the compiled function it replaces (positional arguments, or keywords for the loop);
+    stands where CompiledTarget / CompiledDrafter / CompiledLoop stood."""
+
+    backend = _NoTraces()
 
     def __init__(self, fn_name: str, fn, traces: list[LoadedTrace]):
         self.fn_name, self.fn, self.traces = fn_name, fn, traces

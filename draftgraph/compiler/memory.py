@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,8 +75,6 @@ def plan_blocks(
 
 def measure_and_plan(build_engine, rc, utilization: float):
     """Steps 1 and 2 of the module docstring: returns the plan; the probe engine is gone afterwards."""
-    from dataclasses import replace
-
     free_cuda()
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
@@ -113,12 +111,13 @@ def release_graphs(compiled) -> None:
     for fg in (compiled.full_target, compiled.full_drafter):
         if fg is not None:
             fg.graphs.clear()
-    backends = [compiled.target.backend] + ([compiled.drafter.backend] if compiled.drafter is not None else [])
-    if compiled.loop_backend is not None:
-        backends.append(compiled.loop_backend)
-    for backend in backends:
-        for _, split in backend.traces:
-            for module in split.module.modules():
+    for fn in (compiled.target, compiled.drafter, *(compiled.loops or ())):
+        if fn is None:
+            continue
+        # Compiled here: the backend's split modules; loaded from artifacts: each stored trace's module.
+        splits = [rec["split"].module for rec in fn.backend.records] + [t.module for t in getattr(fn, "traces", [])]
+        for split in splits:
+            for module in split.modules():
                 if isinstance(module, PieceRunner):
                     module.graphs.clear()
     ctx = compiled.ctx

@@ -26,7 +26,6 @@ from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.sampler import SALT_DRAFT, SamplingTensors, probabilities, sample_from_probs
 
-META_FIELDS = ("slot_mapping", "token_req", "token_kv_len", "block_tables", "seq_lens", "query_start_loc")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata], tuple]

@@ -7,20 +7,18 @@ from __future__ import annotations
 from collections import Counter
 
 from draftgraph.compiler.full_graph import FullGraphs
-from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
 from draftgraph.runtime.dispatcher import Dispatch
-
-_META = ("slot_mapping", "token_req", "token_kv_len", "block_tables", "seq_lens", "query_start_loc")
 
 
 def _flat(ids, positions, meta: AttentionMetadata, hidden=None) -> dict:
     out = {"ids": ids, "positions": positions, "hidden": hidden}
-    out.update({f: getattr(meta, f) for f in _META})
+    out.update({f: getattr(meta, f) for f in META_FIELDS})
     return out
 
 
 def _meta(x: dict) -> AttentionMetadata:
-    return AttentionMetadata(**{f: x[f] for f in _META})
+    return AttentionMetadata(**{f: x[f] for f in META_FIELDS})
 
 
 class Forwards:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.models.attention.metadata import META_FIELDS
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
-from draftgraph.runtime.drafting import META_FIELDS, SAMPLING_FIELDS, Chooser, draft_loop
+from draftgraph.runtime.drafting import SAMPLING_FIELDS, Chooser, draft_loop
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.sampler import SamplingTensors
 
@@ -54,6 +55,12 @@ class Proposer:
         self.aux = drafter.target_hidden == "aux"
         self.shift = 2 if self.hidden_kind else 1
         self.first_q = k + 1 if self.hidden_kind else k + 2  # first-step rows per decode request
+        # Width of the hidden input at the first step (the target's fused aux layers for EAGLE-3) and at
+        # later steps (the drafter's own); None for a draft model, which reads no hidden state.
+        h = drafter.cfg.hidden_size
+        self.step_width = h if self.hidden_kind else None
+        self.first_width = 3 * target_cfg.hidden_size if self.aux else self.step_width
+        self.hidden_widths = tuple(dict.fromkeys((self.first_width, self.step_width)))  # one trace each
         self.max_num_seqs = max_num_seqs
         # q of the pending drafts per request slot; the last row is the padding rows' scratch.
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
@@ -180,9 +187,7 @@ class Proposer:
         dev = self.device
         builder = self.target_meta if self.hidden_kind else self.draft_meta
         meta, positions = builder.build([], num_tokens_padded=b * self.first_q, num_reqs_padded=b)
-        width = None
-        if self.hidden_kind:
-            width = 3 * self.target_cfg.hidden_size if self.aux else self.drafter.cfg.hidden_size
+        width = self.first_width
         x = dict(
             input_ids=torch.zeros(b * self.first_q, dtype=torch.long, device=dev),
             positions=positions,

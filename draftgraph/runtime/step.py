@@ -217,11 +217,7 @@ class StepRunner:
         self.target_fn(ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ()))
         if self.drafter is None:
             return
-        widths = [None]
-        if self.hidden_kind:
-            h = self.drafter.cfg.hidden_size
-            widths = [3 * self.target.cfg.hidden_size, h] if self.aux_layers else [h]
-        for width in widths:
+        for width in self.proposer.hidden_widths:
             hidden = None if width is None else torch.zeros(num_tokens, width, dtype=self.target.cfg.dtype, device=dev)
             self.drafter_fn(ids, positions, hidden, meta, self.draft_cache.layers)
 
@@ -241,10 +237,8 @@ class StepRunner:
         if self.proposer.loops is not None:
             self.proposer.dummy_loops(num_reqs)
         else:
-            h = self.drafter.cfg.hidden_size
-            first_width = (3 * self.target.cfg.hidden_size if self.aux_layers else h) if self.hidden_kind else None
-            shapes.append((self.proposer.first_q, first_width))
-        shapes.append((1, self.drafter.cfg.hidden_size if self.hidden_kind else None))
+            shapes.append((self.proposer.first_q, self.proposer.first_width))
+        shapes.append((1, self.proposer.step_width))
         for q, width in shapes:
             d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
             if d.runtime != "FULL":

@@ -6,7 +6,7 @@ a captured graph that reads these addresses sees the next batch after the builde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -34,3 +34,7 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+# The field names in order: how flat tensor dicts (FULL graph inputs, the fused loop's arguments) spell them.
+META_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
