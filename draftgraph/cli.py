@@ -30,6 +30,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
     p.add_argument(
+        "--capture",
+        default="eager",
+        choices=["eager", "lazy"],
+        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy)",
+    )
+    p.add_argument(
         "--check-addresses",
         action="store_true",
         default=envs.check_addresses(),
@@ -58,6 +64,7 @@ def _config(args, **over):
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
         compile_backend=args.compile_backend,
         use_cuda_graphs=not args.no_cuda_graphs,
+        capture=args.capture,
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
     )
@@ -157,6 +164,7 @@ def print_report(s: dict) -> None:
 def cmd_build(args) -> int:
     """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
     import os
+    import tempfile
 
     import draftgraph as dg
     from draftgraph.compiler.artifacts import CACHE, build_artifacts, summary_text
@@ -167,13 +175,18 @@ def cmd_build(args) -> int:
     if os.path.isdir(args.out) and os.listdir(args.out):
         print(f"draftgraph build: error: {args.out} is not empty; choose a new directory", file=sys.stderr)
         return 2
-    # Graphs are captured at load, not here; Inductor's cache (CPU: the built code) goes into the artifact.
-    config = _config(args, use_cuda_graphs=False, cache_dir=os.path.join(args.out, CACHE))
-    print(f"config: {config}")
-    target, drafter = _models(args)
-    t0 = time.perf_counter()
-    engine = dg.compile_model(target, drafter, config)
-    manifest = build_artifacts(engine, args.out)
+    # Graphs are captured at load, not here. On the CPU, Inductor's cache (the built C++ libraries, which a
+    # CPU artifact does not bundle) goes into the artifact; a CUDA artifact bundles its kernels, and the
+    # build's cache goes to a temporary directory.
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    with tempfile.TemporaryDirectory(prefix="draftgraph-build-") as tmp:
+        cache = tmp if cuda else os.path.join(args.out, CACHE)
+        config = _config(args, use_cuda_graphs=False, cache_dir=cache)
+        print(f"config: {config}")
+        target, drafter = _models(args)
+        t0 = time.perf_counter()
+        engine = dg.compile_model(target, drafter, config)
+        manifest = build_artifacts(engine, args.out)
     print(summary_text(manifest), end="")
     print(f"built {args.out} in {time.perf_counter() - t0:.1f} s ({len(manifest['files'])} files)")
     return 0

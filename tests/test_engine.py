@@ -173,5 +173,7 @@ def test_bad_input_is_refused_with_the_value(target):
         dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=10)
     with pytest.raises(ValueError, match="mode='FULLEST' is unknown; choose one of"):
         dg.CompileConfig(mode="FULLEST")
+    with pytest.raises(ValueError, match="capture='later' is unknown; choose 'eager'"):
+        dg.CompileConfig(capture="later")
     with pytest.raises(ValueError, match="temperature=-1"):
         dg.SamplingParams(temperature=-1)

@@ -32,8 +32,9 @@ log = logging.getLogger("draftgraph")
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-# Inductor's cache of the build (CPU: the built .so files, which a CPU artifact does not bundle; without
-# them every load would re-run the C++ compiler). `build_engine_for_artifacts` points Inductor here.
+# Inductor's cache of a CPU build: the built .so files, which a CPU artifact does not bundle (without them
+# every load would re-run the C++ compiler). `draftgraph build` points Inductor here on the CPU only; a CUDA
+# artifact bundles its Triton kernels.
 CACHE = "inductor_cache"
 SUMMARY = "summary.txt"
 _SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
@@ -64,7 +65,7 @@ def source_hash() -> str:
 
 def config_hash(rc) -> str:
     """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
-    skip = {"num_kv_blocks", "seed", "graphs_enabled"}
+    skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture"}
     fields = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
     return _sha(json.dumps(fields, sort_keys=True).encode())[:16]
 
@@ -309,13 +310,30 @@ def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
     from draftgraph.compiler.piecewise import _cache_dir
 
     cache = Path(path) / CACHE
-    with _cache_dir(str(cache.resolve()) if cache.is_dir() else None):
-        _load_functions(root_path=Path(path), manifest=manifest, compiled=compiled, fns=fns)
+    cache = cache.resolve() if cache.is_dir() else None
+    with _cache_dir(str(cache) if cache else None):
+        _load_functions(root_path=Path(path), manifest=manifest, compiled=compiled, fns=fns, cache=cache)
 
 
-def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict) -> None:
-    from torch._inductor import CompiledArtifact
+class _LazyArtifact:
+    """An Inductor artifact read from disk at its first call (its checksum was verified with the manifest):
+    a warm start reads only the sizes its steps use, each when a step (or the capture) first runs it."""
 
+    def __init__(self, path: Path, cache: Path | None):
+        self.path, self.cache, self.fn = path, cache, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            from torch._inductor import CompiledArtifact
+
+            from draftgraph.compiler.piecewise import _cache_dir
+
+            with _cache_dir(str(self.cache) if self.cache else None):
+                self.fn = CompiledArtifact.load(path=str(self.path), format="binary")
+        return self.fn(*args)
+
+
+def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache: Path | None) -> None:
     from draftgraph.compiler.loaded import LoadedFunction, LoadedTrace
     from draftgraph.compiler.piecewise import CompiledPiece
 
@@ -329,7 +347,7 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict) -> Non
             def load(rel, kind):
                 if kind == "fx":
                     return decode_module(json.loads((root / rel).read_text()))
-                return CompiledArtifact.load(path=str(root / rel), format="binary")
+                return _LazyArtifact(root / rel, cache)
 
             per_size = {int(s): load(f"pieces/{fn_name}/{key}/{s}.bin", k) for s, k in entry["per_size"].items()}
             dynamic = load(f"pieces/{fn_name}/{key}/dynamic.bin", entry["dynamic"])

@@ -3,7 +3,8 @@
 1. Build the compiled forwards (one torch.compile per model function, piecewise backend).
 2. Warm up: run each capture size once with padding-only batches; the first run traces and compiles.
 3. Capture (CUDA only): the same runs again, largest size first, with capture allowed, into one pool
-   shared by target and drafter; free memory is logged before and after.
+   shared by target and drafter; free memory is logged before and after. With capture="lazy" this step
+   is skipped and capture stays allowed: each graph is captured by the first step that needs it.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def warm_up_and_capture(engine) -> str:
         runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (capture is not allowed yet)
     compile_s = time.perf_counter() - t0
     capture_s, graph_bytes = 0.0, 0
-    if rc.graphs_enabled:
+    if rc.graphs_enabled and rc.lazy_capture:
+        ctx.allow_capture = True  # from now on, the first step at a capture size captures its graph
+    elif rc.graphs_enabled:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         reserved_before = torch.cuda.memory_reserved()
@@ -144,10 +147,11 @@ def warm_up_and_capture(engine) -> str:
     counters.compiled_runs.clear()
     counters.dynamic_runs.clear()
     runner.forwards.hits.clear()
-    counters.capture_seconds += capture_s
     counters.graph_memory_bytes = graph_bytes
     graphs = (
-        f"captured {counters.graphs_captured} CUDA graphs in {capture_s:.1f} s, graph memory "
+        "CUDA graphs captured lazily, each at the first step that needs it"
+        if rc.lazy_capture
+        else f"captured {counters.graphs_captured} CUDA graphs in {capture_s:.1f} s, graph memory "
         f"{graph_bytes / 2**20:.0f} MiB"
         if rc.graphs_enabled
         else (

@@ -62,6 +62,10 @@ class CompileConfig:
     compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
     cache_dir: str = ""  # Inductor cache directory for this model's pieces; "" = Inductor's default
     use_cuda_graphs: bool = True  # False: compiled pieces without graphs even on CUDA (for comparison)
+    # When CUDA graphs are captured: "eager" = every capture size before the engine is returned (largest
+    # first, one pool, predictable memory); "lazy" = each graph at the first step that needs it (fast start;
+    # that step pays the capture, and graph memory grows with the sizes actually used).
+    capture: str = "eager"
     fuse_draft_loop: bool = True  # FULL modes: the drafter's K steps as one graph (False: a graph per step)
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
@@ -92,6 +96,11 @@ class CompileConfig:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} and gpu_memory_utilization={self.gpu_memory_utilization} both "
                 "size the KV cache; set one of them"
+            )
+        if self.capture not in ("eager", "lazy"):
+            raise ValueError(
+                f"capture={self.capture!r} is unknown; choose 'eager' (capture every size at start) or 'lazy' "
+                "(capture each size when a step first needs it)"
             )
         if self.compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={self.compile_backend!r} is unknown; choose 'inductor' or 'eager'")
@@ -126,6 +135,7 @@ class ResolvedConfig:
     full_capture_sizes: tuple[int, ...]  # request counts with FULL graphs; empty without a FULL mode
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
     fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
+    lazy_capture: bool = False  # graphs are captured when a step first needs them (capture="lazy")
 
     @property
     def lookahead(self) -> int:
@@ -199,6 +209,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
         fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
+        lazy_capture=graphs and config.capture == "lazy",
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "

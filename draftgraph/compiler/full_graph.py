@@ -12,6 +12,7 @@ nested piece graphs), so the whole forward lands in one graph.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -74,8 +75,10 @@ class FullGraphs:
     def run(self, key: str, inputs: dict, call: Callable[[dict], object]):
         graph = self.graphs.get(key)
         if graph is None and self.ctx.allow_capture:
+            t0 = time.perf_counter()
             graph = self.graphs[key] = FullGraph(key, call, inputs, self.ctx)
             self.ctx.counters.graphs_captured += 1
+            self.ctx.counters.capture_seconds += time.perf_counter() - t0
         if graph is None:  # not captured (outside the capture phase): run the compiled code directly
             self.ctx.counters.compiled_runs[f"{self.name}/{key}"] += 1
             return call(inputs)

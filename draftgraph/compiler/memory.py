@@ -78,7 +78,8 @@ def measure_and_plan(build_engine, rc, utilization: float):
     free_cuda()
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
-    probe_rc = replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1)
+    # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
+    probe_rc = replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1, lazy_capture=False)
     torch.cuda.reset_peak_memory_stats()
     probe = build_engine(probe_rc)
     probe.warm_up()

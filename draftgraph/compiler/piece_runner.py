@@ -11,6 +11,7 @@ callers consume them before running that piece at that size again (the engine do
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -129,7 +130,9 @@ class PieceRunner(nn.Module):
                 f"{self.fn_name} piece {self.piece.index}: inputs {stray} are parameters the engine did not "
                 "register as static (GraphContext.register_static); refusing to capture copies of weights"
             )
+        t0 = time.perf_counter()
         graph = CapturedGraph(self.compiled.per_size[size], list(args), static, self.ctx.graph_pool())
+        self.ctx.counters.capture_seconds += time.perf_counter() - t0
         self.ctx.counters.static_buffer_bytes += sum(
             a.numel() * a.element_size() for a, s in zip(args, static) if isinstance(a, torch.Tensor) and not s
         )

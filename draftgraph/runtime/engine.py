@@ -194,6 +194,10 @@ class Engine:
         s["fallbacks"] = 0 if not self.config.graphs_enabled else sum(v for k, v in hits.items() if k.endswith("/none"))
         if self.compiled is not None:
             s["compile"] = self.compiled.counters.as_dict()
+            if self.config.lazy_capture:  # graphs appear as steps need them: read the pool now
+                from draftgraph.compiler.capture import pool_bytes
+
+                s["compile"]["graph_memory_bytes"] = pool_bytes(self.compiled.ctx.pool) or 0
         s["kv_blocks"] = self.config.num_kv_blocks
         if self.memory_plan is not None:
             s["memory"] = self.memory_plan.as_dict()

@@ -14,8 +14,8 @@ from tests.test_engine import ragged
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
-def test_build_and_load_on_cuda(tmp_path, kind):
+@pytest.mark.parametrize("kind,capture", [("eagle3", "eager"), ("draft_model", "lazy")])
+def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
     drafter = make_drafter(kind, target)
     out = tmp_path / "art"
@@ -29,15 +29,23 @@ def test_build_and_load_on_cuda(tmp_path, kind):
         progress=False,
         check_addresses=True,
     )
-    built = dg.compile_model(target, drafter, dg.CompileConfig(cache_dir=str(out / CACHE), **base))
+    # The build's Inductor cache lives outside the artifact: a CUDA artifact bundles its kernels.
+    built = dg.compile_model(target, drafter, dg.CompileConfig(cache_dir=str(tmp_path / "build_cache"), **base))
     prompts, params, arrivals = ragged(16)
     ref = [o.token_ids for o in built.generate(prompts, params, arrivals)]
     build_artifacts(built, str(out))
-    eng = dg.compile_model(target, drafter, dg.CompileConfig(**base), artifacts=str(out), strict_artifacts=True)
+    assert not (out / CACHE).exists()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty_cache"))  # nothing to find there
+    cfg = dg.CompileConfig(capture=capture, **base)
+    eng = dg.compile_model(target, drafter, cfg, artifacts=str(out), strict_artifacts=True)
     print(eng.warm_up_report)
     c = eng.compiled.counters
-    assert not c.traces and c.inductor_compiles == 0 and c.graphs_captured > 0
+    assert not c.traces and c.inductor_compiles == 0
+    assert (c.graphs_captured == 0) if capture == "lazy" else (c.graphs_captured > 0)
     assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == ref
+    if capture == "lazy":  # the steps captured what they needed, and only that
+        assert 0 < c.graphs_captured < built.compiled.counters.graphs_captured
+        assert eng.stats()["compile"]["graph_memory_bytes"] > 0
     hits = eng.stats()["dispatch"]
     assert any("/loop/" in k for k in hits) and eng.stats()["fallbacks"] == 0
     assert sum(v for k, v in c.graph_replays.items() if "/full/" in k or "/loop/" in k) > 0

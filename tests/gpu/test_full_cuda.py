@@ -25,9 +25,10 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
 
 
-def run(target, kind, mode, k=3):
+def run(target, kind, mode, k=3, capture="eager"):
     prompts, params, arrivals = ragged(16)
     cfg = dg.CompileConfig(
+        capture=capture,
         mode=mode,
         num_speculative_tokens=k,
         max_num_seqs=8,
@@ -68,6 +69,22 @@ def test_every_mode_gives_the_same_tokens_and_acceptance(target, kind):
             f"{kind} {mode}: acceptance {stats['acceptance_histogram']} (NONE {ref_stats['acceptance_histogram']}); "
             f"full graph replays {sum(full.values())}"
         )
+
+
+def test_lazy_capture_captures_what_steps_use(target):
+    """capture="lazy": nothing captured at start; each graph at the first step that needs it; the same
+    tokens as eager capture, no fallbacks, fewer graphs."""
+    ref, _, eager = run(target, "eagle", "FULL_AND_PIECEWISE")
+    out, stats, lazy = run(target, "eagle", "FULL_AND_PIECEWISE", capture="lazy")
+    assert out == ref and stats["fallbacks"] == 0
+    assert "lazily" in lazy.warm_up_report
+    n_eager, n_lazy = eager.compiled.counters.graphs_captured, lazy.compiled.counters.graphs_captured
+    replayed = {k for k, v in lazy.compiled.counters.graph_replays.items() if v}
+    assert 0 < n_lazy < n_eager and len(replayed) <= n_lazy
+    assert stats["compile"]["graph_memory_bytes"] > 0
+    again = lazy.generate(*ragged(16))  # the same steps again: nothing new to capture
+    assert lazy.compiled.counters.graphs_captured == n_lazy and [o.token_ids for o in again] == ref
+    print(f"lazy capture: {n_lazy} graphs captured by the steps, against {n_eager} captured eagerly")
 
 
 def test_every_request_count_across_padding(target):
