@@ -98,7 +98,9 @@ class PieceRunner(nn.Module):
         size = self._size(args)
         key = f"{self.fn_name}/{size}"
         ctx = self.ctx
-        graph = self.graphs.get(size)
+        # Inside a FULL graph's capture (graphs_enabled off) a piece runs its code, never its own graph
+        # (with lazy capture, a piece graph of that size may already exist).
+        graph = self.graphs.get(size) if ctx.graphs_enabled else None
         if graph is None and ctx.graphs_enabled and ctx.allow_capture and size in self.compiled.per_size:
             graph = self._capture(size, args)
         if graph is not None:
