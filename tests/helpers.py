@@ -22,6 +22,61 @@ HF_CLASSES = {
 }
 
 
+def tiny_deepseek_config(**overrides):
+    """A small DeepSeek-V3: q LoRA, yarn RoPE with mscale, 8 experts in 4 groups (2 picked, 2 active),
+    a shared expert, a first dense layer."""
+    kw = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=112,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    )
+    kw.update(overrides)
+    return transformers.DeepseekV3Config(**kw)
+
+
+def tiny_deepseek_model(seed: int = 0, mtp: bool = False, **overrides):
+    """transformers' DeepseekV3ForCausalLM with random weights (router bias and norms randomized too)."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
+    return model
+
+
 def tiny_hf_config(family: str = "llama", **overrides):
     kw = dict(
         vocab_size=96,
@@ -65,7 +120,13 @@ class PagedRunner:
         max_blocks_per_req=None,
     ):
         self.spec = KVCacheSpec(
-            num_layers or cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+            num_layers or cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.dtype,
+            getattr(cfg, "kv_entry_shapes", ()),
         )
         self.cache = PagedKVCache(self.spec, device)
         self.alloc = BlockAllocator(num_blocks)

@@ -34,8 +34,9 @@ def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
             "transformers *ForCausalLM object or a draftgraph CausalLM"
         )
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    for layer in model.layers:
-        layer.attn.attn_impl = attn_impl
+    for m in model.modules():  # attention and MoE kernels
+        if hasattr(m, "attn_impl"):
+            m.attn_impl = attn_impl
     return model
 
 

@@ -1,4 +1,4 @@
-"""ModelConfig: the one description of a Llama-family decoder that our modules are built from.
+"""ModelConfig: the one description of a decoder (Llama family, DeepSeek-V3) that our modules are built from.
 
 Built from a transformers config object (or a config.json dict) by `ModelConfig.from_hf`, so the rest
 of the package never reads transformers attributes directly. Frozen: derived values are properties.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,10 @@ FAMILIES = {
     "qwen2": {"qk_norm": False, "qkv_bias": True},
     "qwen3": {"qk_norm": True, "qkv_bias": None},
     "mistral": {"qk_norm": False, "qkv_bias": False},
+    "deepseek_v3": {"qk_norm": False, "qkv_bias": None},  # MLA + MoE: see MLAConfig, MoEConfig
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,65 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek): ramp bounds and the magnitude scales (cos/sin and the softmax scale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float = 0.0  # 0 = derived from factor / mscale / mscale_all_dim
+    truncate: bool = True
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_type={self.rope_type!r} is not supported; supported: {ROPE_TYPES}. "
                 "Use a checkpoint with one of these RoPE variants."
+            )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank q_a/q_b pair, keys
+    and values from one latent of kv_lora_rank plus a shared RoPE key of qk_rope_head_dim per token."""
+
+    q_lora_rank: int  # 0 = a full q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek's layout)
+    softmax_scale: float = 0.0  # set by ModelConfig.from_hf (qk_head_dim ** -0.5, times yarn's mscale^2)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-V3 mixture of experts: sigmoid scores, grouped top-k routing, shared experts."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int  # layers below this index keep a dense MLP
+
+    def __post_init__(self):
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts={self.num_experts} is not a multiple of n_group={self.n_group}; "
+                "grouped routing needs equal groups"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must lie in [1, n_group={self.n_group}]")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} exceeds the experts in the {self.topk_group} chosen groups"
             )
 
 
@@ -69,6 +124,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple[int, ...] = ()
+    mla: MLAConfig | None = None  # DeepSeek: latent attention (then head_dim is the RoPE part's width)
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -82,6 +139,17 @@ class ModelConfig:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: silu.")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_k_dense_replace
+
+    @property
+    def kv_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """What the paged cache holds per token and layer: K and V [Hkv, D] each, or MLA's latent [r] and
+        RoPE key [d_rope]."""
+        if self.mla is not None:
+            return ((self.mla.kv_lora_rank,), (self.mla.qk_rope_head_dim,))
+        return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
     @property
     def q_size(self) -> int:
@@ -118,6 +186,11 @@ class ModelConfig:
         o_bias = bool(get("attention_bias", False)) if model_type in ("llama", "qwen3") else False
         if dtype is None:
             dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
+        rope = rope_from_hf(get)
+        mla = moe = None
+        if model_type == "deepseek_v3":
+            mla, moe = _deepseek_parts(get, rope)
+            head_dim = mla.qk_rope_head_dim  # the RoPE table's width
         return cls(
             model_type=model_type,
             vocab_size=get("vocab_size"),
@@ -128,7 +201,7 @@ class ModelConfig:
             num_kv_heads=get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=get("rms_norm_eps", 1e-6),
-            rope=rope_from_hf(get),
+            rope=rope,
             max_position_embeddings=get("max_position_embeddings", 4096),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -139,6 +212,8 @@ class ModelConfig:
             hidden_act=get("hidden_act", "silu"),
             dtype=dtype,
             eos_token_ids=_as_tuple(get("eos_token_id", None)),
+            mla=mla,
+            moe=moe,
         )
 
     @classmethod
@@ -153,12 +228,50 @@ def _getter(hf_config: Any):
     return lambda k, d=None: getattr(hf_config, k, d) if getattr(hf_config, k, None) is not None else d
 
 
+def _deepseek_parts(get, rope: RopeConfig) -> tuple[MLAConfig, MoEConfig]:
+    nope, rope_dim = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+    scale = (nope + rope_dim) ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale *= m * m
+    mla = MLAConfig(
+        q_lora_rank=get("q_lora_rank", 0) or 0,
+        kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=get("v_head_dim"),
+        rope_interleave=bool(get("rope_interleave", True)),
+        softmax_scale=scale,
+    )
+    moe = MoEConfig(
+        num_experts=get("n_routed_experts"),
+        top_k=get("num_experts_per_tok"),
+        moe_intermediate_size=get("moe_intermediate_size"),
+        n_shared_experts=get("n_shared_experts", 0) or 0,
+        n_group=get("n_group", 1) or 1,
+        topk_group=get("topk_group", 1) or 1,
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+        first_k_dense_replace=get("first_k_dense_replace", 0) or 0,
+    )
+    return mla, moe
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_from_hf(get) -> RopeConfig:
     """transformers 5 keeps RoPE in `rope_parameters` (theta inside); 4.x in rope_theta + rope_scaling."""
     params = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
     theta = params.get("rope_theta", get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    kw = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor") if k in params}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    kw = {k: float(params[k]) for k in keys if params.get(k) is not None}
+    if params.get("attention_factor") is not None:
+        kw["attention_factor"] = float(params["attention_factor"])
+    if "truncate" in params:
+        kw["truncate"] = bool(params["truncate"])
     if "original_max_position_embeddings" in params:
         kw["original_max_position_embeddings"] = params["original_max_position_embeddings"]
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kw)

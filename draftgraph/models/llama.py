@@ -1,4 +1,5 @@
-"""Llama-family causal LM (Llama 2/3, Qwen2, Qwen3, Mistral) over the flat token layout.
+"""Causal LM over the flat token layout: the Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) and DeepSeek-V3
+(MLA + MoE layers, models/deepseek.py).
 
 forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hidden states [T, H]
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
@@ -26,6 +27,24 @@ from draftgraph.models.weights import (
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
+    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer."""
+    if cfg.mla is not None:
+        from draftgraph.models.deepseek import DeepseekLayer
+
+        return DeepseekLayer(cfg, layer, attn_impl)
+    return DecoderLayer(cfg, layer, attn_impl)
+
+
+def layer_converter(cfg: ModelConfig):
+    """transformers layer names -> ours, for this config's family."""
+    if cfg.mla is not None:
+        from draftgraph.models.deepseek import convert_deepseek_layer
+
+        return convert_deepseek_layer
+    return convert_layer
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured)."""
 
@@ -33,7 +52,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attn_impl) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
@@ -84,7 +103,7 @@ class CausalLM(nn.Module):
                 for k in [k for k in state if k.startswith(f"model.layers.{i}.")]:
                     state.pop(k)
                 continue
-            ours.update(convert_layer(state, f"model.layers.{i}.", f"layers.{i}."))
+            ours.update(layer_converter(cfg)(state, f"model.layers.{i}.", f"layers.{i}."))
         for theirs, mine in (
             ("model.embed_tokens.weight", "embed_tokens.weight"),
             ("model.norm.weight", "norm.weight"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,8 @@ from torch._dynamo.decorators import maybe_mark_dynamic
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one model's paged cache: [num_blocks, block_size, num_kv_heads, head_dim] per layer."""
+    """Shape of one model's paged cache: per layer two tensors [num_blocks, block_size, *entry], the entries
+    K and V [num_kv_heads, head_dim] each, or as `entries` says (MLA: the latent [r] and RoPE key [d_rope])."""
 
     num_layers: int
     num_blocks: int
@@ -18,6 +20,11 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    entries: tuple[tuple[int, ...], ...] = ()  # () = ((num_kv_heads, head_dim),) * 2
+
+    @property
+    def entry_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.entries or ((self.num_kv_heads, self.head_dim),) * 2
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -27,8 +34,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        per_layer = self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * per_layer
+        per_token = sum(math.prod(e) for e in self.entry_shapes)
+        return self.num_layers * self.block_size * per_token * torch.finfo(self.dtype).bits // 8
 
 
 class PagedKVCache:
@@ -36,10 +43,9 @@ class PagedKVCache:
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str):
         self.spec = spec
-        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
+        shapes = [(spec.num_blocks, spec.block_size, *e) for e in spec.entry_shapes]
+        self.layers: list[tuple[torch.Tensor, ...]] = [
+            tuple(torch.zeros(s, dtype=spec.dtype, device=device) for s in shapes) for _ in range(spec.num_layers)
         ]
         # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
         # cache is resized after measuring graph memory (compiler/memory.py) re-uses its traces.

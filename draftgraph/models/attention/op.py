@@ -1,4 +1,4 @@
-"""The paged attention custom op: `torch.ops.draftgraph.paged_attention`.
+"""The attention custom ops: `torch.ops.draftgraph.paged_attention` and `torch.ops.draftgraph.mla_attention`.
 
 One opaque node in every traced graph (the compiler splits there). It writes this step's K/V into the
 paged caches (declared mutated) and returns causal attention for a flat batch of variable-length
@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from draftgraph.models.attention.backends import check_device
+from draftgraph.models.attention.mla_reference import mla_attention_reference
 from draftgraph.models.attention.reference import paged_attention_reference
 
 # The single list of ops the compiler splits graphs at (passes read it from here).
-SPLITTING_OPS: list[str] = ["draftgraph::paged_attention"]
+SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention"]
 
 
 @torch.library.custom_op("draftgraph::paged_attention", mutates_args=("k_cache", "v_cache"))
@@ -46,3 +47,35 @@ def paged_attention(
 @paged_attention.register_fake
 def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, token_req, token_kv_len, scale, window, impl):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("draftgraph::mla_attention", mutates_args=("latent_cache", "rope_cache"))
+def mla_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_req: torch.Tensor,
+    token_kv_len: torch.Tensor,
+    scale: float,
+    impl: str,
+) -> torch.Tensor:
+    """Multi-head latent attention, absorbed form (mla_reference.py has the contract): writes this step's
+    latent and RoPE key into the paged caches and returns the latent output [T, H, r]."""
+    check_device(impl, q_lat.device.type)
+    args = (q_lat, q_pe, kv_c, k_pe, latent_cache, rope_cache, slot_mapping, block_tables, token_req, token_kv_len)
+    if impl == "triton":
+        from draftgraph.models.attention.triton_mla import mla_attention_triton
+
+        return mla_attention_triton(*args, scale)
+    return mla_attention_reference(*args, scale)
+
+
+@mla_attention.register_fake
+def _(q_lat, q_pe, kv_c, k_pe, latent_cache, rope_cache, slot_mapping, block_tables, token_req, token_kv_len, scale,
+      impl):  # fmt: skip
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)

@@ -1,0 +1,111 @@
+"""DeepSeek-V3 mixture of experts: grouped top-k routing, routed experts, shared experts.
+
+Everything has a shape fixed by the token count: routing is top-k over fixed-size score tensors, and the
+experts run as one custom op, `torch.ops.draftgraph.moe_experts`, whose implementations never read a count
+back to the host. So the layer can sit inside compiled pieces and FULL CUDA graphs.
+- reference: every expert over every token, weighted by the routing (zero for unchosen experts): plain
+  tensor code, E times the work, for checking and the CPU.
+- triton: the (token, expert) pairs are sorted by expert into blocks padded to the tile height (on the
+  device; the grid is sized for the worst case and surplus tiles exit at once), then one grouped matmul
+  per projection reads only the chosen experts' weights (moe_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftgraph.models.attention.backends import check_device
+from draftgraph.models.config import ModelConfig
+
+
+@torch.library.custom_op("draftgraph::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, impl: str
+) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; ids [T, k] int64; weights [T, k] float32 -> [T, H]."""
+    check_device(impl, x.device.type)
+    if impl == "triton":
+        from draftgraph.models.moe_triton import moe_experts_triton
+
+        return moe_experts_triton(x, gate_up, down, ids, weights)
+    return moe_experts_reference(x, gate_up, down, ids, weights)
+
+
+@moe_experts.register_fake
+def _(x, gate_up, down, ids, weights, impl):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def moe_experts_reference(x, gate_up, down, ids, weights) -> torch.Tensor:
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    combine.scatter_add_(1, ids, weights.float())  # [T, E]: each token's weight per expert, 0 if unchosen
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        gate, up = F.linear(x, gate_up[e]).split([inter, inter], dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e])
+        out += combine[:, e : e + 1] * y.float()
+    return out.to(x.dtype)
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing from router logits [T, E] (float32): sigmoid scores; the bias-corrected scores
+    pick topk_group groups (each scored by its best two experts), then top_k experts inside them; the
+    weights are the uncorrected scores of those experts, normalized when asked, times the scaling factor.
+    Returns (weights [T, k] float32, ids [T, k] int64)."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    t, e = choice.shape
+    groups = choice.view(t, n_group, e // n_group)
+    group_scores = groups.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, n_group]
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU with separate gate / up / down projections (DeepSeek's dense layers, shared experts)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_impl: str):
+        super().__init__()
+        m = cfg.moe
+        self.m = m
+        self.gate = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(m.num_experts, dtype=torch.float32))
+        self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
+        self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
+        shared = m.moe_intermediate_size * m.n_shared_experts
+        self.shared = SwiGLU(cfg.hidden_size, shared) if shared else None
+        self.attn_impl = attn_impl  # the kernels' implementation: "triton" or "reference" (as attention's)
+
+    def forward(self, x):
+        m = self.m
+        logits = F.linear(x.float(), self.gate.float())
+        weights, ids = route(
+            logits, self.e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
+            m.routed_scaling_factor,
+        )  # fmt: skip
+        out = torch.ops.draftgraph.moe_experts(x, self.gate_up, self.down, ids, weights, self.attn_impl)
+        return out + self.shared(x) if self.shared is not None else out

@@ -1,0 +1,167 @@
+"""DeepSeek-V3: our MLA + MoE model against transformers' DeepseekV3ForCausalLM on the same random weights
+(float32, CPU; yarn RoPE with mscale, q LoRA, grouped routing, shared and dense layers), checkpoints in
+both expert layouts, and the two kernels (MLA attention, grouped expert matmul) against their references.
+
+Tolerances: logits 1e-4 absolute (summation order only); Triton against the references 1e-5 in float32
+(ieee dots; on CPU they run under the Triton interpreter), 2e-2 in bfloat16.
+"""
+
+import pytest
+import torch
+
+import draftgraph.models.attention.op  # noqa: F401
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.llama import CausalLM
+from draftgraph.models.moe import moe_experts_reference, route
+from draftgraph.models.moe_triton import align_pairs, moe_experts_triton
+from tests.helpers import PagedRunner, tiny_deepseek_model
+
+ATOL = 1e-4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VARIANTS = {
+    "v3": {},
+    "no-q-lora-default-rope": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "no-interleave": dict(rope_interleave=False),
+}
+
+
+def build(variant):
+    hf = tiny_deepseek_model(**VARIANTS[variant])
+    return hf, CausalLM.from_hf(hf)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_full_sequence_logits_match_transformers(variant):
+    hf, ours = build(variant)
+    assert ours.cfg.mla is not None and ours.cfg.moe is not None
+    ids = torch.randint(0, 96, (2, 23))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    runner = PagedRunner(ours.cfg)
+    meta, pos = runner.batch([(0, 23), (1, 23)])
+    with torch.no_grad():
+        hidden, _ = ours(ids.flatten(), pos, meta, runner.cache.layers)
+        logits = ours.compute_logits(hidden)
+    torch.testing.assert_close(logits.view(2, 23, -1), ref, atol=ATOL, rtol=0)
+    # The cache holds the latent and the RoPE key per token, not per-head K/V.
+    latent, rope = runner.cache.layers[0]
+    assert latent.shape[2:] == (32,) and rope.shape[2:] == (8,)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_then_paged_decode_matches_transformers(variant):
+    hf, ours = build(variant)
+    ids = torch.randint(0, 96, (1, 21))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    runner = PagedRunner(ours.cfg, block_size=4)
+    got = []
+    with torch.no_grad():
+        meta, pos = runner.batch([(0, 9)])
+        hidden, _ = ours(ids[0, :9], pos, meta, runner.cache.layers)
+        got.append(ours.compute_logits(hidden, torch.tensor([8])))
+        for t in range(9, 21):
+            meta, pos = runner.batch([(0, 1)])
+            hidden, _ = ours(ids[0, t : t + 1], pos, meta, runner.cache.layers)
+            got.append(ours.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(got), ref[8:], atol=ATOL, rtol=0)
+
+
+def test_checkpoint_with_per_expert_layout_loads(tmp_path):
+    """save_pretrained writes one module per expert (the hub layout); both layouts load to the same model."""
+    hf, ours = build("v3")
+    hf.save_pretrained(tmp_path)
+    from_dir = CausalLM.from_pretrained(str(tmp_path))
+    for (n1, p1), (n2, p2) in zip(ours.state_dict().items(), from_dir.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_config_errors_name_the_value():
+    from tests.helpers import tiny_deepseek_config
+
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not a multiple of n_group=3"):
+        ModelConfig.from_hf(tiny_deepseek_config(n_group=3))
+    with pytest.raises(ValueError, match="topk_group=5 must lie in"):
+        ModelConfig.from_hf(tiny_deepseek_config(topk_group=5))
+
+
+def test_routing_matches_transformers():
+    hf = tiny_deepseek_model()
+    gate = hf.model.layers[1].mlp.gate
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        _, ref_w, ref_ids = gate(x)
+        m = CausalLM.from_hf(hf).cfg.moe
+        logits = torch.nn.functional.linear(x, gate.weight)
+        w, ids = route(logits, gate.e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
+                       m.routed_scaling_factor)  # fmt: skip
+    order_ref, order = ref_ids.sort(dim=1), ids.sort(dim=1)
+    assert torch.equal(order_ref.values, order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, order_ref.indices))
+
+
+# ---- kernels against their references ----------------------------------------------------------------
+
+
+def test_align_pairs_tiles_each_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]])
+    sorted_ids, tile_expert, total, tiles = align_pairs(ids, num_experts=8, bm=4)
+    # expert 0: pairs 1, 4; expert 1: 3; expert 3: 0, 2, 5, 7; expert 5: 6 -> 4 padded tiles of 4
+    assert int(total) == 16 and tiles == (8 + 8 * 3 + 3) // 4
+    assert tile_expert[:4].tolist() == [0, 1, 3, 5]
+    assert sorted_ids[:16].tolist() == [1, 4, 8, 8, 3, 8, 8, 8, 0, 2, 5, 7, 6, 8, 8, 8]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_moe_triton_matches_reference(dtype, tol, tokens):
+    e, h, inter, k = 8, 64, 32, 3
+    gate_up = (torch.randn(e, 2 * inter, h) * 0.1).to(DEVICE, dtype)
+    down = (torch.randn(e, h, inter) * 0.1).to(DEVICE, dtype)
+    x = torch.randn(tokens, h).to(DEVICE, dtype)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)]).to(DEVICE)
+    w = torch.rand(tokens, k, device=DEVICE)
+    ref = moe_experts_reference(x, gate_up, down, ids, w)
+    got = moe_experts_triton(x, gate_up, down, ids, w)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+class MLAShape:
+    num_layers, num_kv_heads, head_dim = 1, 1, 8
+
+    def __init__(self, dtype, rank=32, rope=8):
+        self.dtype, self.kv_entry_shapes = dtype, ((rank,), (rope,))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_mla_triton_matches_reference(dtype, tol):
+    """Prefill, chunked prefill, verify-shaped and decode rows in one batch, plus padding rows."""
+    heads, rank, rope = 20, 32, 8  # 20 heads: two head blocks, the second partly masked
+    steps = [[(0, 9), (1, 3)], [(0, 4), (1, 1), (2, 17)], [(0, 1), (1, 5), (2, 1)]]
+    outs, caches = {}, {}
+    for impl in ("reference", "triton"):
+        gen = torch.Generator().manual_seed(0)
+        runner = PagedRunner(MLAShape(dtype, rank, rope), num_blocks=64, block_size=4, device=DEVICE)
+        latent, rope_c = runner.cache.layers[0]
+        outs[impl] = []
+        for parts in steps:
+            meta, _ = runner.batch(parts)
+            meta.slot_mapping[-1] = -1  # the last row acts as padding: writes nothing, reads nothing
+            meta.token_kv_len[-1] = 0
+            t = meta.num_tokens
+            q_lat, q_pe, c, pe = (
+                torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+                for shape in ((t, heads, rank), (t, heads, rope), (t, rank), (t, rope))
+            )
+            outs[impl].append(
+                torch.ops.draftgraph.mla_attention(
+                    q_lat, q_pe, c, pe, latent, rope_c, meta.slot_mapping, meta.block_tables, meta.token_req,
+                    meta.token_kv_len, 0.2, impl,
+                )  # fmt: skip
+            )
+        caches[impl] = (latent.clone(), rope_c.clone())
+    for a, b in zip(outs["reference"], outs["triton"]):
+        assert not b[-1].any()  # the padding row
+        torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+    for a, b in zip(caches["reference"], caches["triton"]):
+        assert torch.equal(a, b)
