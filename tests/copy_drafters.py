@@ -67,3 +67,17 @@ def make_drafter(kind: str, target: CausalLM):
     if kind == "draft_model":
         return truncated_draft_model(target, target.cfg.num_layers - 1)
     return {"eagle": copy_eagle, "eagle3": copy_eagle3, "mtp": copy_mtp}[kind](target)
+
+
+def copy_deepseek_mtp(target: CausalLM):
+    """A DeepSeek-V3 MTP layer (MLA + MoE block, hub layout) that repeats the target's prediction."""
+    from draftgraph.models.builtin import deepseek_layer_weights
+
+    h, layer = target.cfg.hidden_size, target.cfg.num_layers
+    p = f"model.layers.{layer}."
+    w = deepseek_layer_weights(p, target.cfg, torch.Generator().manual_seed(7), quiet=True)
+    w[p + "enorm.weight"] = torch.ones(h)
+    w[p + "hnorm.weight"] = torch.ones(h)
+    w[p + "eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+    w[p + "shared_head.norm.weight"] = torch.ones(h)
+    return load_drafter(module_from_state(w), target, kind="mtp")

@@ -165,3 +165,74 @@ def test_mla_triton_matches_reference(dtype, tol):
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
     for a, b in zip(caches["reference"], caches["triton"]):
         assert torch.equal(a, b)
+
+
+# ---- the MTP drafter in every mode ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from tests.copy_drafters import copy_deepseek_mtp
+
+    target = CausalLM.from_hf(tiny_deepseek_model())
+    return target, copy_deepseek_mtp(target)
+
+
+def generate(target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0):
+    import draftgraph as dg
+    from tests.test_engine import ragged
+
+    prompts, params, arrivals = ragged(8)
+    if temperature:
+        params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+                  for i, p in enumerate(params)]  # fmt: skip
+    cfg = dg.CompileConfig(
+        mode=mode,
+        num_speculative_tokens=k,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        capture_sizes=sizes if mode != "NONE" else (),
+        compile_backend=backend,
+        progress=False,
+    )
+    eng = dg.compile_model(target, drafter, cfg)
+    return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
+
+
+def test_mtp_drafter_is_a_deepseek_layer_from_the_checkpoint_layout(pair):
+    target, drafter = pair
+    assert drafter.kind == "mtp" and type(drafter.block).__name__ == "DeepseekLayer"
+    assert type(drafter.block.mlp).__name__ == "MoE"  # layer index num_hidden_layers: past the dense layers
+    assert drafter.block.mlp.gate_up.shape == (8, 64, 64)  # per-expert weights stacked
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lossless_in_every_mode(pair, temperature):
+    """Greedy: tokens equal plain decoding with the target alone. Both: every graph mode gives the tokens of
+    mode NONE (sampling noise is per (seed, position), so the path a step takes cannot change them)."""
+    target, drafter = pair
+    ref, eng = generate(target, drafter, "NONE", temperature=temperature)
+    if not temperature:  # sampled speculative decoding is lossless in distribution, not token for token
+        assert ref == generate(target, None, "NONE", k=0)[0]
+    accepted = eng.stats()["accepted_tokens"]
+    assert accepted > 0  # the copy drafter agrees with the target sometimes: acceptance paths run
+    for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
+        out, eng = generate(target, drafter, mode, temperature=temperature)
+        assert out == ref, mode
+        c = eng.compiled.counters
+        # target: 3 MLA ops -> 4 pieces; drafter step: 1 -> 2 pieces; each fused loop: K -> K + 1 pieces
+        assert c.traces["target"] == 1 and c.traces["drafter"] == 1
+        if mode != "PIECEWISE":
+            assert c.traces["draft_loop"] == 2 and c.pieces == 4 + 2 + 2 * 4
+        else:
+            assert c.pieces == 4 + 2
+
+
+def test_inductor_pieces_match_eager(pair):
+    """The MLA and MoE ops inside Inductor-compiled pieces (CPU): the same tokens as mode NONE."""
+    target, drafter = pair
+    ref, _ = generate(target, drafter, "NONE")
+    out, eng = generate(target, drafter, "PIECEWISE", backend="inductor", sizes=(4, 72))
+    assert out == ref
+    c = eng.compiled.counters
+    assert c.pieces == 6 and c.inductor_compiles == c.unique_pieces * 3  # 2 sizes + the dynamic version

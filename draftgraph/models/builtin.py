@@ -145,7 +145,7 @@ def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: in
         w["t2d"] = torch.arange(vocab) % 2 == 0
     elif kind == "mtp":
         p = f"model.layers.{cfg.num_layers}."
-        w = _random_layer(p, cfg, gen)
+        w = deepseek_layer_weights(p, cfg, gen) if cfg.mla is not None else _random_layer(p, cfg, gen)
         w.update(
             {
                 p + "enorm.weight": torch.ones(h),
@@ -157,3 +157,39 @@ def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: in
     else:
         raise ValueError(f"drafter kind {kind!r} is unknown; choose one of eagle, eagle3, mtp, draft_model")
     return load_drafter(module_from_state_dict(w), target, kind=kind)
+
+
+def deepseek_layer_weights(prefix: str, cfg, gen, quiet: bool = False, std: float = 0.05) -> dict:
+    """A random DeepSeek-V3 layer (MLA, and MoE with one module per expert, the hub's layout) under its
+    transformers names at `prefix`. `quiet`: the attention and expert outputs are zero, so the layer passes
+    its input through (a drafter that repeats the target's prediction)."""
+    a, m, h = cfg.mla, cfg.moe, cfg.hidden_size
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) * std
+
+    sa = prefix + "self_attn."
+    w = {
+        sa + "kv_a_proj_with_mqa.weight": r(a.kv_lora_rank + a.qk_rope_head_dim, h),
+        sa + "kv_a_layernorm.weight": torch.ones(a.kv_lora_rank),
+        sa + "kv_b_proj.weight": r(cfg.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+        sa + "o_proj.weight": r(h, cfg.num_heads * a.v_head_dim) * (0 if quiet else 1),
+        prefix + "input_layernorm.weight": torch.ones(h),
+        prefix + "post_attention_layernorm.weight": torch.ones(h),
+        prefix + "mlp.gate.weight": r(m.num_experts, h),
+        prefix + "mlp.gate.e_score_correction_bias": torch.zeros(m.num_experts),
+    }
+    if a.q_lora_rank:
+        w[sa + "q_a_proj.weight"] = r(a.q_lora_rank, h)
+        w[sa + "q_a_layernorm.weight"] = torch.ones(a.q_lora_rank)
+        w[sa + "q_b_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, a.q_lora_rank)
+    else:
+        w[sa + "q_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, h)
+    experts = [(f"mlp.experts.{e}.", m.moe_intermediate_size) for e in range(m.num_experts)]
+    if m.n_shared_experts:
+        experts.append(("mlp.shared_experts.", m.moe_intermediate_size * m.n_shared_experts))
+    for name, inter in experts:
+        w[prefix + name + "gate_proj.weight"] = r(inter, h)
+        w[prefix + name + "up_proj.weight"] = r(inter, h)
+        w[prefix + name + "down_proj.weight"] = r(h, inter) * (0 if quiet else 1)
+    return w

@@ -124,7 +124,7 @@ def moe_experts_triton(x, gate_up, down, ids, weights) -> torch.Tensor:
     num_tokens, top_k = ids.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     if num_tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("MoE experts (triton) need contiguous expert weights [E, N, K]")
     x = x.contiguous()

@@ -29,7 +29,7 @@ def mla_attention_reference(
     write_latent_reference(kv_c, k_pe, latent_cache, rope_cache, slot_mapping)
     num_tokens, num_heads, rank = q_lat.shape
     block_size = latent_cache.shape[1]
-    out = torch.zeros_like(q_lat)
+    out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # contiguous, as the fake says
     if num_tokens == 0:
         return out
     max_len = int(token_kv_len.max())

@@ -68,6 +68,8 @@ def load_drafter(
         draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
+    if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
+        return MTPDrafter.from_state_dict(target.cfg.replace(dtype=dtype), state, target, device, attn_impl)
     cfg = drafter_config(config, target.cfg, dtype)
     if kind == "eagle":
         return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl)

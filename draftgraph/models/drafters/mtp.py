@@ -4,7 +4,8 @@ h' = block(eh_proj(cat(enorm(embed(token)), hnorm(hidden)))); logits = head(shar
 Checkpoint layout (DeepSeek-V3): the layer after the decoder, `model.layers.{L}.*` with L =
 num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, optional `shared_head.head` and
 `embed_tokens` (the target's are used when absent: they are shared), and the block's own
-transformers-named attention/MLP/norm weights.
+transformers-named attention/MLP/norm weights. For a DeepSeek-V3 target the block is a DeepSeek layer
+(MLA, MoE with the hub's per-expert or transformers' fused expert layout), shaped by the target's config.
 """
 
 from __future__ import annotations
@@ -14,21 +15,23 @@ from torch import nn
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
-from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
-from draftgraph.models.llama import CausalLM
-from draftgraph.models.weights import assign_weights, convert_layer, layer_indices
+from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
+from draftgraph.models.llama import CausalLM, layer_converter, make_layer
+from draftgraph.models.weights import assign_weights, layer_indices
 
 
 class MTPDrafter(Drafter):
     kind = "mtp"
 
-    def __init__(self, cfg: ModelConfig, target: CausalLM, own_embedding: bool, own_head: bool, attn_impl: str):
+    def __init__(
+        self, cfg: ModelConfig, target: CausalLM, own_embedding: bool, own_head: bool, attn_impl: str, layer: int = 0
+    ):
         super().__init__()
         self.cfg = cfg
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderLayer(cfg, 0, attn_impl)
+        self.block = make_layer(cfg, layer, attn_impl)  # DeepSeek: MLA + MoE (the layer index past the dense ones)
         self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
@@ -67,8 +70,10 @@ class MTPDrafter(Drafter):
             layer = present[0] if present else None
         prefix = f"model.layers.{layer}." if layer is not None else ""
         mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer is a layer of the target's own shape
+            cfg = target.cfg
         check_pair(cfg, mine, target.cfg)
-        ours = convert_layer(mine, "", "block.")
+        ours = layer_converter(cfg)(mine, "", "block.")
         for theirs, name in (
             ("enorm.weight", "enorm.weight"),
             ("hnorm.weight", "hnorm.weight"),
@@ -80,9 +85,10 @@ class MTPDrafter(Drafter):
             if theirs in mine:
                 ours[name] = mine.pop(theirs)
         ours.update(mine)
+        index = cfg.num_layers if cfg.mla is not None else 0  # past first_k_dense_replace: a MoE block
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         with torch.device("meta"):
-            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl)
+            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index)
         assign_weights(model, ours, "MTP drafter", cfg.dtype)
         return materialize(model, cfg, device)
 
