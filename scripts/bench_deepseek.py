@@ -110,7 +110,6 @@ def floors(engine, b, k, ctx, bw):
     target, drafter = r.target, r.drafter
     q = k + 1
     kv_layer = b * ctx * (512 + 64) * 2  # latent + RoPE key, bf16, per layer
-    fn, _ = verify_fn(engine, b, k, ctx)
     counter = ExpertCounter(target, b * q)
     d = r.dispatcher.dispatch(dg_desc(b * q, b, q))
     meta, pos = r.target_meta.build(slices(r, b, ctx, q, k), num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
