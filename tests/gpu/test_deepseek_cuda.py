@@ -75,7 +75,8 @@ def test_mtp_lossless_in_every_mode(hf, dtype):
             out, eng = run(target, drafter, mode, temperature)
             assert out == ref, (mode, temperature)
             s = eng.stats()
-            assert s["fallbacks"] == 0, s["dispatch"]
+            if mode != "FULL":  # FULL has no piece graphs: its mixed (prefill) batches run without graphs
+                assert s["fallbacks"] == 0, s["dispatch"]
             replays = eng.compiled.counters.graph_replays
             if mode != "PIECEWISE":
                 assert any(key.startswith("drafter/loop/q4/") for key in replays), dict(replays)
