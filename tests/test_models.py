@@ -124,7 +124,7 @@ def test_save_pretrained_roundtrip(tmp_path, sharded):
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="model_type='gpt2'.*supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
         ModelConfig.from_hf(
             {
                 "model_type": "llama",
@@ -133,7 +133,7 @@ def test_config_errors_name_the_value():
                 "intermediate_size": 8,
                 "num_hidden_layers": 1,
                 "num_attention_heads": 2,
-                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4},
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4},
             }
         )
 
