@@ -236,3 +236,29 @@ def test_inductor_pieces_match_eager(pair):
     assert out == ref
     c = eng.compiled.counters
     assert c.pieces == 6 and c.inductor_compiles == c.unique_pieces * 3  # 2 sizes + the dynamic version
+
+
+def test_target_and_mtp_drafter_from_one_checkpoint_directory(tmp_path, pair):
+    """The DeepSeek layout: the MTP layer is `model.layers.{num_hidden_layers}.*` in the target's own
+    checkpoint. compile_model(dir, dir) detects it, loads both, and generates the in-memory pair's tokens."""
+    from safetensors.torch import save_file
+
+    import draftgraph as dg
+    from draftgraph.models.builtin import deepseek_layer_weights
+    from tests.test_engine import ragged
+
+    hf = tiny_deepseek_model()
+    hf.save_pretrained(tmp_path)
+    target = CausalLM.from_hf(hf)
+    h, p = 64, "model.layers.3."
+    w = deepseek_layer_weights(p, target.cfg, torch.Generator().manual_seed(3))
+    w.update({p + n: torch.ones(h) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    w[p + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.05
+    save_file({k: v.contiguous() for k, v in w.items()}, str(tmp_path / "mtp.safetensors"))
+    cfg = dg.CompileConfig(num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64)
+    from_dir = dg.compile_model(str(tmp_path), str(tmp_path), cfg)
+    assert from_dir.drafter.kind == "mtp" and from_dir.target.cfg.moe.num_experts == 8
+    prompts, params, _ = ragged(4)
+    got = [o.token_ids for o in from_dir.generate(prompts, params)]
+    plain = dg.compile_model(target, None, dg.CompileConfig(num_speculative_tokens=0, max_num_seqs=4))
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]  # lossless with a random MTP layer
