@@ -155,8 +155,18 @@ def test_mla_triton_matches_reference(dtype, tol):
             )
             outs[impl].append(
                 torch.ops.draftgraph.mla_attention(
-                    q_lat, q_pe, c, pe, latent, rope_c, meta.slot_mapping, meta.block_tables, meta.token_req,
-                    meta.token_kv_len, 0.2, impl,
+                    q_lat,
+                    q_pe,
+                    c,
+                    pe,
+                    latent,
+                    rope_c,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.token_req,
+                    meta.token_kv_len,
+                    0.2,
+                    impl,
                 )  # fmt: skip
             )
         caches[impl] = (latent.clone(), rope_c.clone())
