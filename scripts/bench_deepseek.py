@@ -79,9 +79,19 @@ def non_expert_bytes(module) -> int:
     )
 
 
+def routed_expert_bytes(moe: MoE, x: torch.Tensor) -> int:
+    """Bytes of the distinct experts the rows of `x` route to in `moe` (what a grouped matmul must read)."""
+    c = moe.m
+    _, ids = route(
+        torch.nn.functional.linear(x.float(), moe.gate.float()), moe.e_score_correction_bias, c.top_k, c.n_group,
+        c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+    )  # fmt: skip
+    per_expert = (moe.gate_up[0].numel() + moe.down[0].numel()) * moe.gate_up.element_size()
+    return int(ids.unique().numel()) * per_expert
+
+
 class ExpertCounter:
-    """Routes each MoE layer's real input rows in an eager forward and sums the bytes of the distinct
-    experts chosen (what a grouped matmul must read)."""
+    """Sums routed_expert_bytes over every MoE layer's real input rows during an eager forward."""
 
     def __init__(self, model, rows: int):
         self.bytes, self.rows, self.hooks = 0, rows, []
@@ -90,14 +100,7 @@ class ExpertCounter:
                 self.hooks.append(m.register_forward_pre_hook(self.count))
 
     def count(self, m, args):
-        x = args[0][: self.rows]
-        c = m.m
-        _, ids = route(
-            torch.nn.functional.linear(x.float(), m.gate.float()), m.e_score_correction_bias, c.top_k, c.n_group,
-            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
-        )  # fmt: skip
-        per_expert = (m.gate_up[0].numel() + m.down[0].numel()) * m.gate_up.element_size()
-        self.bytes += int(ids.unique().numel()) * per_expert
+        self.bytes += routed_expert_bytes(m, args[0][: self.rows])
 
     def close(self):
         for h in self.hooks:
@@ -120,15 +123,12 @@ def floors(engine, b, k, ctx, bw):
     verify_bytes = non_expert_bytes(target.layers) + nbytes(target.norm.parameters()) + counter.bytes
     verify_bytes += target.cfg.num_layers * kv_layer
     head = target.head_weight.numel() * target.head_weight.element_size()
-    moe = drafter.block.mlp
-    per_expert = (moe.gate_up[0].numel() + moe.down[0].numel()) * moe.gate_up.element_size()
-    experts = 0
-    for rows in [b * q] + [b] * (k - 1):
-        x = torch.randn(rows, target.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        c = moe.m
-        _, ids_ = route(torch.nn.functional.linear(x.float(), moe.gate.float()), moe.e_score_correction_bias,
-                        c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)  # fmt: skip
-        experts += int(ids_.unique().numel()) * per_expert
+    experts = sum(
+        routed_expert_bytes(
+            drafter.block.mlp, torch.randn(rows, target.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        )
+        for rows in [b * q] + [b] * (k - 1)
+    )
     loop_bytes = k * (non_expert_bytes(drafter) + head + kv_layer) + experts
     return verify_bytes / bw * 1e3, loop_bytes / bw * 1e3, counter.bytes
 

@@ -20,6 +20,13 @@ from draftgraph.runtime.engine import Engine
 log = logging.getLogger("draftgraph")
 
 
+def set_kernel_impl(model: torch.nn.Module, impl: str) -> None:
+    """Point every attention and MoE module of `model` at the kernels `impl` ("triton" / "reference")."""
+    for m in model.modules():
+        if hasattr(m, "attn_impl"):
+            m.attn_impl = impl
+
+
 def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
     """A draftgraph CausalLM from a checkpoint dir, a transformers model object or a CausalLM."""
     if isinstance(source, CausalLM):
@@ -34,9 +41,7 @@ def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
             "transformers *ForCausalLM object or a draftgraph CausalLM"
         )
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    for m in model.modules():  # attention and MoE kernels
-        if hasattr(m, "attn_impl"):
-            m.attn_impl = attn_impl
+    set_kernel_impl(model, attn_impl)
     return model
 
 
@@ -65,9 +70,7 @@ def compile_model(
             drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention, dtype=model.cfg.dtype
         )
         draft = draft.to(rc.device)
-        for m in draft.modules():
-            if hasattr(m, "attn_impl"):
-                m.attn_impl = rc.attention
+        set_kernel_impl(draft, rc.attention)
     compiled = None
     if rc.mode != CUDAGraphMode.NONE:
         compiled = build_compiled(

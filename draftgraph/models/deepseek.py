@@ -18,8 +18,8 @@ from torch import nn
 
 from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.layers import RMSNorm
-from draftgraph.models.moe import MoE, SwiGLU
+from draftgraph.models.layers import MLP, RMSNorm
+from draftgraph.models.moe import MoE
 from draftgraph.models.rope import apply_rope, apply_rope_interleaved
 
 
@@ -71,14 +71,14 @@ class MLAttention(nn.Module):
 
 
 class DeepseekLayer(nn.Module):
-    """Pre-norm block: h = x + mla(norm(x)); out = h + ffn(norm(h)), ffn a MoE or a dense SwiGLU."""
+    """Pre-norm block: h = x + mla(norm(x)); out = h + ffn(norm(h)), ffn a MoE or a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = MLAttention(cfg, attn_impl)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, attn_impl) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, attn_impl) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x), cos, sin, meta, kv)

@@ -68,11 +68,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = intermediate_size or cfg.intermediate_size  # DeepSeek's shared experts pass their own
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)

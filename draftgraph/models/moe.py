@@ -18,6 +18,7 @@ from torch import nn
 
 from draftgraph.models.attention.backends import check_device
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.layers import MLP
 
 
 @torch.library.custom_op("draftgraph::moe_experts", mutates_args=())
@@ -73,20 +74,6 @@ def route(
     return weights * scaling, ids
 
 
-class SwiGLU(nn.Module):
-    """Dense SwiGLU with separate gate / up / down projections (DeepSeek's dense layers, shared experts)."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.inter = inter
-        self.gate_up = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_impl: str):
         super().__init__()
@@ -97,7 +84,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
         shared = m.moe_intermediate_size * m.n_shared_experts
-        self.shared = SwiGLU(cfg.hidden_size, shared) if shared else None
+        self.shared = MLP(cfg, shared) if shared else None
         self.attn_impl = attn_impl  # the kernels' implementation: "triton" or "reference" (as attention's)
 
     def forward(self, x):

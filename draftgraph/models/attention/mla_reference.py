@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.models.attention.reference import write_kv_reference
+
 _GATHER_BUDGET = 1 << 26
-
-
-def write_latent_reference(kv_c, k_pe, latent_cache, rope_cache, slot_mapping) -> None:
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slots, kv_c[valid].to(latent_cache.dtype))
-    rope_cache.view(-1, rope_cache.shape[-1]).index_copy_(0, slots, k_pe[valid].to(rope_cache.dtype))
 
 
 def mla_attention_reference(
@@ -26,7 +21,7 @@ def mla_attention_reference(
 ) -> torch.Tensor:
     """q_lat [T, H, r], q_pe [T, H, dr], kv_c [T, r], k_pe [T, dr]; caches [blocks, block_size, r | dr].
     Returns the latent output [T, H, r]; padding rows (token_kv_len 0) give zeros."""
-    write_latent_reference(kv_c, k_pe, latent_cache, rope_cache, slot_mapping)
+    write_kv_reference(kv_c, k_pe, latent_cache, rope_cache, slot_mapping)  # any per-token entry shape
     num_tokens, num_heads, rank = q_lat.shape
     block_size = latent_cache.shape[1]
     out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # contiguous, as the fake says
