@@ -133,48 +133,130 @@ class MLAShape:
         self.dtype, self.kv_entry_shapes = dtype, ((rank,), (rope,))
 
 
+# Prefill past one 64-row tile, chunked prefill, verify-shaped and decode rows, the last row padding.
+MLA_STEPS = [[(0, 70), (1, 3)], [(0, 4), (1, 1), (2, 40)], [(0, 1), (1, 36), (2, 1)]]
+
+
+@pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_mla_triton_matches_reference(dtype, tol):
-    """Prefill, chunked prefill, verify-shaped and decode rows in one batch, plus padding rows."""
-    heads, rank, rope = 20, 32, 8  # 20 heads: two head blocks, the second partly masked
-    steps = [[(0, 9), (1, 3)], [(0, 4), (1, 1), (2, 17)], [(0, 1), (1, 5), (2, 1)]]
+def test_mla_triton_matches_reference(form, dtype, tol):
+    """The op end to end (cache write, either form, padding rows) with the Triton kernels against the
+    PyTorch references; 20 heads make two head blocks in the absorbed kernel, the second partly masked."""
+    heads, rank, rope, nope, head_v = 20, 32, 8, 16, 16
     outs, caches = {}, {}
     for impl in ("reference", "triton"):
         gen = torch.Generator().manual_seed(0)
+        w_kv_b = (torch.randn(heads * (nope + head_v), rank, generator=gen) * 0.2).to(DEVICE, dtype)
         runner = PagedRunner(MLAShape(dtype, rank, rope), num_blocks=64, block_size=4, device=DEVICE)
         latent, rope_c = runner.cache.layers[0]
         outs[impl] = []
-        for parts in steps:
+        for parts in MLA_STEPS:
             meta, _ = runner.batch(parts)
             meta.slot_mapping[-1] = -1  # the last row acts as padding: writes nothing, reads nothing
             meta.token_kv_len[-1] = 0
             t = meta.num_tokens
-            q_lat, q_pe, c, pe = (
+            q_nope, q_pe, c, pe = (
                 torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-                for shape in ((t, heads, rank), (t, heads, rope), (t, rank), (t, rope))
+                for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
             )
             outs[impl].append(
                 torch.ops.draftgraph.mla_attention(
-                    q_lat,
-                    q_pe,
-                    c,
-                    pe,
-                    latent,
-                    rope_c,
-                    meta.slot_mapping,
-                    meta.block_tables,
-                    meta.token_req,
-                    meta.token_kv_len,
-                    0.2,
-                    impl,
+                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
+                    meta.token_req, meta.token_kv_len, 0.2, form, impl,
                 )  # fmt: skip
             )
         caches[impl] = (latent.clone(), rope_c.clone())
     for a, b in zip(outs["reference"], outs["triton"]):
+        assert b.shape[1:] == (heads, head_v)
         assert not b[-1].any()  # the padding row
         torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
     for a, b in zip(caches["reference"], caches["triton"]):
         assert torch.equal(a, b)
+
+
+def test_mla_forms_agree_with_each_other():
+    """Same inputs, the reference in each form: the decompressed form is the absorbed one re-associated."""
+    heads, rank, rope, nope, head_v = 4, 32, 8, 16, 16
+    results = {}
+    for form in ("absorbed", "decompressed", "auto"):
+        gen = torch.Generator().manual_seed(1)
+        w_kv_b = torch.randn(heads * (nope + head_v), rank, generator=gen) * 0.2
+        runner = PagedRunner(MLAShape(torch.float32, rank, rope), num_blocks=64, block_size=4)
+        latent, rope_c = runner.cache.layers[0]
+        results[form] = []
+        for parts in MLA_STEPS:
+            meta, _ = runner.batch(parts)
+            t = meta.num_tokens
+            q_nope, q_pe, c, pe = (
+                torch.randn(*shape, generator=gen)
+                for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
+            )
+            results[form].append(
+                torch.ops.draftgraph.mla_attention(
+                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
+                    meta.token_req, meta.token_kv_len, 0.2, form, "reference",
+                )  # fmt: skip
+            )
+    for form in ("decompressed", "auto"):
+        for a, b in zip(results["absorbed"], results[form]):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_form_decompresses_long_requests_only():
+    """The planner: shapes alone keep decode / verify absorbed (no host read); a batch of long rows per
+    request is split per request, each decompressed request tiled by 64 rows."""
+    from draftgraph.models.attention.mla import decompress_min_rows, plan_mla
+
+    assert decompress_min_rows(512, 128, 128) == 171  # DeepSeek-V3's ranks
+    assert decompress_min_rows(32, 16, 16) == 32  # the tiny config's
+    runner = PagedRunner(MLAShape(torch.float32), num_blocks=128, block_size=4)
+
+    def plan(parts, form="auto"):
+        meta, _ = runner.batch(parts)
+        return plan_mla(form, 32, meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
+
+    assert plan([(0, 70), (1, 30), (2, 1)], "absorbed") is None
+    p = plan([(3, 70), (4, 30), (5, 1)])  # 101 rows over 3 requests: mean 33.7 >= 32
+    assert p.decompressed_rows.tolist() == list(range(70))
+    assert p.absorbed_rows.tolist() == list(range(70, 101))
+    assert p.q_blocks.tolist() == [[0, 64], [64, 70]]
+    assert p.key_start.unique().tolist() == [0] and p.kv_len.tolist() == list(range(1, 71))
+    assert torch.equal(p.key_slots, torch.tensor(runner.tables[3].blocks).repeat_interleave(4)[:70] * 4 + torch.arange(70) % 4)
+    assert plan([(3, 4), (4, 4), (5, 4)]) is None  # verify-shaped: mean 4 rows
+    p = plan([(3, 40), (4, 40)])  # chunks after 74 and 34 cached tokens: keys are the whole context
+    assert p.absorbed_rows.numel() == 0 and p.key_slots.numel() == 114 + 74
+    assert p.key_start.unique().tolist() == [0, 114] and p.q_blocks.tolist() == [[0, 40], [40, 80]]
+    p = plan([(6, 2), (7, 1)], "decompressed")  # forced: every request, however short
+    assert p.decompressed_rows.tolist() == [0, 1, 2] and p.absorbed_rows.numel() == 0
+
+
+@pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
+def test_chunked_prefill_and_decode_match_transformers_in_each_form(form):
+    """Two requests: prompts of 38 and 98 tokens in two chunks each, then 6 decode steps; logits against
+    transformers run on each sequence alone. Under "auto" the first step decompresses both requests, the
+    second only the 62-row chunk (3 + 62 rows: mean 32.5 >= 32), decode absorbs."""
+    from draftgraph.models.deepseek import set_mla_form
+
+    hf, ours = build("v3")
+    assert set_mla_form(ours, form) == 3
+    ids = [torch.randint(0, 96, (1, 44)), torch.randint(0, 96, (1, 104))]
+    with torch.no_grad():
+        refs = [hf(x).logits[0] for x in ids]
+    runner = PagedRunner(ours.cfg, block_size=4)
+    steps = [[(0, 35), (1, 36)], [(0, 3), (1, 62)]] + [[(0, 1), (1, 1)]] * 6
+    done, got = [0, 0], [[], []]
+    with torch.no_grad():
+        for parts in steps:
+            meta, pos = runner.batch(parts)
+            x = torch.cat([ids[r][0, done[r] : done[r] + n] for r, n in parts])
+            hidden, _ = ours(x, pos, meta, runner.cache.layers)
+            logits = ours.compute_logits(hidden)
+            row = 0
+            for r, n in parts:
+                got[r].append(logits[row : row + n])
+                done[r], row = done[r] + n, row + n
+    for r in range(2):
+        torch.testing.assert_close(torch.cat(got[r]), refs[r], atol=ATOL, rtol=0)
 
 
 # ---- the MTP drafter in every mode ---------------------------------------------------------------------

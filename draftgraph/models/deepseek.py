@@ -1,12 +1,10 @@
 """DeepSeek-V3 decoder layer: multi-head latent attention (MLA) and a mixture of experts (or a dense MLP
 in the first `first_k_dense_replace` layers). `CausalLM` (llama.py) builds these when its config has MLA.
 
-MLA in the absorbed form. Per token:
-- the query: q = q_b(norm(q_a(x))) (or q_proj(x)) split per head into q_nope [dn] and q_pe [dr];
-- the cache: c = norm(kv_a(x)[:r]) and k_pe = kv_a(x)[r:], the latter shared by all heads;
-- RoPE on q_pe and k_pe; q_lat = q_nope W_UK (W_UK, W_UV are kv_b's two halves per head);
-- the op attends in latent space, then out = o_proj(out_lat W_UV^T).
-Decode, verify and prefill all use this form: each step reads one latent stream for all heads.
+MLA per token: the query q = q_b(norm(q_a(x))) (or q_proj(x)) split per head into q_nope [dn] and q_pe
+[dr]; the cache entry c = norm(kv_a(x)[:r]) and k_pe = kv_a(x)[r:] (shared by all heads); RoPE on q_pe and
+k_pe. The op writes the cache and attends, absorbing kv_b into the queries (decode, verify) or rebuilding
+per-head K/V from the latents (long prefills), as attention/mla.py decides; then o_proj.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from draftgraph.models.attention.mla import check_form
 from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
@@ -41,6 +40,7 @@ class MLAttention(nn.Module):
         self.o = nn.Linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias=bias)
         self.rope = apply_rope_interleaved if a.rope_interleave else apply_rope
         self.attn_impl = attn_impl
+        self.form = "auto"  # which MLA form runs for which rows (attention/mla.py); set_mla_form
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
         a, t, h = self.a, x.shape[0], self.num_heads
@@ -50,24 +50,33 @@ class MLAttention(nn.Module):
         c = self.kv_a_norm(c)
         q_pe = self.rope(q_pe, cos, sin)
         k_pe = self.rope(k_pe.view(t, 1, a.qk_rope_head_dim), cos, sin).view(t, a.qk_rope_head_dim)
-        w = self.kv_b.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
-        w_uk, w_uv = w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)  # [H, dn, r], [H, dv, r]
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         out = torch.ops.draftgraph.mla_attention(
-            q_lat,
+            q_nope,
             q_pe.contiguous(),
             c.contiguous(),
             k_pe.contiguous(),
             kv[0],
             kv[1],
+            self.kv_b.weight,
             meta.slot_mapping,
             meta.block_tables,
             meta.token_req,
             meta.token_kv_len,
             a.softmax_scale,
+            self.form,
             self.attn_impl,
-        )  # [T, H, r]
-        return self.o(torch.einsum("thr,hvr->thv", out, w_uv).reshape(t, h * a.v_head_dim))
+        )  # [T, H, dv]
+        return self.o(out.reshape(t, h * a.v_head_dim))
+
+
+def set_mla_form(model: nn.Module, form: str) -> int:
+    """Set the MLA form ("auto", "absorbed", "decompressed": attention/mla.py) of every MLA layer in
+    `model`; returns how many. Set it before compiling: traced graphs keep the form they saw."""
+    check_form(form)
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    for m in layers:
+        m.form = form
+    return len(layers)
 
 
 class DeepseekLayer(nn.Module):

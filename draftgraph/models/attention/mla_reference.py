@@ -1,27 +1,30 @@
-"""PyTorch reference for multi-head latent attention (MLA) over the paged latent cache: the oracle.
+"""PyTorch references for multi-head latent attention (MLA): the oracles for the Triton kernels.
 
-The cache holds, per token, the normed latent c [r] and the RoPE key k_pe [d_rope]; the keys of every
-head are (c W_UK^h, k_pe) and the values c W_UV^h. In the absorbed form the queries arrive already
-multiplied by W_UK (q_lat = q_nope W_UK^h, [T, H, r]), so a score is q_lat . c + q_pe . k_pe and the
-output stays in latent space (sum_s p_s c_s, [T, H, r]); the caller applies W_UV. Like the paged
-reference it reads the longest visible length back to the host (one sync): never inside a FULL graph.
+The paged cache holds, per token, the normed latent c [r] and the RoPE key k_pe [d_rope]; the keys of
+head h are (c W_UK^h, k_pe) and its values c W_UV^h (W_UK, W_UV: kv_b's two halves). Two forms compute
+the same attention (mla.py chooses between them):
+
+- absorbed (`mla_latent_reference`): queries arrive multiplied by W_UK (q_lat = q_nope W_UK^h, [T, H, r]),
+  a score is q_lat . c + q_pe . k_pe and the output stays in latent space (sum_s p_s c_s, [T, H, r]);
+- decompressed (`mla_decompressed_reference`): per-head keys and values were rebuilt from the latents
+  once (flat [L, H, dn] / [L, H, dv] plus the shared [L, dr] RoPE keys), and each query token attends to
+  its own contiguous key range: plain multi-head attention with head dims dn + dr and dv.
+
+Both read the longest visible length back to the host (one sync): never inside a FULL graph.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftgraph.models.attention.reference import write_kv_reference
-
 _GATHER_BUDGET = 1 << 26
 
 
-def mla_attention_reference(
-    q_lat, q_pe, kv_c, k_pe, latent_cache, rope_cache, slot_mapping, block_tables, token_req, token_kv_len, scale
+def mla_latent_reference(
+    q_lat, q_pe, latent_cache, rope_cache, block_tables, token_req, token_kv_len, scale
 ) -> torch.Tensor:
-    """q_lat [T, H, r], q_pe [T, H, dr], kv_c [T, r], k_pe [T, dr]; caches [blocks, block_size, r | dr].
-    Returns the latent output [T, H, r]; padding rows (token_kv_len 0) give zeros."""
-    write_kv_reference(kv_c, k_pe, latent_cache, rope_cache, slot_mapping)  # any per-token entry shape
+    """q_lat [T, H, r], q_pe [T, H, dr]; caches [blocks, block_size, r | dr], already holding this step's
+    rows. Returns the latent output [T, H, r]; padding rows (token_kv_len 0) give zeros."""
     num_tokens, num_heads, rank = q_lat.shape
     block_size = latent_cache.shape[1]
     out = torch.zeros(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)  # contiguous, as the fake says
@@ -46,4 +49,32 @@ def mla_attention_reference(
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out[t0:t1] = torch.einsum("chs,csr->chr", probs, c).to(q_lat.dtype)
+    return out
+
+
+def mla_decompressed_reference(
+    q_nope, q_pe, k_nope, k_pe, v, token_key_start, token_kv_len, scale, q_blocks=None
+) -> torch.Tensor:
+    """q_nope [T, H, dn], q_pe [T, H, dr]; k_nope [L, H, dn], k_pe [L, dr], v [L, H, dv]. Token t attends to
+    keys token_key_start[t] .. + token_kv_len[t] - 1. Returns [T, H, dv] (rows with no key: zeros).
+    `q_blocks` (the Triton kernel's tiling) is accepted and unused, so both share one signature."""
+    num_tokens, num_heads, _ = q_nope.shape
+    out = torch.zeros(num_tokens, num_heads, v.shape[-1], dtype=q_nope.dtype, device=q_nope.device)
+    if num_tokens == 0:
+        return out
+    max_len = int(token_kv_len.max())
+    if max_len == 0:
+        return out
+    key_pos = torch.arange(max_len, device=q_nope.device)
+    width = num_heads * (k_nope.shape[-1] + v.shape[-1]) + k_pe.shape[-1]
+    chunk = max(1, _GATHER_BUDGET // (max_len * width))
+    for t0 in range(0, num_tokens, chunk):
+        t1 = min(num_tokens, t0 + chunk)
+        visible = key_pos[None, :] < token_kv_len[t0:t1].long()[:, None]  # [C, S]
+        rows = torch.where(visible, token_key_start[t0:t1].long()[:, None] + key_pos[None, :], 0)
+        scores = torch.einsum("chd,cshd->chs", q_nope[t0:t1].float(), k_nope[rows].float())
+        scores = (scores + torch.einsum("chd,csd->chs", q_pe[t0:t1].float(), k_pe[rows].float())) * scale
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[t0:t1] = torch.einsum("chs,cshd->chd", probs, v[rows].float()).to(q_nope.dtype)
     return out

@@ -1,4 +1,5 @@
-"""Triton kernels for multi-head latent attention (absorbed form) over the paged latent cache.
+"""Triton kernels for multi-head latent attention over the paged latent cache: the cache write and the
+absorbed form (triton_mla_decompressed.py has the decompressed one).
 
 One program per (query token, block of BH heads): the heads share one latent stream (MLA is multi-query
 in latent space), so a program reads each visible token's latent c [r] and RoPE key [d_rope] once for
@@ -130,14 +131,12 @@ def write_rows_triton(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torc
     )
 
 
-def mla_attention_triton(
-    q_lat, q_pe, kv_c, k_pe, latent_cache, rope_cache, slot_mapping, block_tables, token_req, token_kv_len, scale
+def mla_latent_triton(
+    q_lat, q_pe, latent_cache, rope_cache, block_tables, token_req, token_kv_len, scale
 ) -> torch.Tensor:
-    """Same contract as mla_attention_reference."""
+    """Same contract as mla_latent_reference (the caches already hold this step's rows)."""
     if not (latent_cache.is_contiguous() and rope_cache.is_contiguous()):
         raise ValueError("MLA attention (triton) needs contiguous caches [blocks, block_size, r | d_rope]")
-    write_rows_triton(kv_c, latent_cache, slot_mapping)
-    write_rows_triton(k_pe, rope_cache, slot_mapping)
     num_tokens, num_heads, rank = q_lat.shape
     out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
     if num_tokens == 0:
