@@ -161,8 +161,20 @@ def test_mla_triton_matches_reference(form, dtype, tol):
             )
             outs[impl].append(
                 torch.ops.draftgraph.mla_attention(
-                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
-                    meta.token_req, meta.token_kv_len, 0.2, form, impl,
+                    q_nope,
+                    q_pe,
+                    c,
+                    pe,
+                    latent,
+                    rope_c,
+                    w_kv_b,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.token_req,
+                    meta.token_kv_len,
+                    0.2,
+                    form,
+                    impl,
                 )  # fmt: skip
             )
         caches[impl] = (latent.clone(), rope_c.clone())
@@ -193,8 +205,20 @@ def test_mla_forms_agree_with_each_other():
             )
             results[form].append(
                 torch.ops.draftgraph.mla_attention(
-                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
-                    meta.token_req, meta.token_kv_len, 0.2, form, "reference",
+                    q_nope,
+                    q_pe,
+                    c,
+                    pe,
+                    latent,
+                    rope_c,
+                    w_kv_b,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.token_req,
+                    meta.token_kv_len,
+                    0.2,
+                    form,
+                    "reference",
                 )  # fmt: skip
             )
     for form in ("decompressed", "auto"):
@@ -221,7 +245,9 @@ def test_auto_form_decompresses_long_requests_only():
     assert p.absorbed_rows.tolist() == list(range(70, 101))
     assert p.q_blocks.tolist() == [[0, 64], [64, 70]]
     assert p.key_start.unique().tolist() == [0] and p.kv_len.tolist() == list(range(1, 71))
-    assert torch.equal(p.key_slots, torch.tensor(runner.tables[3].blocks).repeat_interleave(4)[:70] * 4 + torch.arange(70) % 4)
+    assert torch.equal(
+        p.key_slots, torch.tensor(runner.tables[3].blocks).repeat_interleave(4)[:70] * 4 + torch.arange(70) % 4
+    )
     assert plan([(3, 4), (4, 4), (5, 4)]) is None  # verify-shaped: mean 4 rows
     p = plan([(3, 40), (4, 40)])  # chunks after 74 and 34 cached tokens: keys are the whole context
     assert p.absorbed_rows.numel() == 0 and p.key_slots.numel() == 114 + 74
@@ -230,19 +256,14 @@ def test_auto_form_decompresses_long_requests_only():
     assert p.decompressed_rows.tolist() == [0, 1, 2] and p.absorbed_rows.numel() == 0
 
 
-@pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
-def test_chunked_prefill_and_decode_match_transformers_in_each_form(form):
+def check_chunked_logits(hf, ours, device="cpu", atol=ATOL):
     """Two requests: prompts of 38 and 98 tokens in two chunks each, then 6 decode steps; logits against
     transformers run on each sequence alone. Under "auto" the first step decompresses both requests, the
     second only the 62-row chunk (3 + 62 rows: mean 32.5 >= 32), decode absorbs."""
-    from draftgraph.models.deepseek import set_mla_form
-
-    hf, ours = build("v3")
-    assert set_mla_form(ours, form) == 3
-    ids = [torch.randint(0, 96, (1, 44)), torch.randint(0, 96, (1, 104))]
+    ids = [torch.randint(0, 96, (1, 44), device=device), torch.randint(0, 96, (1, 104), device=device)]
     with torch.no_grad():
         refs = [hf(x).logits[0] for x in ids]
-    runner = PagedRunner(ours.cfg, block_size=4)
+    runner = PagedRunner(ours.cfg, block_size=4, device=device)
     steps = [[(0, 35), (1, 36)], [(0, 3), (1, 62)]] + [[(0, 1), (1, 1)]] * 6
     done, got = [0, 0], [[], []]
     with torch.no_grad():
@@ -256,7 +277,16 @@ def test_chunked_prefill_and_decode_match_transformers_in_each_form(form):
                 got[r].append(logits[row : row + n])
                 done[r], row = done[r] + n, row + n
     for r in range(2):
-        torch.testing.assert_close(torch.cat(got[r]), refs[r], atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.cat(got[r]), refs[r], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
+def test_chunked_prefill_and_decode_match_transformers_in_each_form(form):
+    from draftgraph.models.deepseek import set_mla_form
+
+    hf, ours = build("v3")
+    assert set_mla_form(ours, form) == 3
+    check_chunked_logits(hf, ours)
 
 
 # ---- the MTP drafter in every mode ---------------------------------------------------------------------

@@ -14,8 +14,8 @@ import re
 import torch
 from torch import nn
 
-from draftgraph.models.attention.mla import check_form
 from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.attention.mla import check_form
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
 from draftgraph.models.moe import MoE

@@ -1,6 +1,7 @@
 """GPU tier: DeepSeek-V3 with the Triton MLA and grouped-expert kernels on CUDA.
 
-Logits equal transformers' DeepseekV3ForCausalLM (float32, TF32 off) through prefill and paged decode;
+Logits equal transformers' DeepseekV3ForCausalLM (float32, TF32 off) through chunked prefill and paged
+decode in each MLA form; both forms' kernels match the references at V3's ranks (bf16);
 the MTP drafter gives the tokens of mode NONE in PIECEWISE, FULL and FULL_AND_PIECEWISE, with the fused
 K-step loop replayed as one graph and no fallbacks (float32: bfloat16 argmax ties may flip between
 Inductor's and eager rounding; the bf16 kernels are checked in tests/test_deepseek.py and the benchmark).
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 import draftgraph as dg
+from draftgraph.models.deepseek import set_mla_form
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import copy_deepseek_mtp
 from tests.helpers import PagedRunner, tiny_deepseek_model
+from tests.test_deepseek import MLAShape, check_chunked_logits
 from tests.test_engine import ragged
 
 pytestmark = pytest.mark.gpu
@@ -25,22 +28,42 @@ def hf():
     return tiny_deepseek_model().cuda()
 
 
-def test_logits_match_transformers_with_triton_kernels(hf):
+@pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
+def test_logits_match_transformers_with_triton_kernels(hf, form):
+    """Chunked prefill and decode of two requests, each MLA form (tests/test_deepseek.py has the case)."""
     ours = CausalLM.from_hf(hf, attn_impl="triton")
-    ids = torch.randint(0, 96, (1, 21), device="cuda")
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-    runner = PagedRunner(ours.cfg, block_size=4, device="cuda")
-    got = []
-    with torch.no_grad():
-        meta, pos = runner.batch([(0, 9)])
-        hidden, _ = ours(ids[0, :9], pos, meta, runner.cache.layers)
-        got.append(ours.compute_logits(hidden))
-        for t in range(9, 21):
-            meta, pos = runner.batch([(0, 1)])
-            hidden, _ = ours(ids[0, t : t + 1], pos, meta, runner.cache.layers)
-            got.append(ours.compute_logits(hidden))
-    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+    assert set_mla_form(ours, form) == 3
+    check_chunked_logits(hf, ours, device="cuda")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 300])
+def test_mla_kernels_at_deepseek_v3_ranks(rows):
+    """r 512, RoPE 64, no-RoPE 128, V 128, 16 heads, bf16: both forms with the Triton kernels against the
+    references, one request of `rows` new rows after 700 cached tokens plus a decode request."""
+    heads, rank, rope, nope, head_v = 16, 512, 64, 128, 128
+    gen = torch.Generator().manual_seed(0)
+    w_kv_b = (torch.randn(heads * (nope + head_v), rank, generator=gen) * 0.05).cuda().bfloat16()
+    outs = {}
+    for impl in ("reference", "triton"):
+        for form in ("absorbed", "decompressed"):
+            runner = PagedRunner(MLAShape(torch.bfloat16, rank, rope), num_blocks=256, block_size=16, device="cuda")
+            latent, rope_c = runner.cache.layers[0]
+            g = torch.Generator().manual_seed(1)
+            for parts in ([(0, 700), (1, 20)], [(0, rows), (1, 1)]):
+                meta, _ = runner.batch(parts)
+                t = meta.num_tokens
+                q_nope, q_pe, c, pe = (
+                    torch.randn(*shape, generator=g).cuda().bfloat16()
+                    for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
+                )
+                out = torch.ops.draftgraph.mla_attention(
+                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
+                    meta.token_req, meta.token_kv_len, 0.07, form, impl,
+                )  # fmt: skip
+            outs[impl, form] = out.float()
+    ref = outs["reference", "absorbed"]
+    for key, got in outs.items():
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2, msg=f"{key}")
 
 
 def run(target, drafter, mode, temperature=0.0):
