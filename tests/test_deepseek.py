@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import draftgraph.models.attention.op  # noqa: F401
+from draftgraph.models.attention.mla import MLACost, mla_forward
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.moe import moe_experts_reference, route
@@ -135,6 +136,18 @@ class MLAShape:
 
 # Prefill past one 64-row tile, chunked prefill, verify-shaped and decode rows, the last row padding.
 MLA_STEPS = [[(0, 70), (1, 3)], [(0, 4), (1, 1), (2, 40)], [(0, 1), (1, 36), (2, 1)]]
+# The default cost model absorbs everything at these sizes (its fixed cost outweighs any saving); without
+# the fixed cost and with a lower gate, "auto" splits: the 70-row prompt and the 40-row chunk decompress.
+SPLIT_COST = MLACost(fixed_us=0.0, gate_rows=16)
+
+
+def mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, impl):
+    """The op; "auto" runs through mla_forward with SPLIT_COST so the split is exercised."""
+    args = (q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables, meta.token_req,
+            meta.token_kv_len, 0.2)  # fmt: skip
+    if form == "auto":
+        return mla_forward(*args, form, impl, SPLIT_COST)
+    return torch.ops.draftgraph.mla_attention(*args, form, impl)
 
 
 @pytest.mark.parametrize("form", ["absorbed", "decompressed", "auto"])
@@ -159,24 +172,7 @@ def test_mla_triton_matches_reference(form, dtype, tol):
                 torch.randn(*shape, generator=gen).to(DEVICE, dtype)
                 for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
             )
-            outs[impl].append(
-                torch.ops.draftgraph.mla_attention(
-                    q_nope,
-                    q_pe,
-                    c,
-                    pe,
-                    latent,
-                    rope_c,
-                    w_kv_b,
-                    meta.slot_mapping,
-                    meta.block_tables,
-                    meta.token_req,
-                    meta.token_kv_len,
-                    0.2,
-                    form,
-                    impl,
-                )  # fmt: skip
-            )
+            outs[impl].append(mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, impl))
         caches[impl] = (latent.clone(), rope_c.clone())
     for a, b in zip(outs["reference"], outs["triton"]):
         assert b.shape[1:] == (heads, head_v)
@@ -203,63 +199,44 @@ def test_mla_forms_agree_with_each_other():
                 torch.randn(*shape, generator=gen)
                 for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
             )
-            results[form].append(
-                torch.ops.draftgraph.mla_attention(
-                    q_nope,
-                    q_pe,
-                    c,
-                    pe,
-                    latent,
-                    rope_c,
-                    w_kv_b,
-                    meta.slot_mapping,
-                    meta.block_tables,
-                    meta.token_req,
-                    meta.token_kv_len,
-                    0.2,
-                    form,
-                    "reference",
-                )  # fmt: skip
-            )
+            results[form].append(mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, "reference"))
     for form in ("decompressed", "auto"):
         for a, b in zip(results["absorbed"], results[form]):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_form_decompresses_long_requests_only():
-    """The planner: shapes alone keep decode / verify absorbed (no host read); a batch of long rows per
-    request is split per request, each decompressed request tiled by 64 rows."""
-    from draftgraph.models.attention.mla import decompress_min_rows, plan_mla
+    """The planner: shapes alone keep decode / verify absorbed (no host read); past the gate, a request
+    decompresses when its saving (causal pairs) outweighs rebuilding its keys: a fresh prompt from 47 rows
+    with the default per-pair and per-key costs. Each decompressed request is tiled by 64 rows."""
+    from draftgraph.models.attention.mla import DEFAULT_COST, plan_mla
 
-    assert decompress_min_rows(512, 128, 128) == 171  # DeepSeek-V3's ranks
-    assert decompress_min_rows(32, 16, 16) == 32  # the tiny config's
     runner = PagedRunner(MLAShape(torch.float32), num_blocks=128, block_size=4)
 
-    def plan(parts, form="auto"):
+    def plan(parts, form="auto", cost=SPLIT_COST):
         meta, _ = runner.batch(parts)
-        return plan_mla(form, 32, meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
+        return plan_mla(form, cost, 16, meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
 
     assert plan([(0, 70), (1, 30), (2, 1)], "absorbed") is None
-    p = plan([(3, 70), (4, 30), (5, 1)])  # 101 rows over 3 requests: mean 33.7 >= 32
+    p = plan([(3, 70), (4, 30), (5, 1)])  # 101 rows over 3 requests: mean 33.7 >= 16
     assert p.decompressed_rows.tolist() == list(range(70))
     assert p.absorbed_rows.tolist() == list(range(70, 101))
     assert p.q_blocks.tolist() == [[0, 64], [64, 70]]
     assert p.key_start.unique().tolist() == [0] and p.kv_len.tolist() == list(range(1, 71))
-    assert torch.equal(
-        p.key_slots, torch.tensor(runner.tables[3].blocks).repeat_interleave(4)[:70] * 4 + torch.arange(70) % 4
-    )
-    assert plan([(3, 4), (4, 4), (5, 4)]) is None  # verify-shaped: mean 4 rows
+    blocks = torch.tensor(runner.tables[3].blocks).repeat_interleave(4)[:70]
+    assert torch.equal(p.key_slots, blocks * 4 + torch.arange(70) % 4)
+    assert plan([(3, 4), (4, 4), (5, 4)]) is None  # verify-shaped: mean 4 rows, under the gate
     p = plan([(3, 40), (4, 40)])  # chunks after 74 and 34 cached tokens: keys are the whole context
     assert p.absorbed_rows.numel() == 0 and p.key_slots.numel() == 114 + 74
     assert p.key_start.unique().tolist() == [0, 114] and p.q_blocks.tolist() == [[0, 40], [40, 80]]
-    p = plan([(6, 2), (7, 1)], "decompressed")  # forced: every request, however short
+    assert plan([(6, 40), (7, 40)], cost=DEFAULT_COST) is None  # 16 heads: saving under the fixed cost
+    p = plan([(8, 2), (9, 1)], "decompressed")  # forced: every request, however short
     assert p.decompressed_rows.tolist() == [0, 1, 2] and p.absorbed_rows.numel() == 0
 
 
 def check_chunked_logits(hf, ours, device="cpu", atol=ATOL):
     """Two requests: prompts of 38 and 98 tokens in two chunks each, then 6 decode steps; logits against
-    transformers run on each sequence alone. Under "auto" the first step decompresses both requests, the
-    second only the 62-row chunk (3 + 62 rows: mean 32.5 >= 32), decode absorbs."""
+    transformers run on each sequence alone (with the default cost model, "auto" absorbs at this size)."""
     ids = [torch.randint(0, 96, (1, 44), device=device), torch.randint(0, 96, (1, 104), device=device)]
     with torch.no_grad():
         refs = [hf(x).logits[0] for x in ids]

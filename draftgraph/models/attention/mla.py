@@ -1,24 +1,25 @@
 """Multi-head latent attention: which form runs for which rows, and the two forms end to end.
 
 Both forms give the same attention (mla_reference.py states them); they differ in cost. Per head and per
-(query row, key) pair the absorbed form does about 2(2r + dr) flops, scoring and accumulating in latent
+causal (query row, key) pair the absorbed form does 2(2r + dr) flops, scoring and accumulating in latent
 space (r = 512 in V3); the decompressed form does 2(dn + dr + dv), after rebuilding each key's per-head
-K/V once per step (2 r (dn + dv) flops per key and head). So decompressing pays when a request brings more
-than about r (dn + dv) / (2r - dn - dv) query rows to the step (171 for V3's ranks), whatever its context
-length: long prefills and prefill chunks decompress; decode and verify (a few rows) stay absorbed.
+K/V once per step (2 r (dn + dv) flops per key and head), and its buffers are sized on the host.
 
-`form`: "absorbed" always absorbs. "auto" looks closer only when the batch's mean rows per request
-(tokens / block-table rows: shapes, no sync) reaches that break-even; it then reads the per-token request
-and length back to the host once and decompresses the requests at or above it, absorbing the rest.
-"decompressed" decompresses every request (tests and benchmarks). Inside a CUDA graph capture every
-form runs absorbed: the decompressed form sizes its buffers from the host read, which a capture forbids.
+`form`: "absorbed" always absorbs. "decompressed" decompresses every request (tests, benchmarks).
+"auto" picks per request with `MLACost`, a cost model measured on the GPU (scripts/bench_mla_prefill.py):
+- from shapes alone, a batch under `gate_rows` mean query rows per request (decode, verify) absorbs with
+  no host read, so it can sit inside CUDA graphs;
+- otherwise the per-token request and visible length are read back once, and a request decompresses
+  when its causal pairs times the per-pair saving outweigh rebuilding its keys; if the batch's total
+  saving is under the decompressed path's fixed cost, everything absorbs.
+Inside a CUDA graph capture every form runs absorbed: the decompressed form needs that host read.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MLA_FORMS = ("auto", "absorbed", "decompressed")
@@ -29,10 +30,24 @@ def check_form(form: str) -> None:
         raise ValueError(f"MLA form {form!r} is unknown; choose one of {list(MLA_FORMS)} (set_mla_form).")
 
 
-def decompress_min_rows(rank: int, head_nope: int, head_v: int) -> int:
-    """Query rows per request from which the decompressed form does fewer flops (see the module doc)."""
-    saved = 2 * rank - head_nope - head_v  # flops per (row, key, head) saved, over 2
-    return math.ceil(rank * (head_nope + head_v) / saved) if saved > 0 else 1 << 30
+@dataclass(frozen=True)
+class MLACost:
+    """Time per head of each part, in picoseconds, and the decompressed path's fixed cost in
+    microseconds (host plan, gathers, launches). Defaults: H100, bf16, V3's ranks (docs/benchmarks.md)."""
+
+    absorbed_pair_ps: float = 27.0  # one causal (row, key) pair, absorbed kernel
+    decompressed_pair_ps: float = 5.0  # one pair, decompressed kernel
+    key_ps: float = 520.0  # rebuilding one key's K/V (the kv_b matmul)
+    fixed_us: float = 150.0
+    gate_rows: int = 64  # below this mean rows per request: absorbed from shapes alone
+
+    def saving_us(self, heads, pairs, keys):
+        """Per request: absorbed minus decompressed time, fixed cost excluded."""
+        per_pair = self.absorbed_pair_ps - self.decompressed_pair_ps
+        return heads * (pairs * per_pair - keys * self.key_ps) * 1e-6
+
+
+DEFAULT_COST = MLACost()
 
 
 @dataclass(frozen=True)
@@ -42,51 +57,71 @@ class MLAPlan:
     absorbed_rows: torch.Tensor  # [Ta] int64: rows attended in latent space
     decompressed_rows: torch.Tensor  # [Td] int64: rows of the decompressed requests, in order
     key_slots: torch.Tensor  # [L] int64: cache slots of those requests' keys, request after request
-    key_start: torch.Tensor  # [Td] int32: each decompressed row's first key in key_slots
-    kv_len: torch.Tensor  # [Td] int32: its visible keys
-    q_blocks: torch.Tensor  # [NB, 2] int32: (first, end) row of each tile of one request, in decompressed rows
+    key_start: torch.Tensor  # [Td] int64: each decompressed row's first key in key_slots
+    kv_len: torch.Tensor  # [Td] int64: its visible keys
+    q_blocks: torch.Tensor  # [NB, 2] int64: (first, end) row of each tile of one request, in decompressed rows
 
 
-def plan_mla(form, min_rows, block_tables, token_req, token_kv_len, block_size, block_m) -> MLAPlan | None:
-    """None: every row absorbed, decided from shapes alone. Otherwise one host read of the per-token
-    request and length, and the split above."""
+def _per_request(req, kv_len, num_reqs):
+    """Rows, causal pairs and context (longest visible length) of each request, on the host."""
+    rows = np.bincount(req, minlength=num_reqs)
+    pairs = np.bincount(req, weights=kv_len, minlength=num_reqs)
+    context = np.zeros(num_reqs, dtype=np.int64)
+    if req.size and np.all(req[1:] >= req[:-1]):  # the flat layout: each request's rows together
+        starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
+        context[req[starts]] = np.maximum.reduceat(kv_len, starts)
+    else:
+        np.maximum.at(context, req, kv_len)
+    return rows, pairs, context
+
+
+def _tiles(groups: np.ndarray, block_m: int) -> np.ndarray:
+    """[NB, 2] (first, end) of runs of equal `groups`, cut every block_m rows."""
+    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    ends = np.r_[starts[1:], groups.size]
+    count = -(-(ends - starts) // block_m)
+    first = np.repeat(starts, count) + (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)) * block_m
+    return np.stack([first, np.minimum(first + block_m, np.repeat(ends, count))], axis=1)
+
+
+def plan_mla(
+    form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m
+) -> MLAPlan | None:  # fmt: skip
+    """None: every row absorbed. Otherwise one host read of the per-token request and length, the split
+    above, and one copy of the plan back to the device."""
     num_tokens, num_reqs = token_req.shape[0], block_tables.shape[0]
     capturing = token_req.is_cuda and torch.cuda.is_current_stream_capturing()
     if form == "absorbed" or capturing or num_tokens == 0:
         return None
-    if form == "auto" and num_tokens < min_rows * num_reqs:
+    if form == "auto" and num_tokens < cost.gate_rows * num_reqs:
         return None
-    req, kv_len = torch.stack([token_req.int(), token_kv_len.int()]).cpu().long()  # the one host read
+    req, kv_len = torch.stack([token_req.long(), token_kv_len.long()]).cpu().numpy()  # the one host read
     valid = kv_len > 0  # padding rows see nothing: they stay zeros in either form
-    rows = torch.bincount(req[valid], minlength=num_reqs)
-    context = torch.zeros(num_reqs, dtype=torch.long).scatter_reduce_(0, req[valid], kv_len[valid], "amax")
-    long_req = rows >= (1 if form == "decompressed" else min_rows)
-    if not bool(long_req.any()):
+    rows, pairs, context = _per_request(req[valid], kv_len[valid], num_reqs)
+    if form == "decompressed":
+        long_req = rows > 0
+    else:
+        saving = cost.saving_us(num_heads, pairs, context)
+        long_req = (saving > 0) & (rows > 0)
+        if saving[long_req].sum() <= cost.fixed_us:
+            return None
+    if not long_req.any():
         return None
     is_long = valid & long_req[req]
-    absorbed_rows = torch.nonzero(valid & ~is_long).flatten()
-    dec_rows = torch.nonzero(is_long).flatten()
-    ctx = torch.where(long_req, context, 0)
-    first_key = torch.cumsum(ctx, 0) - ctx  # each decompressed request's keys, one after another
+    absorbed_rows = np.flatnonzero(valid & ~is_long)
+    dec_rows = np.flatnonzero(is_long)
+    ctx = np.where(long_req, context, 0)
+    first_key = np.cumsum(ctx) - ctx  # each decompressed request's keys, one after another
     dec_req = req[dec_rows]
-    # Tiles: runs of rows of one request, cut every block_m rows.
-    change = torch.ones(dec_rows.shape[0], dtype=torch.bool)
-    change[1:] = dec_req[1:] != dec_req[:-1]
-    run_start = torch.nonzero(change).flatten().tolist() + [dec_rows.shape[0]]
-    tiles = [(s, min(s + block_m, e)) for a, e in zip(run_start, run_start[1:]) for s in range(a, e, block_m)]
-    key_req = torch.repeat_interleave(torch.arange(num_reqs), ctx)
-    key_pos = torch.arange(key_req.shape[0]) - first_key[key_req]
-    device = token_req.device
-    key_req, key_pos = key_req.to(device), key_pos.to(device)
-    key_slots = block_tables[key_req, key_pos // block_size].long() * block_size + key_pos % block_size
-    return MLAPlan(
-        absorbed_rows=absorbed_rows.to(device),
-        decompressed_rows=dec_rows.to(device),
-        key_slots=key_slots,
-        key_start=first_key[dec_req].int().to(device),
-        kv_len=kv_len[dec_rows].int().to(device),
-        q_blocks=torch.tensor(tiles, dtype=torch.int32).view(-1, 2).to(device),
-    )
+    key_req = np.repeat(np.arange(num_reqs), ctx)
+    key_pos = np.arange(key_req.size) - first_key[key_req]
+    tiles = _tiles(dec_req, block_m)
+    parts = [absorbed_rows, dec_rows, key_req, key_pos, first_key[dec_req], kv_len[dec_rows], tiles.ravel()]
+    sizes = [p.size for p in parts]
+    packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(token_req.device)  # one copy
+    absorbed_d, dec_d, key_req_d, key_pos_d, start_d, len_d, tiles_d = packed.split(sizes)
+    key_slots = block_tables[key_req_d, key_pos_d // block_size].long() * block_size + key_pos_d % block_size
+    return MLAPlan(absorbed_d, dec_d, key_slots, start_d, len_d, tiles_d.view(-1, 2))
 
 
 def _kernels(impl: str):
@@ -107,7 +142,7 @@ def _kernels(impl: str):
 
 def mla_forward(
     q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
-    token_kv_len, scale, form, impl,
+    token_kv_len, scale, form, impl, cost: MLACost = DEFAULT_COST,
 ) -> torch.Tensor:  # fmt: skip
     """Write this step's latents and RoPE keys, attend, return [T, H, dv] (before o_proj).
     w_kv_b: kv_b's weight [H * (dn + dv), r]."""
@@ -127,8 +162,7 @@ def mla_forward(
         )  # fmt: skip
         return torch.einsum("thr,hvr->thv", lat, w_uv)
 
-    min_rows = decompress_min_rows(rank, head_nope, w_uv.shape[1])
-    plan = plan_mla(form, min_rows, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m)
+    plan = plan_mla(form, cost, num_heads, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m)
     if plan is None:
         return absorbed(None).contiguous()
     out = q_nope.new_zeros(num_tokens, num_heads, w_uv.shape[1])

@@ -128,7 +128,7 @@ def _pad(n: int) -> int:
 def mla_decompressed_triton(
     q_nope, q_pe, k_nope, k_pe, v, token_key_start, token_kv_len, scale, q_blocks
 ) -> torch.Tensor:
-    """Same contract as mla_decompressed_reference; q_blocks [NB, 2] int32 tiles the rows by request, at
+    """Same contract as mla_decompressed_reference; q_blocks [NB, 2] int64 tiles the rows by request, at
     most BLOCK_M rows each (mla.py's planner builds it)."""
     num_tokens, num_heads, head_nope = q_nope.shape
     head_v = v.shape[-1]
