@@ -19,7 +19,7 @@ import torch
 import triton
 
 import draftgraph.models.attention.op  # noqa: F401  (registers the ops)
-from draftgraph.models.attention.mla import decompress_min_rows
+from draftgraph.models.attention.mla import DEFAULT_COST, plan_mla
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 
 RANK, ROPE, NOPE, HEAD_V, BLOCK = 512, 64, 128, 128, 16
@@ -84,11 +84,13 @@ def op_row(name, reqs, heads, w_kv_b, builder, g, rate) -> str:
     for f in FORMS[1:]:
         torch.testing.assert_close(run(f).float(), ref, atol=3e-2, rtol=3e-2)
     ms = {f: timed(lambda f=f: run(f)) for f in FORMS}
+    plan = plan_mla("auto", DEFAULT_COST, heads, meta.block_tables, meta.token_req, meta.token_kv_len, BLOCK, 64)
+    pick = "A" if plan is None else ("A+D" if plan.absorbed_rows.numel() else "D")
     fl = {f: flops(reqs, heads, f) / rate * 1e3 for f in FORMS[:2]}
     a, d = ms["absorbed"], ms["decompressed"]
     return (
         f"{name:>20} {heads:>4} | {a:>9.3f} {a / fl['absorbed']:>5.1f} | {d:>9.3f} {d / fl['decompressed']:>5.1f} | "
-        f"{a / d:>7.2f} | {ms['auto']:>9.3f} {ms['auto'] / min(a, d):>9.2f}"
+        f"{a / d:>7.2f} | {ms['auto']:>9.3f} {pick:>4} {ms['auto'] / min(a, d):>9.2f}"
     )
 
 
@@ -96,12 +98,12 @@ def bench_op(rate: float):
     builder = MetadataBuilder(8192, 64, 512, BLOCK, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(
-        f"\n1. the op; auto decompresses requests of >= {decompress_min_rows(RANK, NOPE, HEAD_V)} rows when the "
-        "batch's mean rows per request reaches that; ms (median), x = time / compute floor"
+        f"\n1. the op; auto's cost model: {DEFAULT_COST}\nms (median); x = time / compute floor; auto's pick: "
+        "A absorbed, D decompressed, A+D split by request"
     )
     hdr = (
         f"{'case':>20} {'H':>4} | {'absorbed':>9} {'x':>5} | {'decomp':>9} {'x':>5} | {'abs/dec':>7} | "
-        f"{'auto':>9} {'auto/best':>9}"
+        f"{'auto':>9} {'pick':>4} {'auto/best':>9}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -134,12 +136,28 @@ def model_row(model, name, reqs, builder) -> str:
         with torch.no_grad():
             return model(ids, pos, meta, cache.layers)
 
-    ms = {}
+    ms, busy = {}, {}
     for form in FORMS:
         set_mla_form(model, form)
         ms[form] = timed(forward)
+        busy[form] = gpu_ms(forward)
     a, d, auto = ms["absorbed"], ms["decompressed"], ms["auto"]
-    return f"{name:>20} | {a:>9.3f} {d:>9.3f} {auto:>9.3f} | {a / auto:>8.2f}"
+    return (
+        f"{name:>20} | {a:>9.3f} {d:>9.3f} {auto:>9.3f} {a / auto:>8.2f} | {busy['absorbed']:>9.3f} "
+        f"{busy['decompressed']:>9.3f} {busy['auto']:>9.3f} {busy['absorbed'] / busy['auto']:>8.2f}"
+    )
+
+
+def gpu_ms(fn, iters: int = 5) -> float:
+    """Milliseconds the GPU spends in kernels and copies per call (profiler sum): the forward's device
+    work, whatever the host's launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
 
 
 def bench_model():
@@ -154,8 +172,14 @@ def bench_model():
     model = CausalLM.from_hf(hf, attn_impl="triton")
     del hf
     builder = MetadataBuilder(8192, 64, 512, BLOCK, "cuda")
-    print(f"\n2. eager prefill forward of the {model.cfg.num_layers}-layer DeepSeek-V3-shaped model; ms (median)")
-    hdr = f"{'case':>20} | {'absorbed':>9} {'decomp':>9} {'auto':>9} | {'abs/auto':>8}"
+    print(
+        f"\n2. eager prefill forward of the {model.cfg.num_layers}-layer DeepSeek-V3-shaped model, ms: wall (median; "
+        "eager launches bound it) | GPU busy (profiler sum of kernels per forward)"
+    )
+    hdr = (
+        f"{'case':>20} | {'absorbed':>9} {'decomp':>9} {'auto':>9} {'abs/auto':>8} | {'absorbed':>9} {'decomp':>9} "
+        f"{'auto':>9} {'abs/auto':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, reqs in MODEL_CASES:

@@ -232,6 +232,15 @@ def test_auto_form_decompresses_long_requests_only():
     assert plan([(6, 40), (7, 40)], cost=DEFAULT_COST) is None  # 16 heads: saving under the fixed cost
     p = plan([(8, 2), (9, 1)], "decompressed")  # forced: every request, however short
     assert p.decompressed_rows.tolist() == [0, 1, 2] and p.absorbed_rows.numel() == 0
+    # One plan per forward: the next layer's call with the same metadata reuses it; a write replans.
+    meta, _ = runner.batch([(10, 70)])
+    args = (meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
+    first = plan_mla("auto", SPLIT_COST, 16, *args)
+    assert plan_mla("auto", SPLIT_COST, 16, *args) is first
+    assert plan_mla("decompressed", SPLIT_COST, 16, *args) is not first  # other settings
+    meta.token_kv_len[69] = 70  # same value, but written: the builder refilling the buffer looks like this
+    again = plan_mla("auto", SPLIT_COST, 16, *args)
+    assert again is not first and torch.equal(again.key_slots, first.key_slots)
 
 
 def check_chunked_logits(hf, ours, device="cpu", atol=ATOL):

@@ -46,7 +46,9 @@ def test_mla_kernels_at_deepseek_v3_ranks(rows):
     outs = {}
     for impl in ("reference", "triton"):
         for form in ("absorbed", "decompressed"):
-            runner = PagedRunner(MLAShape(torch.bfloat16, rank, rope), num_blocks=256, block_size=16, device="cuda")
+            runner = PagedRunner(
+                MLAShape(torch.bfloat16, rank, rope), num_blocks=256, block_size=16, max_tokens=1024, device="cuda"
+            )
             latent, rope_c = runner.cache.layers[0]
             g = torch.Generator().manual_seed(1)
             for parts in ([(0, 700), (1, 20)], [(0, rows), (1, 1)]):

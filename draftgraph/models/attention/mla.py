@@ -17,6 +17,7 @@ Inside a CUDA graph capture every form runs absorbed: the decompressed form need
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,17 +85,52 @@ def _tiles(groups: np.ndarray, block_m: int) -> np.ndarray:
     return np.stack([first, np.minimum(first + block_m, np.repeat(ends, count))], axis=1)
 
 
+class _LastPlan:
+    """The last plan and what it was made from. Every MLA layer of one forward gets the same metadata
+    tensors, so the first layer plans (one host read) and the others reuse it. A hit needs the very same
+    tensor objects (weak references, so a new tensor at a reused address misses) at the same version
+    (in-place writes, such as the metadata builder's copies, bump it), with the same settings."""
+
+    def __init__(self):
+        self.refs, self.versions, self.settings, self.plan = (), (), None, None
+
+    def get(self, tensors, settings):
+        same = bool(self.refs) and settings == self.settings and all(r() is t for r, t in zip(self.refs, tensors))
+        if same and self.versions == tuple(t._version for t in tensors):
+            return True, self.plan
+        return False, None
+
+    def put(self, tensors, settings, plan):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.versions = tuple(t._version for t in tensors)
+        self.settings, self.plan = settings, plan
+
+
+_LAST = _LastPlan()
+
+
 def plan_mla(
     form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m
 ) -> MLAPlan | None:  # fmt: skip
-    """None: every row absorbed. Otherwise one host read of the per-token request and length, the split
-    above, and one copy of the plan back to the device."""
+    """None: every row absorbed. Otherwise one host read of the per-token request and length (once per
+    forward: the plan is reused while the metadata tensors are unchanged), the split above, and one copy
+    of the plan back to the device."""
     num_tokens, num_reqs = token_req.shape[0], block_tables.shape[0]
     capturing = token_req.is_cuda and torch.cuda.is_current_stream_capturing()
     if form == "absorbed" or capturing or num_tokens == 0:
         return None
     if form == "auto" and num_tokens < cost.gate_rows * num_reqs:
         return None
+    tensors, settings = (token_req, token_kv_len, block_tables), (form, cost, num_heads, block_size, block_m)
+    hit, plan = _LAST.get(tensors, settings)
+    if not hit:
+        plan = _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m)
+        _LAST.put(tensors, settings, plan)
+    return plan
+
+
+def _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m) -> MLAPlan | None:
+    num_reqs = block_tables.shape[0]
     req, kv_len = torch.stack([token_req.long(), token_kv_len.long()]).cpu().numpy()  # the one host read
     valid = kv_len > 0  # padding rows see nothing: they stay zeros in either form
     rows, pairs, context = _per_request(req[valid], kv_len[valid], num_reqs)
