@@ -7,9 +7,10 @@ K/V once per step (2 r (dn + dv) flops per key and head), and its buffers are si
 
 `form`: "absorbed" always absorbs. "decompressed" decompresses every request (tests, benchmarks).
 "auto" picks per request with `MLACost`, a cost model measured on the GPU (scripts/bench_mla_prefill.py):
-- from shapes alone, a batch under `gate_rows` mean query rows per request (decode, verify) absorbs with
-  no host read, so it can sit inside CUDA graphs;
-- otherwise the per-token request and visible length are read back once, and a request decompresses
+- from shapes alone, a batch where no request can bring `gate_rows` query rows (tokens - requests + 1
+  under it: decode, verify of small batches) absorbs with no host read;
+- otherwise the per-token request and visible length are read back once per forward (the plan is reused
+  by every layer), and a request decompresses
   when its causal pairs times the per-pair saving outweigh rebuilding its keys; if the batch's total
   saving is under the decompressed path's fixed cost, everything absorbs.
 Inside a CUDA graph capture every form runs absorbed: the decompressed form needs that host read.
@@ -40,7 +41,7 @@ class MLACost:
     decompressed_pair_ps: float = 5.0  # one pair, decompressed kernel
     key_ps: float = 520.0  # rebuilding one key's K/V (the kv_b matmul)
     fixed_us: float = 150.0
-    gate_rows: int = 64  # below this mean rows per request: absorbed from shapes alone
+    gate_rows: int = 64  # no request can have this many rows: absorbed from shapes alone
 
     def saving_us(self, heads, pairs, keys):
         """Per request: absorbed minus decompressed time, fixed cost excluded."""
@@ -119,7 +120,7 @@ def plan_mla(
     capturing = token_req.is_cuda and torch.cuda.is_current_stream_capturing()
     if form == "absorbed" or capturing or num_tokens == 0:
         return None
-    if form == "auto" and num_tokens < cost.gate_rows * num_reqs:
+    if form == "auto" and num_tokens - (num_reqs - 1) < cost.gate_rows:  # no request can reach the gate
         return None
     tensors, settings = (token_req, token_kv_len, block_tables), (form, cost, num_heads, block_size, block_m)
     hit, plan = _LAST.get(tensors, settings)
