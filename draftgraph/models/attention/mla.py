@@ -18,6 +18,7 @@ Inside a CUDA graph capture every form runs absorbed: the decompressed form need
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -161,6 +162,7 @@ def _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_si
     return MLAPlan(absorbed_d, dec_d, key_slots, start_d, len_d, tiles_d.view(-1, 2))
 
 
+@functools.cache
 def _kernels(impl: str):
     if impl == "triton":
         from draftgraph.models.attention.triton_mla import mla_latent_triton, write_rows_triton
@@ -190,14 +192,14 @@ def mla_forward(
     w = w_kv_b.view(num_heads, -1, rank)
     w_uk, w_uv = w.split([head_nope, w.shape[1] - head_nope], dim=1)  # [H, dn, r], [H, dv, r]
 
-    def absorbed(rows):
+    def absorbed(rows):  # batched matmuls over heads (einsum costs more host time in eager steps)
         sub = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))
-        q_lat = torch.einsum("thd,hdr->thr", sub(q_nope), w_uk)
+        q_lat = torch.bmm(sub(q_nope).transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r], strided
         lat = latent_attend(
             q_lat, sub(q_pe).contiguous(), latent_cache, rope_cache, block_tables, sub(token_req),
             sub(token_kv_len), scale,
         )  # fmt: skip
-        return torch.einsum("thr,hvr->thv", lat, w_uv)
+        return torch.bmm(lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv], strided
 
     plan = plan_mla(form, cost, num_heads, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m)
     if plan is None:
