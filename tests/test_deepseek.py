@@ -211,7 +211,7 @@ def test_auto_form_decompresses_long_requests_only():
     with the default per-pair and per-key costs. Each decompressed request is tiled by 64 rows."""
     from draftgraph.models.attention.mla import DEFAULT_COST, plan_mla
 
-    runner = PagedRunner(MLAShape(torch.float32), num_blocks=128, block_size=4)
+    runner = PagedRunner(MLAShape(torch.float32), num_blocks=192, block_size=4)
 
     def plan(parts, form="auto", cost=SPLIT_COST):
         meta, _ = runner.batch(parts)
@@ -232,6 +232,11 @@ def test_auto_form_decompresses_long_requests_only():
     assert plan([(6, 40), (7, 40)], cost=DEFAULT_COST) is None  # 16 heads: saving under the fixed cost
     p = plan([(8, 2), (9, 1)], "decompressed")  # forced: every request, however short
     assert p.decompressed_rows.tolist() == [0, 1, 2] and p.absorbed_rows.numel() == 0
+    # The workspace cap: rebuilt K/V of 100 bytes per key and room for 80 keys -> the second request absorbs.
+    meta, _ = runner.batch([(11, 70), (12, 70)])
+    capped = MLACost(fixed_us=0.0, gate_rows=16, workspace_bytes=8000)
+    p = plan_mla("auto", capped, 16, meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64, key_bytes=100)
+    assert p.decompressed_rows.tolist() == list(range(70)) and p.absorbed_rows.tolist() == list(range(70, 140))
     # One plan per forward: the next layer's call with the same metadata reuses it; a write replans.
     meta, _ = runner.batch([(10, 70)])
     args = (meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)

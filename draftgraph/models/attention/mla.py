@@ -12,7 +12,8 @@ K/V once per step (2 r (dn + dv) flops per key and head), and its buffers are si
 - otherwise the per-token request and visible length are read back once per forward (the plan is reused
   by every layer), and a request decompresses
   when its causal pairs times the per-pair saving outweigh rebuilding its keys; if the batch's total
-  saving is under the decompressed path's fixed cost, everything absorbs.
+  saving is under the decompressed path's fixed cost, everything absorbs. The rebuilt K/V of one forward
+  stays under `workspace_bytes` (1 GiB): requests past it absorb.
 Inside a CUDA graph capture every form runs absorbed: the decompressed form needs that host read.
 """
 
@@ -43,6 +44,7 @@ class MLACost:
     key_ps: float = 520.0  # rebuilding one key's K/V (the kv_b matmul)
     fixed_us: float = 150.0
     gate_rows: int = 64  # no request can have this many rows: absorbed from shapes alone
+    workspace_bytes: int = 1 << 30  # cap on the rebuilt K/V of one forward; requests past it absorb
 
     def saving_us(self, heads, pairs, keys):
         """Per request: absorbed minus decompressed time, fixed cost excluded."""
@@ -112,7 +114,7 @@ _LAST = _LastPlan()
 
 
 def plan_mla(
-    form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m
+    form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m, key_bytes=0
 ) -> MLAPlan | None:  # fmt: skip
     """None: every row absorbed. Otherwise one host read of the per-token request and length (once per
     forward: the plan is reused while the metadata tensors are unchanged), the split above, and one copy
@@ -123,15 +125,18 @@ def plan_mla(
         return None
     if form == "auto" and num_tokens - (num_reqs - 1) < cost.gate_rows:  # no request can reach the gate
         return None
-    tensors, settings = (token_req, token_kv_len, block_tables), (form, cost, num_heads, block_size, block_m)
+    tensors = (token_req, token_kv_len, block_tables)
+    settings = (form, cost, num_heads, block_size, block_m, key_bytes)
     hit, plan = _LAST.get(tensors, settings)
     if not hit:
-        plan = _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m)
+        plan = _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m, key_bytes)
         _LAST.put(tensors, settings, plan)
     return plan
 
 
-def _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m) -> MLAPlan | None:
+def _plan(
+    form, cost, num_heads, block_tables, token_req, token_kv_len, block_size, block_m, key_bytes
+) -> MLAPlan | None:  # fmt: skip
     num_reqs = block_tables.shape[0]
     req, kv_len = torch.stack([token_req.long(), token_kv_len.long()]).cpu().numpy()  # the one host read
     valid = kv_len > 0  # padding rows see nothing: they stay zeros in either form
@@ -143,6 +148,8 @@ def _plan(form, cost, num_heads, block_tables, token_req, token_kv_len, block_si
         long_req = (saving > 0) & (rows > 0)
         if saving[long_req].sum() <= cost.fixed_us:
             return None
+    if key_bytes:  # keep the rebuilt K/V within the workspace: the first requests that fit, the rest absorb
+        long_req &= np.cumsum(np.where(long_req, context, 0)) * key_bytes <= cost.workspace_bytes
     if not long_req.any():
         return None
     is_long = valid & long_req[req]
@@ -201,7 +208,10 @@ def mla_forward(
         )  # fmt: skip
         return torch.bmm(lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv], strided
 
-    plan = plan_mla(form, cost, num_heads, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m)
+    key_bytes = w_kv_b.shape[0] * w_kv_b.element_size()  # one rebuilt key: H (dn + dv) values
+    plan = plan_mla(
+        form, cost, num_heads, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m, key_bytes
+    )
     if plan is None:
         return absorbed(None).contiguous()
     out = q_nope.new_zeros(num_tokens, num_heads, w_uv.shape[1])
