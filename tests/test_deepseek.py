@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import draftgraph.models.attention.op  # noqa: F401
-from draftgraph.models.attention.mla import MLACost, mla_forward
+from draftgraph.models.attention.mla import MLACost, mla_forward, plan_mla
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.moe import moe_experts_reference, route
@@ -136,9 +136,11 @@ class MLAShape:
 
 # Prefill past one 64-row tile, chunked prefill, verify-shaped and decode rows, the last row padding.
 MLA_STEPS = [[(0, 70), (1, 3)], [(0, 4), (1, 1), (2, 40)], [(0, 1), (1, 36), (2, 1)]]
-# The default cost model absorbs everything at these sizes (its fixed cost outweighs any saving); without
-# the fixed cost and with a lower gate, "auto" splits: the 70-row prompt and the 40-row chunk decompress.
-SPLIT_COST = MLACost(fixed_us=0.0, gate_rows=16)
+# The default cost model absorbs everything at these sizes (its fixed cost outweighs any saving). Without
+# the fixed cost, with a lower gate and cheaper keys, "auto" splits every step: the 70-, 40- and 36-row
+# requests decompress, the 1- to 4-row ones absorb.
+SPLIT_COST = MLACost(fixed_us=0.0, gate_rows=16, key_ps=100.0)
+PLAN_COST = MLACost(fixed_us=0.0, gate_rows=16)
 
 
 def mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, impl):
@@ -146,6 +148,8 @@ def mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, impl):
     args = (q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables, meta.token_req,
             meta.token_kv_len, 0.2)  # fmt: skip
     if form == "auto":
+        plan = plan_mla(form, SPLIT_COST, q_nope.shape[1], *args[8:11], latent.shape[1], 64)
+        assert plan.absorbed_rows.numel() and plan.decompressed_rows.numel()  # a real split, every step
         return mla_forward(*args, form, impl, SPLIT_COST)
     return torch.ops.draftgraph.mla_attention(*args, form, impl)
 
@@ -209,11 +213,11 @@ def test_auto_form_decompresses_long_requests_only():
     """The planner: shapes alone keep decode / verify absorbed (no host read); past the gate, a request
     decompresses when its saving (causal pairs) outweighs rebuilding its keys: a fresh prompt from 47 rows
     with the default per-pair and per-key costs. Each decompressed request is tiled by 64 rows."""
-    from draftgraph.models.attention.mla import DEFAULT_COST, plan_mla
+    from draftgraph.models.attention.mla import DEFAULT_COST
 
     runner = PagedRunner(MLAShape(torch.float32), num_blocks=192, block_size=4)
 
-    def plan(parts, form="auto", cost=SPLIT_COST):
+    def plan(parts, form="auto", cost=PLAN_COST):
         meta, _ = runner.batch(parts)
         return plan_mla(form, cost, 16, meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
 
@@ -240,11 +244,11 @@ def test_auto_form_decompresses_long_requests_only():
     # One plan per forward: the next layer's call with the same metadata reuses it; a write replans.
     meta, _ = runner.batch([(10, 70)])
     args = (meta.block_tables, meta.token_req, meta.token_kv_len, 4, 64)
-    first = plan_mla("auto", SPLIT_COST, 16, *args)
-    assert plan_mla("auto", SPLIT_COST, 16, *args) is first
-    assert plan_mla("decompressed", SPLIT_COST, 16, *args) is not first  # other settings
+    first = plan_mla("auto", PLAN_COST, 16, *args)
+    assert plan_mla("auto", PLAN_COST, 16, *args) is first
+    assert plan_mla("decompressed", PLAN_COST, 16, *args) is not first  # other settings
     meta.token_kv_len[69] = 70  # same value, but written: the builder refilling the buffer looks like this
-    again = plan_mla("auto", SPLIT_COST, 16, *args)
+    again = plan_mla("auto", PLAN_COST, 16, *args)
     assert again is not first and torch.equal(again.key_slots, first.key_slots)
 
 
