@@ -303,7 +303,9 @@ def pair():
     return target, copy_deepseek_mtp(target)
 
 
-def generate(target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0):
+def generate(
+    target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0, artifacts=None
+):
     import draftgraph as dg
     from tests.test_engine import ragged
 
@@ -320,7 +322,7 @@ def generate(target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16,
         compile_backend=backend,
         progress=False,
     )
-    eng = dg.compile_model(target, drafter, cfg)
+    eng = dg.compile_model(target, drafter, cfg, artifacts=artifacts, strict_artifacts=artifacts is not None)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
 
 
@@ -351,6 +353,19 @@ def test_lossless_in_every_mode(pair, temperature):
             assert c.traces["draft_loop"] == 2 and c.pieces == 4 + 2 + 2 * 4
         else:
             assert c.pieces == 4 + 2
+
+
+def test_artifacts_load_without_tracing(pair, tmp_path):
+    """Built artifacts of the MTP pair (pieces around the two-output MLA op, FULL graphs, the fused loop)
+    load with no trace and no compile, and give the same tokens."""
+    from draftgraph.compiler.artifacts import build_artifacts
+
+    target, drafter = pair
+    ref, eng = generate(target, drafter, "FULL_AND_PIECEWISE", sizes=(1, 4, 16, 64))
+    build_artifacts(eng, str(tmp_path / "a"))
+    got, loaded = generate(target, drafter, "FULL_AND_PIECEWISE", sizes=(1, 4, 16, 64), artifacts=str(tmp_path / "a"))
+    assert not loaded.compiled.counters.traces and loaded.compiled.counters.inductor_compiles == 0
+    assert got == ref
 
 
 def test_inductor_pieces_match_eager(pair):
