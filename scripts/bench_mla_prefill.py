@@ -1,8 +1,7 @@
 """MLA's two forms on the GPU: absorbed against decompressed for prefill-shaped batches, and what "auto"
 picks. DeepSeek-V3's ranks: KV LoRA 512, RoPE 64, no-RoPE 128, V 128; bf16; block size 16.
 
-1. The op (`torch.ops.draftgraph.mla_attention`, Triton kernels, cache write included, with the W_UK / W_UV
-   products MLAttention runs around it) for one request
+1. The op (`torch.ops.draftgraph.mla_attention`, Triton kernels, cache write included) for one request
    of R new rows (fresh prefill, or a chunk after 4096 cached tokens), a batch of 8 prompts, and a
    2048-row chunk sharing its step with 63 decode rows; 16 and 128 heads. Each time sits next to its
    compute floor: the form's flops (causal pairs only) over the measured bf16 matmul rate.
@@ -75,15 +74,11 @@ def op_row(name, reqs, heads, w_kv_b, builder, g, rate) -> str:
     q_nope, q_pe = torch.randn(t, heads, NOPE, **bf16), torch.randn(t, heads, ROPE, **bf16)
     c, pe = torch.randn(t, RANK, **bf16), torch.randn(t, ROPE, **bf16)
 
-    w = w_kv_b.view(heads, NOPE + HEAD_V, RANK)
-
-    def run(form):  # as MLAttention calls it: W_UK before the op, W_UV after
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, :NOPE])
-        out_lat, out_v = torch.ops.draftgraph.mla_attention(
-            q_lat, q_nope, q_pe, c, pe, latent, rope, w_kv_b, meta.slot_mapping, meta.block_tables, meta.token_req,
+    def run(form):
+        return torch.ops.draftgraph.mla_attention(
+            q_nope, q_pe, c, pe, latent, rope, w_kv_b, meta.slot_mapping, meta.block_tables, meta.token_req,
             meta.token_kv_len, 0.07, form, "triton",
         )  # fmt: skip
-        return torch.einsum("thr,hvr->thv", out_lat, w[:, NOPE:]) + out_v
 
     ref = run("absorbed").float()
     for f in FORMS[1:]:

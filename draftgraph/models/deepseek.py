@@ -50,11 +50,7 @@ class MLAttention(nn.Module):
         c = self.kv_a_norm(c)
         q_pe = self.rope(q_pe, cos, sin)
         k_pe = self.rope(k_pe.view(t, 1, a.qk_rope_head_dim), cos, sin).view(t, a.qk_rope_head_dim)
-        w = self.kv_b.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
-        w_uk, w_uv = w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)  # [H, dn, r], [H, dv, r]
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        out_lat, out_v = torch.ops.draftgraph.mla_attention(
-            q_lat,
+        out = torch.ops.draftgraph.mla_attention(
             q_nope,
             q_pe.contiguous(),
             c.contiguous(),
@@ -69,8 +65,7 @@ class MLAttention(nn.Module):
             a.softmax_scale,
             self.form,
             self.attn_impl,
-        )  # absorbed rows in out_lat, decompressed rows in out_v
-        out = torch.einsum("thr,hvr->thv", out_lat, w_uv) + out_v
+        )  # [T, H, dv]
         return self.o(out.reshape(t, h * a.v_head_dim))
 
 

@@ -8,7 +8,6 @@ KV-cache writes are side effects that FX data dependencies do not see.
 from __future__ import annotations
 
 import hashlib
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +68,6 @@ def split_at_attention(gm: fx.GraphModule) -> SplitGraph:
             assignment[node] = part
             attention_parts.add(part)
             part += 1
-        elif (
-            node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node)
-            and is_split_node(node.args[0], targets)
-        ):
-            assignment[node] = assignment[node.args[0]]  # a multi-output op's results leave its piece as tensors
         else:
             assignment[node] = part
     split = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)

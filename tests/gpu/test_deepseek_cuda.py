@@ -15,7 +15,7 @@ from draftgraph.models.deepseek import set_mla_form
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import copy_deepseek_mtp
 from tests.helpers import PagedRunner, tiny_deepseek_model
-from tests.test_deepseek import MLAShape, check_chunked_logits, mla
+from tests.test_deepseek import MLAShape, check_chunked_logits
 from tests.test_engine import ragged
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,10 @@ def test_mla_kernels_at_deepseek_v3_ranks(rows):
                     torch.randn(*shape, generator=g).cuda().bfloat16()
                     for shape in ((t, heads, nope), (t, heads, rope), (t, rank), (t, rope))
                 )
-                out = mla(q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta, form, impl, scale=0.07)
+                out = torch.ops.draftgraph.mla_attention(
+                    q_nope, q_pe, c, pe, latent, rope_c, w_kv_b, meta.slot_mapping, meta.block_tables,
+                    meta.token_req, meta.token_kv_len, 0.07, form, impl,
+                )  # fmt: skip
             outs[impl, form] = out.float()
     ref = outs["reference", "absorbed"]
     for key, got in outs.items():

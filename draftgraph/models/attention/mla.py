@@ -187,40 +187,44 @@ def _kernels(impl: str):
 
 
 def mla_forward(
-    q_lat, q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
+    q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
     token_kv_len, scale, form, impl, cost: MLACost = DEFAULT_COST,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Write this step's latents and RoPE keys, attend; returns (out_lat [T, H, r], out_v [T, H, dv]) as the
-    op's doc says. w_kv_b: kv_b's weight [H * (dn + dv), r]."""
+) -> torch.Tensor:  # fmt: skip
+    """Write this step's latents and RoPE keys, attend, return [T, H, dv] (before o_proj).
+    w_kv_b: kv_b's weight [H * (dn + dv), r]."""
     write, latent_attend, decompressed_attend, block_m = _kernels(impl)
     write(kv_c, k_pe, latent_cache, rope_cache, slot_mapping)
     num_tokens, num_heads, head_nope = q_nope.shape
     rank = latent_cache.shape[-1]
-    head_v = w_kv_b.shape[0] // num_heads - head_nope
+    w = w_kv_b.view(num_heads, -1, rank)
+    w_uk, w_uv = w.split([head_nope, w.shape[1] - head_nope], dim=1)  # [H, dn, r], [H, dv, r]
+
+    def absorbed(rows):  # batched matmuls over heads (einsum costs more host time in eager steps)
+        sub = (lambda x: x) if rows is None else (lambda x: x.index_select(0, rows))
+        q_lat = torch.bmm(sub(q_nope).transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r], strided
+        lat = latent_attend(
+            q_lat, sub(q_pe).contiguous(), latent_cache, rope_cache, block_tables, sub(token_req),
+            sub(token_kv_len), scale,
+        )  # fmt: skip
+        return torch.bmm(lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv], strided
+
     key_bytes = w_kv_b.shape[0] * w_kv_b.element_size()  # one rebuilt key: H (dn + dv) values
     plan = plan_mla(
         form, cost, num_heads, block_tables, token_req, token_kv_len, latent_cache.shape[1], block_m, key_bytes
     )
-    out_v = q_nope.new_zeros(num_tokens, num_heads, head_v)
     if plan is None:
-        out_lat = latent_attend(q_lat, q_pe, latent_cache, rope_cache, block_tables, token_req, token_kv_len, scale)
-        return out_lat, out_v
-    out_lat = q_lat.new_zeros(num_tokens, num_heads, rank)
+        return absorbed(None).contiguous()
+    out = q_nope.new_zeros(num_tokens, num_heads, w_uv.shape[1])
     if plan.absorbed_rows.numel():
-        rows = plan.absorbed_rows
-        pick = lambda x: x.index_select(0, rows)  # noqa: E731
-        got = latent_attend(
-            pick(q_lat), pick(q_pe), latent_cache, rope_cache, block_tables, pick(token_req), pick(token_kv_len), scale
-        )  # fmt: skip
-        out_lat.index_copy_(0, rows, got)
+        out.index_copy_(0, plan.absorbed_rows, absorbed(plan.absorbed_rows).to(out.dtype))
     # Rebuild the decompressed requests' per-head keys and values from their latents: one matmul.
     c = latent_cache.view(-1, rank).index_select(0, plan.key_slots)
     pe = rope_cache.view(-1, rope_cache.shape[-1]).index_select(0, plan.key_slots)
-    kv = (c.to(w_kv_b.dtype) @ w_kv_b.t()).view(-1, num_heads, head_nope + head_v)
+    kv = (c.to(w_kv_b.dtype) @ w_kv_b.t()).view(-1, num_heads, w.shape[1])
     rows = plan.decompressed_rows
     got = decompressed_attend(
-        q_nope.index_select(0, rows), q_pe.index_select(0, rows), kv[..., :head_nope], pe.to(kv.dtype),
+        q_nope.index_select(0, rows), q_pe.index_select(0, rows).contiguous(), kv[..., :head_nope], pe.to(kv.dtype),
         kv[..., head_nope:], plan.key_start, plan.kv_len, scale, plan.q_blocks,
     )  # fmt: skip
-    out_v.index_copy_(0, rows, got)
-    return out_lat, out_v
+    out.index_copy_(0, rows, got)
+    return out

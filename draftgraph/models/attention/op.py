@@ -51,7 +51,6 @@ def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, token_req, token_kv
 
 @torch.library.custom_op("draftgraph::mla_attention", mutates_args=("latent_cache", "rope_cache"))
 def mla_attention(
-    q_lat: torch.Tensor,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     kv_c: torch.Tensor,
@@ -66,25 +65,21 @@ def mla_attention(
     scale: float,
     form: str,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Multi-head latent attention: writes this step's latent c [T, r] and RoPE key [T, dr] into the paged
-    caches and attends in the absorbed or the decompressed form, per request (`form`, mla.py). Queries come
-    both ways: absorbed q_lat = q_nope W_UK [T, H, r], and q_nope [T, H, dn]; q_pe [T, H, dr]. Returns
-    (out_lat [T, H, r], out_v [T, H, dv]); the attention output is out_lat W_UV^T + out_v, each row filled
-    in one of them (the other zero), so the W_UV product stays in the compiled code around the op."""
+    caches, attends with queries (q_nope [T, H, dn], q_pe [T, H, dr]) in the absorbed or the decompressed
+    form (`form`, mla.py) and returns the per-head values [T, H, dv], before o_proj."""
     check_device(impl, q_nope.device.type)
     check_form(form)
     return mla_forward(
-        q_lat, q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
+        q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
         token_kv_len, scale, form, impl,
     )  # fmt: skip
 
 
 @mla_attention.register_fake
-def _(q_lat, q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
+def _(q_nope, q_pe, kv_c, k_pe, latent_cache, rope_cache, w_kv_b, slot_mapping, block_tables, token_req,
       token_kv_len, scale, form, impl):  # fmt: skip
     num_tokens, num_heads, head_nope = q_nope.shape
     head_v = w_kv_b.shape[0] // num_heads - head_nope
-    return torch.empty_like(q_lat, memory_format=torch.contiguous_format), q_nope.new_empty(
-        num_tokens, num_heads, head_v
-    )
+    return q_nope.new_empty(num_tokens, num_heads, head_v)
