@@ -25,11 +25,10 @@ import torch
 import transformers
 import triton
 
-import draftgraph as dg
 from draftgraph.models.builtin import builtin_drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.moe import MoE, route
-from scripts.bench_full import timed, verify_fn
+from scripts.bench_full import compile_engines, timed, verify_batch, verify_fn
 from scripts.bench_piecewise import Bench, copy_bandwidth
 
 SHAPE = dict(
@@ -114,9 +113,7 @@ def floors(engine, b, k, ctx, bw):
     q = k + 1
     kv_layer = b * ctx * (512 + 64) * 2  # latent + RoPE key, bf16, per layer
     counter = ExpertCounter(target, b * q)
-    d = r.dispatcher.dispatch(dg_desc(b * q, b, q))
-    meta, pos = r.target_meta.build(slices(r, b, ctx, q, k), num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
-    ids = torch.randint(0, 1000, (d.num_tokens,), device="cuda")
+    _, ids, pos, meta = verify_batch(engine, b, k, ctx)
     with torch.no_grad():
         target(ids, pos, meta, r.target_cache.layers)  # eager: the hooks see the routing
     counter.close()
@@ -133,19 +130,6 @@ def floors(engine, b, k, ctx, bw):
     return verify_bytes / bw * 1e3, loop_bytes / bw * 1e3, counter.bytes
 
 
-def dg_desc(t, b, q):
-    from draftgraph.runtime.dispatcher import BatchDescriptor
-
-    return BatchDescriptor(t, b, q)
-
-
-def slices(r, b, ctx, q, k):
-    from draftgraph.runtime.attn_metadata import RequestSlice
-
-    per = -(-(ctx + 2 * k + 2) // r.shape.block_size)
-    return [RequestSlice(list(range(i * per, (i + 1) * per)), ctx, q) for i in range(b)]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,4,16,64")
@@ -158,22 +142,8 @@ def main():
     target, drafter = build_pair()
     print(f"built the pair in {time.perf_counter() - t0:.1f} s")
     bw = copy_bandwidth()
-    max_b = max(sizes)
-    base = dict(
-        num_speculative_tokens=k,
-        max_num_seqs=max_b,
-        max_num_batched_tokens=max(max_b * (k + 1), 512),
-        max_model_len=ctx + 64,
-        device="cuda",
-        progress=False,
-        capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
-        full_capture_sizes=tuple(sizes),
-    )
-    engines = {}
-    for name, extra in (("piecewise", dict(mode="PIECEWISE")), ("full", dict(mode="FULL"))):
-        t1 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
-        print(f"{name}: ready in {time.perf_counter() - t1:.1f} s  {engines[name].warm_up_report}")
+    modes = {"piecewise": dict(mode="PIECEWISE"), "full": dict(mode="FULL")}
+    engines = compile_engines(target, drafter, modes, sizes, k, ctx, min_batched_tokens=512)
     weights = nbytes(target.parameters())
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy bandwidth "

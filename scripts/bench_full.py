@@ -35,11 +35,35 @@ MODES = {
 }
 
 
+def compile_engines(target, drafter, modes, sizes, k, ctx, min_batched_tokens) -> dict:
+    """One CUDA engine per entry of `modes` (name -> CompileConfig fields), each capturing every batch size
+    in `sizes` at 1 and k + 1 rows per request; prints how long each took to be ready."""
+    max_b = max(sizes)
+    base = dict(
+        num_speculative_tokens=k,
+        max_num_seqs=max_b,
+        max_num_batched_tokens=max(max_b * (k + 1), min_batched_tokens),
+        max_model_len=ctx + 64,
+        device="cuda",
+        progress=False,
+        capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
+        full_capture_sizes=tuple(sizes),
+    )
+    engines = {}
+    for name, extra in modes.items():
+        t0 = time.perf_counter()
+        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
+        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
+    return engines
+
+
 def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=80, return_mode="median")
 
 
-def verify_fn(engine, b, k, ctx):
+def verify_batch(engine, b, k, ctx):
+    """A uniform verify batch (b requests of k + 1 rows after ctx cached tokens), dispatched and padded as
+    the engine would: (dispatch, input ids, positions, metadata)."""
     r = engine.runner
     per = -(-(ctx + 2 * k + 2) // r.shape.block_size)
     q = k + 1
@@ -47,7 +71,12 @@ def verify_fn(engine, b, k, ctx):
     d = r.dispatcher.dispatch(BatchDescriptor(b * q, b, q))
     meta, pos = r.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
     ids = torch.randint(0, 1000, (d.num_tokens,), device="cuda")
-    return lambda: r.forwards.target(d, ids, pos, meta), d.runtime
+    return d, ids, pos, meta
+
+
+def verify_fn(engine, b, k, ctx):
+    d, ids, pos, meta = verify_batch(engine, b, k, ctx)
+    return lambda: engine.runner.forwards.target(d, ids, pos, meta), d.runtime
 
 
 def step_time(engine, b, k, ctx, steps=30) -> tuple[float, float]:
@@ -86,22 +115,7 @@ def main():
     k, ctx = args.k, args.context
     target, drafter = build_pair()
     bw = copy_bandwidth()
-    max_b = max(sizes)
-    base = dict(
-        num_speculative_tokens=k,
-        max_num_seqs=max_b,
-        max_num_batched_tokens=max(max_b * (k + 1), 2048),
-        max_model_len=ctx + 64,
-        device="cuda",
-        progress=False,
-        capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
-        full_capture_sizes=tuple(sizes),
-    )
-    engines = {}
-    for name, extra in MODES.items():
-        t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
-        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
+    engines = compile_engines(target, drafter, MODES, sizes, k, ctx, min_batched_tokens=2048)
     t_bytes = target_layer_bytes(target)
     d_bytes, head = layer_bytes(drafter), target.head_weight.numel() * 2
     print(

@@ -63,7 +63,7 @@ def tiny_deepseek_config(**overrides):
     return transformers.DeepseekV3Config(**kw)
 
 
-def tiny_deepseek_model(seed: int = 0, mtp: bool = False, **overrides):
+def tiny_deepseek_model(seed: int = 0, **overrides):
     """transformers' DeepseekV3ForCausalLM with random weights (router bias and norms randomized too)."""
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_config(**overrides)).eval()

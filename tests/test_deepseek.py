@@ -296,12 +296,14 @@ def pair():
 
 
 def generate(
-    target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0, artifacts=None
-):
+    target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0, artifacts=None,
+    requests=8, **config,
+):  # fmt: skip
+    """Tokens of `requests` ragged requests and the engine; `config`: more CompileConfig fields."""
     import draftgraph as dg
     from tests.test_engine import ragged
 
-    prompts, params, arrivals = ragged(8)
+    prompts, params, arrivals = ragged(requests)
     if temperature:
         params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=temperature, seed=i)
                   for i, p in enumerate(params)]  # fmt: skip
@@ -313,6 +315,7 @@ def generate(
         capture_sizes=sizes if mode != "NONE" else (),
         compile_backend=backend,
         progress=False,
+        **config,
     )
     eng = dg.compile_model(target, drafter, cfg, artifacts=artifacts, strict_artifacts=artifacts is not None)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng

@@ -10,13 +10,11 @@ Inductor's and eager rounding; the bf16 kernels are checked in tests/test_deepse
 import pytest
 import torch
 
-import draftgraph as dg
 from draftgraph.models.deepseek import set_mla_form
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import copy_deepseek_mtp
 from tests.helpers import PagedRunner, tiny_deepseek_model
-from tests.test_deepseek import MLAShape, check_chunked_logits
-from tests.test_engine import ragged
+from tests.test_deepseek import MLAShape, check_chunked_logits, generate
 
 pytestmark = pytest.mark.gpu
 SIZES = (1, 2, 4, 8, 16, 32, 64, 72)
@@ -69,23 +67,10 @@ def test_mla_kernels_at_deepseek_v3_ranks(rows):
 
 
 def run(target, drafter, mode, temperature=0.0):
-    prompts, params, arrivals = ragged(16)
-    if temperature:
-        params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=temperature, seed=i)
-                  for i, p in enumerate(params)]  # fmt: skip
-    cfg = dg.CompileConfig(
-        mode=mode,
-        num_speculative_tokens=3,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        device="cuda",
-        capture_sizes=SIZES,
-        full_capture_sizes=(1, 2, 4, 8),
-        progress=False,
-        check_addresses=True,
-    )
-    eng = dg.compile_model(target, drafter, cfg)
-    return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
+    return generate(
+        target, drafter, mode, backend="inductor", sizes=SIZES, temperature=temperature, requests=16, device="cuda",
+        full_capture_sizes=(1, 2, 4, 8), check_addresses=True,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])  # bf16 kernels: tests/test_deepseek.py on CUDA, the benchmark
