@@ -1,6 +1,6 @@
 """draftgraph: speculative decoding under CUDA graphs, compiled with torch.compile passes."""
 
-from draftgraph.compiler.compile_model import compile_model
+from draftgraph.api import compile_model
 from draftgraph.compiler.config import CompileConfig, CUDAGraphMode
 from draftgraph.runtime.request import RequestOutput, SamplingParams
 

@@ -15,7 +15,7 @@ def make(mode):
     return Dispatcher(CUDAGraphMode(mode), PIECEWISE, FULL_REQS, QS)
 
 
-@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"])
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL", "PIECEWISE", "NONE"])
 def test_every_uniform_and_mixed_shape(mode):
     d = make(mode)
     has_full = mode.startswith("FULL")
@@ -48,3 +48,30 @@ def test_bounds_are_separate():
     assert d.dispatch(BatchDescriptor(68, 17, 4)).runtime == "NONE"
     # 17 requests x 1 token: past the FULL bound, inside the PIECEWISE one
     assert d.dispatch(BatchDescriptor(17, 17, 1)).runtime == "PIECEWISE"
+
+
+def test_graph_keys_and_step_shapes():
+    """Query lengths come from StepShapes alone; keys name what stats report."""
+    from draftgraph.compiler.cuda_graphs import GraphKey, StepShapes
+
+    eagle, draft_model, plain = StepShapes(3), StepShapes(3, drafter_reads_hidden=False), StepShapes(0)
+    assert (eagle.verify, eagle.first_draft, eagle.later_draft) == (4, 4, 1)
+    assert (draft_model.verify, draft_model.first_draft) == (4, 5)  # a draft model also reads the new token
+    assert eagle.full_query_lens == (1, 4) and draft_model.full_query_lens == (1, 4, 5)
+    assert plain.full_query_lens == (1,)
+    d = make("FULL_AND_PIECEWISE")
+    full, pw = d.dispatch(BatchDescriptor(12, 3, 4)), d.dispatch(BatchDescriptor(5, 2, None))
+    assert full.graph_key("target") == GraphKey.full("target", 4, 4) and str(full.graph_key("target")) == (
+        "target/full/q4/b4"
+    )
+    assert pw.graph_key("drafter").name == "drafter/piecewise/t8" and pw.key == "piecewise/t8"
+    assert str(GraphKey.piecewise("target", 16, piece=2)) == "target/piecewise/t16/piece2"
+    assert GraphKey.loop(4, 8, "greedy").name == "drafter/loop/q4/b8/greedy"
+    assert d.dispatch(BatchDescriptor(100, 3, None)).graph_key("target") is None
+
+
+def test_full_decode_only_is_folded_into_full():
+    import draftgraph as dg
+
+    with pytest.raises(ValueError, match="FULL_DECODE_ONLY.*use mode='FULL'"):
+        dg.CompileConfig(mode="FULL_DECODE_ONLY")

@@ -1,11 +1,11 @@
-"""KV cache sizing from measured memory (compiler/memory.py): the arithmetic, and the errors for bad input.
+"""KV cache sizing from measured memory (runtime/memory.py): the arithmetic, and the errors for bad input.
 The measurement itself needs CUDA: tests/gpu/test_memory_cuda.py."""
 
 import pytest
 
 import draftgraph as dg
 from draftgraph.compiler.config import resolve
-from draftgraph.compiler.memory import plan_blocks
+from draftgraph.runtime.memory import plan_blocks
 
 MIB = 2**20
 
@@ -40,12 +40,13 @@ def test_config_errors():
 
 
 def test_a_resized_cache_reuses_every_trace():
-    """What the sizing relies on: engines over one set of compiled functions with different KV block counts
-    (the probe's and the final one) trace nothing again and give the same tokens."""
+    """What the sizing relies on: one engine whose KV cache is reallocated in place (the probe's block count,
+    then the final one) traces nothing again and gives the same tokens."""
     from dataclasses import replace
 
-    from draftgraph.compiler.capture import build_compiled
+    from draftgraph.compiler.build import build_compiled
     from draftgraph.models.llama import CausalLM
+    from draftgraph.runtime.drafting import Chooser, fused_loop_fn
     from draftgraph.runtime.engine import Engine
     from tests.copy_drafters import make_drafter
     from tests.helpers import tiny_hf_model
@@ -62,13 +63,18 @@ def test_a_resized_cache_reuses_every_trace():
         progress=False,
     )
     rc = resolve(config, 256, True)
-    compiled = build_compiled(target, drafter, rc, "eager", "", False, "", False)
+    loops = fused_loop_fn(drafter, Chooser(drafter, target.cfg.vocab_size), 3, rc.block_size)
+    compiled = build_compiled(target, drafter, rc, loops, "eager", "", False, "", False)
     prompts, params, arrivals = ragged(16)
+    eng = Engine(target, drafter, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)
     outs = []
     for blocks in (rc.max_blocks_per_req + 1, rc.num_kv_blocks):
-        eng = Engine(target, drafter, replace(rc, num_kv_blocks=blocks), compiled.target, compiled.drafter, compiled)
+        if blocks != eng.config.num_kv_blocks:
+            compiled.ctx.release()
+            eng.resize_kv_cache(blocks)
         eng.warm_up()
-        assert eng.runner.target_cache.spec.num_blocks == blocks
+        assert eng.runner.target_cache.spec.num_blocks == blocks == eng.allocator.num_blocks
+        assert all(kv[0].shape[0] == blocks for kv in eng.runner.forwards.target_caches)  # the lists the step reads
         outs.append([o.token_ids for o in eng.generate(prompts, params, arrivals)])
     assert outs[0] == outs[1]
     assert dict(compiled.counters.traces) == {"target": 1, "drafter": 1, "draft_loop": 2}

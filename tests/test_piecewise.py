@@ -77,8 +77,9 @@ def test_compiled_equals_eager_target_and_drafter(target):
     drafter = make_drafter("eagle", target)
     eng = dg.compile_model(target, drafter, cfg(3))
     c = eng.compiled.counters
-    # target: 4 pieces (3 unique), drafter 2 pieces (2 unique); 5 sizes + 1 dynamic version each
-    assert c.unique_pieces == 5 and c.inductor_compiles == 5 * (len(SIZES) + 1)
+    # target: 4 pieces (3 unique), drafter 2 pieces (2 unique, EAGLE's fc makes its first piece its own);
+    # one Inductor compile each with the token count symbolic, whatever the number of capture sizes
+    assert c.unique_pieces == 5 and c.inductor_compiles == 5
     spec, maxb = eng.runner.target_cache.spec, eng.config.max_blocks_per_req
     for t in (1, 3, 16, 50, 90):  # 90 > the largest size: the dynamic-shape pieces
         padded = eng.runner.dispatcher.padded_tokens(t)
@@ -163,9 +164,9 @@ def test_lossless_suite_in_full_modes_on_cpu(target, reference, mode, kind):
     assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == reference
     c = eng.compiled.counters
     assert c.traces["target"] == 1 and not c.graphs_captured
-    # FULL token counts are request counts x query length (4 for verify, 5 for a draft model's first step)
+    # FULL graphs are keyed by request count; piece sizes exist only where PIECEWISE dispatches
     assert eng.config.full_capture_sizes == (1, 2, 4, 8)
-    assert {4, 8, 16, 32} <= set(eng.config.capture_sizes)
+    assert eng.config.capture_sizes == (SIZES if mode == "FULL_AND_PIECEWISE" else ())
 
 
 def test_full_mode_refuses_an_attention_without_graph_support():
@@ -173,3 +174,53 @@ def test_full_mode_refuses_an_attention_without_graph_support():
 
     with pytest.raises(ValueError, match="'reference' supports CUDA graphs up to NEVER.*needs UNIFORM_BATCH"):
         resolve(dg.CompileConfig(mode="FULL", device="cuda", attention="reference"), 256, True)
+
+
+def test_builtin_pair_compiles_each_unique_piece_once():
+    """The built-in pair (6-layer target, the draft model truncated to its first 2 layers) in PIECEWISE with
+    eight capture sizes. Target: 7 compute pieces, 3 unique (first, middle, last). The draft model's 3
+    pieces (first, one middle, last) are the target's pieces on other weights: no compile of their own.
+    So 3 Inductor compiles, one per unique piece whatever the number of sizes (per-size compiling made
+    3 x (8 + 1) = 27), at most unique pieces + traced functions (3 + 2)."""
+    from draftgraph.models.builtin import builtin_pair
+
+    target, drafter = builtin_pair()
+    sizes = (1, 2, 4, 8, 16, 32, 48, 64)
+    eng = dg.compile_model(target, drafter, cfg(3, capture_sizes=sizes))
+    c = eng.compiled.counters
+    assert dict(c.traces) == {"target": 1, "drafter": 1}
+    assert c.pieces == 7 + 3 and c.unique_pieces == 3 and c.inductor_compiles == 3
+    assert c.inductor_compiles <= c.unique_pieces + sum(c.traces.values())
+    assert set(eng.compiled.pieces.owner.values()) == {"target"}  # the drafter compiled nothing itself
+    prompts = [[1, 2, 3, 4, 5], [7] * 30]
+    ref = dg.compile_model(target, drafter, dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8,
+                                                            max_num_batched_tokens=64))  # fmt: skip
+    params = dg.SamplingParams(max_tokens=12)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
+    assert c.traces["target"] == 1 and c.inductor_compiles == 3  # serving compiled nothing more
+
+
+def test_compile_sizes_add_a_specialised_compile_per_listed_size():
+    """compile_sizes=(4,): the 1-layer model's 2 unique pieces get one symbolic compile each plus one
+    specialised to 4 tokens: 4 compiles. Both agree with eager (2e-5, float32)."""
+    model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=1))
+    eng = dg.compile_model(model, None, cfg(0, capture_sizes=(4, 8), compile_sizes=(4,)))
+    c = eng.compiled.counters
+    assert c.unique_pieces == 2 and c.inductor_compiles == 2 * (1 + 1)
+    assert all(set(p.per_size) == {4} for p in eng.compiled.pieces.compiled.values())
+    spec, maxb = eng.runner.target_cache.spec, eng.config.max_blocks_per_req
+    for t in (3, 7):  # padded to 4 (the specialised code) and 8 (the symbolic code)
+        n = eng.runner.dispatcher.padded_tokens(t)
+        ids = torch.randint(0, 96, (t,))
+        outs = []
+        for fn, pad_to in ((eng.runner.target_fn, n), (model, t)):
+            runner = PagedRunner(
+                model.cfg, num_blocks=spec.num_blocks, block_size=spec.block_size, max_blocks_per_req=maxb
+            )
+            runner.batch([(0, t)])
+            meta, pos = runner.builder.build([RequestSlice(runner.tables[0].blocks, 0, t)], num_tokens_padded=pad_to)
+            with torch.no_grad():
+                h, _ = fn(torch.cat([ids, torch.zeros(pad_to - t, dtype=torch.long)]), pos, meta, runner.cache.layers)
+            outs.append(h[:t])
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
+    assert dict(c.compiled_runs) == {"target/piecewise/t4": 2, "target/piecewise/t8": 2}

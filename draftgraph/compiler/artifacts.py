@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import draftgraph
+from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.fx_serialize import decode_module, encode_module
 
 log = logging.getLogger("draftgraph")
@@ -162,7 +163,7 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
             )
         pieces = {}
         for key, cp in backend._compiled.items():
-            entry = {"multi_output": cp.multi_output, "per_size": {}, "dynamic": None}
+            entry = {"multi_output": cp.multi_output, "graphable": cp.graphable, "per_size": {}, "dynamic": None}
             for size, art in cp.per_size.items():
                 entry["per_size"][str(size)] = _save_piece(art, out / f"pieces/{fn_name}/{key}/{size}.bin")
             entry["dynamic"] = _save_piece(cp.dynamic, out / f"pieces/{fn_name}/{key}/dynamic.bin")
@@ -193,8 +194,8 @@ def _exercise(engine) -> dict:
     calls = {name: {} for name in backends}
     for b in backends.values():
         b.recorded_outputs = {}
-    saved = compiled.full_target, compiled.full_drafter
-    runner.forwards.full_target = runner.forwards.full_drafter = None  # call the compiled code itself
+    saved = runner.forwards.graphs
+    runner.forwards.graphs = None  # call the compiled code itself, never a whole-forward graph
     try:
 
         def record(name, value, tag=None):
@@ -203,7 +204,7 @@ def _exercise(engine) -> dict:
                 calls[name][i] = (graph_outs, value, tag)
             rec.clear()
 
-        size = max(engine.config.capture_sizes)
+        size = engine.config.warmup_tokens
         meta, positions = runner.target_meta.build([], num_tokens_padded=size, num_reqs_padded=1)
         ids = torch.zeros(size, dtype=torch.long, device=runner.device)
         aux = getattr(runner, "aux_layers", ())
@@ -218,11 +219,11 @@ def _exercise(engine) -> dict:
                 record("drafter", compiled.drafter(ids, positions, hidden, meta, runner.draft_cache.layers))
         if compiled.loops is not None:
             p = runner.proposer
-            for variant, loop in zip(("greedy", "sample"), compiled.loops):
+            for variant, loop in zip(LOOP_VARIANTS, compiled.loops):
                 x = p.dummy_loop_inputs(max(engine.config.full_capture_sizes), sampled=variant == "sample")
                 record("draft_loop", loop(kv_caches=runner.draft_cache.layers, **x), variant)
     finally:
-        runner.forwards.full_target, runner.forwards.full_drafter = saved
+        runner.forwards.graphs = saved
         for b in backends.values():
             b.recorded_outputs = None
     return calls
@@ -351,7 +352,7 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache:
 
             per_size = {int(s): load(f"pieces/{fn_name}/{key}/{s}.bin", k) for s, k in entry["per_size"].items()}
             dynamic = load(f"pieces/{fn_name}/{key}/dynamic.bin", entry["dynamic"])
-            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"])
+            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["graphable"])
         traces = [
             LoadedTrace(fn_name, decode_module(json.loads((root / t["graph"]).read_text())), t, pieces, ctx)
             for t in fn["traces"]
@@ -365,7 +366,7 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache:
             variants = [t["variant"] for t in manifest["functions"][fn_name]["traces"]]
             compiled.loops = tuple(
                 LoadedFunction(fn_name, f, [t for t, v in zip(traces, variants) if v == name])
-                for f, name in zip(fns["draft_loop"], ("greedy", "sample"))
+                for f, name in zip(fns["draft_loop"], LOOP_VARIANTS)
             )
         else:
             setattr(compiled, fn_name, LoadedFunction(fn_name, fns[fn_name], traces))

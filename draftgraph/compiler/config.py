@@ -20,17 +20,28 @@ log = logging.getLogger("draftgraph")
 
 
 class CUDAGraphMode(str, enum.Enum):
+    """NONE: eager. PIECEWISE: piece graphs by padded token count for every batch. FULL: whole-forward graphs
+    for uniform batches (every request with the same query length: verify, decode, the draft steps),
+    compiled code without graphs for the rest. FULL_AND_PIECEWISE: FULL where it applies, else PIECEWISE."""
+
     NONE = "NONE"
     PIECEWISE = "PIECEWISE"
     FULL = "FULL"
-    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
 
 
-FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+FULL_MODES = (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE)
 PIECEWISE_MODES = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 # Modes this build implements; the others are listed in CUDAGraphMode and refused with a message.
 AVAILABLE_MODES = tuple(CUDAGraphMode)
+# Modes other engines have that draftgraph folds into one of its own: name -> (ours, why).
+FOLDED_MODES = {
+    "FULL_DECODE_ONLY": (
+        "FULL",
+        "FULL already captures whole-forward graphs only for uniform (decode / verify) batches and runs mixed "
+        "batches without graphs",
+    )
+}
 _said = {"graphs_off": False}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,12 +61,15 @@ class CompileConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len (or see below)
     # CUDA: the fraction of device memory the engine may hold; the KV cache gets what weights, activations
-    # and CUDA graphs leave, measured before it is allocated (compiler/memory.py). 0 = off.
+    # and CUDA graphs leave, measured before it is allocated (runtime/memory.py). 0 = off.
     gpu_memory_utilization: float = 0.0
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
     seed: int = 0  # seeds requests that give none
     # Compilation (modes other than NONE)
-    capture_sizes: tuple[int, ...] = ()  # token counts with compiled pieces and graphs; () = auto
+    capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
+    # Token counts that get an Inductor compile of their own (specialised to the size) beside the one
+    # symbolic-size compile every piece has; graphs at these sizes are captured from it. () = none.
+    compile_sizes: tuple[int, ...] = ()
     max_capture_tokens: int = 0  # PIECEWISE bound on padded token counts; 0 = auto
     max_capture_reqs: int = 0  # FULL bound on padded request counts; 0 = auto (max_num_seqs)
     full_capture_sizes: tuple[int, ...] = ()  # request counts with FULL graphs; () = auto
@@ -73,6 +87,9 @@ class CompileConfig:
 
     def __post_init__(self):
         modes = [m.value for m in CUDAGraphMode]
+        if self.mode in FOLDED_MODES:
+            ours, why = FOLDED_MODES[self.mode]
+            raise ValueError(f"mode={self.mode!r} is not a separate mode here: {why}; use mode={ours!r}")
         if self.mode not in modes:
             raise ValueError(f"mode={self.mode!r} is unknown; choose one of {modes}")
         if self.mode not in [m.value for m in AVAILABLE_MODES]:
@@ -106,6 +123,8 @@ class CompileConfig:
             raise ValueError(f"compile_backend={self.compile_backend!r} is unknown; choose 'inductor' or 'eager'")
         if any(s < 1 for s in self.capture_sizes):
             raise ValueError(f"capture_sizes={self.capture_sizes} must all be >= 1")
+        if any(s < 1 for s in self.compile_sizes):
+            raise ValueError(f"compile_sizes={self.compile_sizes} must all be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
         needed = self.max_num_seqs * (self.num_speculative_tokens + 1)
@@ -131,16 +150,22 @@ class ResolvedConfig:
     block_size: int
     num_kv_blocks: int
     seed: int
-    capture_sizes: tuple[int, ...]  # token counts with compiled pieces (PIECEWISE graphs); empty in NONE
+    capture_sizes: tuple[int, ...]  # PIECEWISE dispatch sizes (padded token counts with piece graphs)
     full_capture_sizes: tuple[int, ...]  # request counts with FULL graphs; empty without a FULL mode
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
     fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
     lazy_capture: bool = False  # graphs are captured when a step first needs them (capture="lazy")
+    compile_sizes: tuple[int, ...] = ()  # token counts with a per-size Inductor compile (opt-in)
 
     @property
     def lookahead(self) -> int:
         """KV positions past a request's tokens that one speculative step may write."""
         return 2 * self.num_speculative_tokens + 2
+
+    @property
+    def warmup_tokens(self) -> int:
+        """The padded token count the warm-up traces at (any count compiles the same symbolic code)."""
+        return max(self.capture_sizes, default=min(16, self.max_num_batched_tokens))
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -168,7 +193,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
     mode = CUDAGraphMode(config.mode)
     # A draft model's first step runs one extra row per request beyond the target's tokens.
     max_capture = config.max_capture_tokens or min(config.max_num_batched_tokens + config.max_num_seqs, 512)
-    if mode == CUDAGraphMode.NONE:
+    if mode not in PIECEWISE_MODES:  # NONE and FULL dispatch nothing by token count
         sizes = ()
     elif config.capture_sizes:
         sizes = tuple(sorted(set(config.capture_sizes)))
@@ -182,9 +207,6 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         full_sizes = tuple(sorted(set(config.full_capture_sizes))) or tuple(
             sorted({s for s in (1, 2, 4) if s <= bound} | set(range(8, bound + 1, 8)) | {bound})
         )
-        # Every FULL graph runs the compiled pieces at its token count: compile those sizes too.
-        qs = {1, k + 1, k + 2} if k else {1}
-        sizes = tuple(sorted(set(sizes) | {b * q for b in full_sizes for q in qs}))
         if graphs:
             need = GraphSupport.UNIFORM_BATCH if k else GraphSupport.UNIFORM_SINGLE_TOKEN
             require_graph_support(attention, need, f"mode {mode.value} (full graphs of uniform batches)")
@@ -210,10 +232,11 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         graphs_enabled=graphs,
         fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
         lazy_capture=graphs and config.capture == "lazy",
+        compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
-        "max_model_len %d, %d KV blocks of %d; capture sizes %s (CUDA graphs %s)",
+        "max_model_len %d, %d KV blocks of %d; piece graph sizes %s, FULL request counts %s (CUDA graphs %s)",
         rc.mode.value,
         device,
         attention,
@@ -224,14 +247,15 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         blocks,
         rc.block_size,
         list(sizes) or "none",
+        list(full_sizes) or "none",
         "on" if graphs else "off",
     )
     return rc
 
 
 def auto_capture_sizes(max_tokens: int, device_type: str) -> tuple[int, ...]:
-    """1, 2, 4, 8, then steps of 16 up to max_tokens on CUDA; powers of two up to 64 on the CPU (each size
-    there costs an Inductor compile and buys no graph)."""
+    """1, 2, 4, 8, then steps of 16 up to max_tokens on CUDA; powers of two up to 64 on the CPU (no graphs
+    there: padding to a size only costs work, so fewer, coarser sizes)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_tokens]
     if device_type == "cuda":
         sizes += list(range(16, max_tokens + 1, 16))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from draftgraph.compiler.piece_runner import GraphContext, PieceRunner
+from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.piece_runner import PieceRunner
 
 
 class _PieceStub:
@@ -25,7 +26,7 @@ class _PieceStub:
 
 
 class LoadedTrace:
-    def __init__(self, fn_name: str, module, record: dict, compiled: dict, ctx: GraphContext):
+    def __init__(self, fn_name: str, module, record: dict, compiled: dict, ctx: CudaGraphs):
         self.module = module
         for i, p in enumerate(record["pieces"]):
             runner = PieceRunner(fn_name, _PieceStub(i, p["name"]), compiled[p["key"]], None, ctx, p["size_at"])

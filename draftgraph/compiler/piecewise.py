@@ -1,10 +1,12 @@
-"""The piecewise Dynamo backend: passes, split at attention, each compute piece compiled per size.
+"""The piecewise Dynamo backend: passes, split at attention, one Inductor compile per unique piece.
 
 Dynamo calls the backend once per traced function, with the token dimension unbacked-symbolic. The
-backend runs the pass manager (which ends by splitting at the attention op), compiles each unique
-compute piece with Inductor for every capture size plus one dynamic-shape version, and swaps each
-piece's submodule for a `PieceRunner` (compiler/piece_runner.py) that picks, per call, a CUDA graph, a
-per-size compiled piece, or the dynamic one. Attention pieces stay as they are and run eagerly.
+backend runs the pass manager (which ends by splitting at the attention op) and compiles each unique
+compute piece once with Inductor, the token count left symbolic; CUDA graphs for every capture size are
+captured from that one compiled code (compiler/piece_runner.py). Pieces are unique across every function
+of an engine (`PieceCache`): a draft model truncated from its target, or the fused draft loop, reuses the
+target's or the drafter's compiled layers. Per-size compiles happen only for the sizes a user lists
+(`CompileConfig.compile_sizes`). Attention pieces stay as they are and run eagerly.
 """
 
 from __future__ import annotations
@@ -13,25 +15,40 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
 from torch import fx
 from tqdm import tqdm
 
-from draftgraph.compiler.piece_runner import GraphContext, PieceRunner
+from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.piece_runner import PieceRunner
 from draftgraph.passes.manager import PassManager
-from draftgraph.passes.split_attention import Piece
+from draftgraph.passes.split_attention import Piece, token_symbol
 
 
 @dataclass
 class CompiledPiece:
-    """One unique compute piece's compiled code: per capture size, and for any size."""
+    """One unique compute piece's compiled code: for any token count, and per listed compile size."""
 
     per_size: dict[int, Callable]
     dynamic: Callable
     multi_output: bool
+    # Its inputs' shapes depend on the token count alone, so a CUDA graph per token count is valid (a
+    # piece whose shapes also follow the request count runs its code, never a graph).
+    graphable: bool = True
+
+    def for_size(self, size: int) -> Callable:
+        return self.per_size.get(size, self.dynamic)
+
+
+@dataclass
+class PieceCache:
+    """Compiled pieces by structural key, shared by every function (backend) of one engine."""
+
+    compiled: dict[str, CompiledPiece] = field(default_factory=dict)
+    owner: dict[str, str] = field(default_factory=dict)  # key -> the function that compiled it
 
 
 class PiecewiseBackend:
@@ -40,17 +57,20 @@ class PiecewiseBackend:
     def __init__(
         self,
         fn_name: str,
-        sizes: tuple[int, ...],
-        ctx: GraphContext,
+        ctx: CudaGraphs,
         passes: PassManager,
         compile_backend: str = "inductor",
         cache_dir: str | None = None,
+        compile_sizes: tuple[int, ...] = (),
+        shared: PieceCache | None = None,
     ):
         if compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={compile_backend!r} is unknown; choose 'inductor' or 'eager'")
-        self.fn_name, self.sizes, self.ctx, self.passes = fn_name, tuple(sorted(sizes)), ctx, passes
+        self.fn_name, self.ctx, self.passes = fn_name, ctx, passes
+        self.compile_sizes = tuple(sorted(compile_sizes))  # per-size Inductor compiles (opt-in)
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
-        self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code (shared by layers)
+        self.shared = shared if shared is not None else PieceCache()
+        self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
         # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
         # expression of each graph input, and each compute piece's size locator.
@@ -68,20 +88,22 @@ class PiecewiseBackend:
         self.traces.append((gm, split))
         token = token_symbol(gm)
         pieces = split.compute_pieces
-        todo = [p for p in pieces if p.key not in self._compiled]
-        unique_todo = list({p.key: p for p in todo}.values())
-        per_piece = len(self.sizes) + 1 if self.compile_backend == "inductor" else 0
+        todo = list({p.key: p for p in pieces if p.key not in self.shared.compiled}.values())
+        per_piece = len(self.compile_sizes) + 1 if self.compile_backend == "inductor" else 0
         bar = tqdm(
-            total=len(unique_todo) * per_piece,
-            desc=f"compiling {self.fn_name}",
-            unit="graph",
+            total=len(todo) * per_piece,
+            desc=f"compiling {self.fn_name} ({len(todo)} unique pieces, token count symbolic)",
+            unit="compile",
             disable=per_piece == 0 or not self.ctx.progress,
             leave=False,
         )
         with _cache_dir(self.cache_dir):
-            for p in unique_todo:
-                self._compiled[p.key] = self._compile(p, token, bar)
+            for p in todo:
+                self.shared.compiled[p.key] = self._compile(p, token, bar)
+                self.shared.owner[p.key] = self.fn_name
         bar.close()
+        for p in pieces:
+            self._compiled[p.key] = self.shared.compiled[p.key]
         runners = [PieceRunner(self.fn_name, p, self._compiled[p.key], token, self.ctx) for p in pieces]
         for p, r in zip(pieces, runners):
             setattr(split.module, p.name, r)
@@ -94,7 +116,7 @@ class PiecewiseBackend:
             }
         )
         counters.pieces += len(pieces)
-        counters.unique_pieces += len(unique_todo)
+        counters.unique_pieces += len(todo)
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
         return _recorded(self, len(self.records) - 1, split.module)
@@ -102,15 +124,16 @@ class PiecewiseBackend:
     def _compile(self, piece: Piece, token, bar) -> CompiledPiece:
         gm = piece.graph
         multi = _returns_tuple(gm)
+        fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        graphable = _only_depends_on(fakes, token)
         if self.compile_backend == "eager":
-            return CompiledPiece({s: gm for s in self.sizes}, gm, multi)
+            return CompiledPiece({}, gm, multi, graphable)
         from torch._inductor import standalone_compile
 
-        fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
         per_size = {}
-        if _only_depends_on(fakes, token):
+        if graphable:
             with torch._guards.tracing(None), torch._subclasses.fake_tensor.unset_fake_temporarily():
-                for size in self.sizes:
+                for size in self.compile_sizes:
                     per_size[size] = standalone_compile(
                         gm, concrete_inputs(fakes, token, size), dynamic_shapes="from_example_inputs"
                     )
@@ -119,7 +142,7 @@ class PiecewiseBackend:
         dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
         self.ctx.counters.inductor_compiles += 1
         bar.update(1)
-        return CompiledPiece(per_size, dynamic, multi)
+        return CompiledPiece(per_size, dynamic, multi, graphable)
 
 
 def _recorded(backend: PiecewiseBackend, index: int, module):
@@ -148,18 +171,6 @@ def _source_name(node) -> str | None:
         return None
     name = arg.source.name
     return name() if callable(name) else name
-
-
-def token_symbol(gm: fx.GraphModule):
-    """The symbol of the token dimension: dim 0 of `input_ids` (else the first symbolic dim 0)."""
-    candidates = []
-    for node in gm.graph.nodes:
-        ev = node.meta.get("example_value") if node.op == "placeholder" else None
-        if isinstance(ev, torch.Tensor) and ev.dim() and isinstance(ev.shape[0], torch.SymInt):
-            candidates.append((0 if "input_ids" in node.name else 1, ev.shape[0].node.expr))
-    if not candidates:
-        raise ValueError("the traced graph has no symbolic token dimension; were the batch dims marked?")
-    return min(candidates, key=lambda c: c[0])[1]
 
 
 def _free(value) -> set:

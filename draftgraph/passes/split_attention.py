@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
@@ -57,8 +58,24 @@ class SplitGraph:
         return list(dict.fromkeys(p.key for p in self.compute_pieces))
 
 
+def token_symbol(gm: fx.GraphModule):
+    """The symbol of the token dimension: dim 0 of `input_ids` (else the first symbolic dim 0)."""
+    candidates = []
+    for node in gm.graph.nodes:
+        ev = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(ev, torch.Tensor) and ev.dim() and isinstance(ev.shape[0], torch.SymInt):
+            candidates.append((0 if "input_ids" in node.name else 1, ev.shape[0].node.expr))
+    if not candidates:
+        raise ValueError("the traced graph has no symbolic token dimension; were the batch dims marked?")
+    return min(candidates, key=lambda c: c[0])[1]
+
+
 def split_at_attention(gm: fx.GraphModule) -> SplitGraph:
     targets = splitting_targets()
+    try:
+        token = token_symbol(gm)
+    except ValueError:  # a static-shape graph (inspection of plain functions): nothing to rename
+        token = None
     part, assignment, attention_parts = 0, {}, set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -77,20 +94,38 @@ def split_at_attention(gm: fx.GraphModule) -> SplitGraph:
             continue
         sub = getattr(split, node.target)
         index = int(node.target.split("_")[-1])
-        pieces.append(Piece(index, node.target, index in attention_parts, sub, structural_key(sub)))
+        pieces.append(Piece(index, node.target, index in attention_parts, sub, structural_key(sub, token)))
     return SplitGraph(split, tuple(pieces))
 
 
-def structural_key(gm: fx.GraphModule) -> str:
-    """Hash of a graph's structure with names removed: ops, targets, argument wiring, input shapes."""
-    ids = {}
+def structural_key(gm: fx.GraphModule, token=None) -> str:
+    """Hash of a graph's structure with names removed: ops, targets, argument wiring, input shapes and
+    strides. Symbols are renamed (the token count "T", others by first appearance), so identical pieces
+    of different traces (a target and the draft model truncated from it) share one key."""
+    ids, names = {}, {}
+
+    def sym(d) -> str:
+        if not isinstance(d, torch.SymInt):
+            return str(int(d))
+        expr = d.node.expr
+        sub = {}
+        for s in sorted(expr.free_symbols, key=str):
+            if s not in names:
+                names[s] = "T" if s == token else f"s{len(names)}"
+            sub[s] = names[s]
+        return str(expr.xreplace({s: sympy.Symbol(n) for s, n in sub.items()}))
+
     lines = []
     for i, node in enumerate(gm.graph.nodes):
         ids[node] = f"%{i}"
         ev = node.meta.get("example_value")
         meta = ""
         if isinstance(ev, torch.Tensor):
-            meta = f"{tuple(str(d) for d in ev.shape)}:{ev.dtype}:{ev.device.type}"
+            shape = tuple(sym(d) for d in ev.shape)
+            stride = tuple(sym(d) for d in ev.stride()) if ev.layout == torch.strided else ()
+            meta = f"{shape}:{stride}:{ev.dtype}:{ev.device.type}"
+        elif isinstance(ev, torch.SymInt):
+            meta = f"SymInt:{sym(ev)}"
         elif ev is not None:
             meta = type(ev).__name__
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: ids[n])

@@ -16,6 +16,7 @@ import bisect
 from dataclasses import dataclass
 
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, CUDAGraphMode
+from draftgraph.compiler.cuda_graphs import GraphKey
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,21 @@ class Dispatch:
     runtime: str  # "FULL", "PIECEWISE" or "NONE"
     num_tokens: int  # padded
     num_reqs: int  # padded
-    key: str  # counters and stats report hits per key
+    query_len: int | None = None  # FULL: every request's query length
+
+    def graph_key(self, fn: str) -> GraphKey | None:
+        """The key of `fn`'s graph for this batch (None when it runs without graphs)."""
+        if self.runtime == "FULL":
+            return GraphKey.full(fn, self.query_len, self.num_reqs)
+        if self.runtime == "PIECEWISE":
+            return GraphKey.piecewise(fn, self.num_tokens)
+        return None
+
+    @property
+    def key(self) -> str:
+        """What stats count this dispatch under: "full/q4/b8", "piecewise/t16" or "none"."""
+        k = self.graph_key("")
+        return "none" if k is None else k.dispatch
 
 
 def _next(sizes: tuple[int, ...], n: int) -> int | None:
@@ -56,11 +71,11 @@ class Dispatcher:
         if q is not None and q in self.full_query_lens:
             b = _next(self.full_reqs, desc.num_reqs)
             if b is not None:
-                return Dispatch("FULL", b * q, b, f"full/q{q}/b{b}")
+                return Dispatch("FULL", b * q, b, q)
         t = _next(self.piecewise_sizes, desc.num_tokens)
         if t is not None:
-            return Dispatch("PIECEWISE", t, desc.num_reqs, f"piecewise/t{t}")
-        return Dispatch("NONE", desc.num_tokens, desc.num_reqs, "none")
+            return Dispatch("PIECEWISE", t, desc.num_reqs)
+        return Dispatch("NONE", desc.num_tokens, desc.num_reqs)
 
     def padded_tokens(self, num_tokens: int) -> int:
         """The PIECEWISE padding alone (for callers with no request structure)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
-from draftgraph.compiler.capture import CompiledModels, warm_up_and_capture
+from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import ResolvedConfig
+from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.dispatcher import Dispatcher
@@ -28,14 +30,12 @@ class Engine:
         target: CausalLM,
         drafter: Drafter | None,
         rc: ResolvedConfig,
-        target_fn=None,
-        drafter_fn=None,
         compiled: CompiledModels | None = None,
     ):
         self.target, self.drafter, self.config = target, drafter, rc
-        self.compiled = compiled  # compiled forwards and their counters (None in mode NONE)
+        self.compiled = compiled  # compiled forwards, graph owner and counters (None in mode NONE)
         self.warm_up_report = ""
-        self.memory_plan = None  # compiler/memory.py's MemoryPlan when the KV cache was sized from measurements
+        self.memory_plan = None  # runtime/memory.py's MemoryPlan when the KV cache was sized from measurements
         self.k = rc.num_speculative_tokens
         self.allocator = BlockAllocator(rc.num_kv_blocks)
         shape = RunnerShape(
@@ -47,20 +47,9 @@ class Engine:
             rc.block_size,
             rc.capture_sizes,
         )
-        k = self.k
-        dispatcher = Dispatcher(rc.mode, rc.capture_sizes, rc.full_capture_sizes, (1, k + 1, k + 2) if k else (1,))
-        self.runner = StepRunner(
-            target,
-            drafter,
-            shape,
-            rc.device,
-            dispatcher,
-            target_fn,
-            drafter_fn,
-            compiled.full_target if compiled else None,
-            compiled.full_drafter if compiled else None,
-            compiled.loops if compiled else None,
-        )
+        self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
+        dispatcher = Dispatcher(rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens)
+        self.runner = StepRunner(target, drafter, shape, rc.device, dispatcher, self.shapes, compiled)
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead
         )
@@ -78,9 +67,22 @@ class Engine:
             "seconds": 0.0,
         }
 
-    def warm_up(self) -> str:
-        """Compile every piece and (on CUDA) capture every graph, largest size first; returns the report line."""
-        return warm_up_and_capture(self)
+    def warm_up(self, lazy: bool | None = None) -> str:
+        """Compile every piece and (on CUDA) capture every graph, largest size first, or leave capture to the
+        steps with lazy capture (`lazy` overrides the config's choice); returns the report line."""
+        from draftgraph.runtime.warmup import warm_up_and_capture
+
+        return warm_up_and_capture(self, lazy)
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Reallocate both KV caches with `num_blocks` blocks (no request may be running). Graphs read the
+        caches in place: release them first (`compiled.ctx.release()`) and warm up again after."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the KV cache can be resized only while no request is running")
+        self.config = replace(self.config, num_kv_blocks=num_blocks)
+        self.runner.resize_kv_cache(num_blocks)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler.allocator = self.allocator
 
     # ---- driving ----------------------------------------------------------------------------------
 
@@ -195,9 +197,7 @@ class Engine:
         if self.compiled is not None:
             s["compile"] = self.compiled.counters.as_dict()
             if self.config.lazy_capture:  # graphs appear as steps need them: read the pool now
-                from draftgraph.compiler.capture import pool_bytes
-
-                s["compile"]["graph_memory_bytes"] = pool_bytes(self.compiled.ctx.pool) or 0
+                s["compile"]["graph_memory_bytes"] = self.compiled.ctx.memory_bytes() or 0
         s["kv_blocks"] = self.config.num_kv_blocks
         if self.memory_plan is not None:
             s["memory"] = self.memory_plan.as_dict()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._dynamo.decorators import maybe_mark_dynamic
@@ -42,16 +42,26 @@ class PagedKVCache:
     """K and V tensors for every layer; layer i reads and writes `layers[i] = (k, v)` in place."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str):
+        self.device = device
+        self.layers: list[tuple[torch.Tensor, ...]] = []
+        self._allocate(spec)
+
+    def _allocate(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         shapes = [(spec.num_blocks, spec.block_size, *e) for e in spec.entry_shapes]
-        self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros(s, dtype=spec.dtype, device=device) for s in shapes) for _ in range(spec.num_layers)
+        self.layers[:] = [  # in place: whoever holds `layers` sees the new tensors
+            tuple(torch.zeros(s, dtype=spec.dtype, device=self.device) for s in shapes) for _ in range(spec.num_layers)
         ]
         # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
-        # cache is resized after measuring graph memory (compiler/memory.py) re-uses its traces.
+        # cache is resized after measuring graph memory (runtime/memory.py) re-uses its traces.
         for kv in self.layers:
             for t in kv:
                 maybe_mark_dynamic(t, 0)
+
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate every layer with `num_blocks` blocks (contents dropped; the old tensors go first)."""
+        self.layers[:] = []
+        self._allocate(replace(self.spec, num_blocks=num_blocks))
 
 
 class OutOfBlocksError(RuntimeError):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.compiler.build import LOOP_VARIANTS
+from draftgraph.compiler.cuda_graphs import GraphKey, StepShapes
 from draftgraph.models.attention.metadata import META_FIELDS
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
@@ -41,6 +43,7 @@ class Proposer:
         forwards: Forwards,
         dispatcher: Dispatcher,
         device,
+        shapes: StepShapes,
         loops=None,
     ):
         self.drafter, self.target_cfg, self.k, self.block_size = drafter, target_cfg, k, block_size
@@ -54,7 +57,8 @@ class Proposer:
         self.hidden_kind = drafter.target_hidden != "none"
         self.aux = drafter.target_hidden == "aux"
         self.shift = 2 if self.hidden_kind else 1
-        self.first_q = k + 1 if self.hidden_kind else k + 2  # first-step rows per decode request
+        self.shapes = shapes
+        self.first_q = shapes.first_draft  # first-step rows per decode request
         # Width of the hidden input at the first step (the target's fused aux layers for EAGLE-3) and at
         # later steps (the drafter's own); None for a draft model, which reads no hidden state.
         h = drafter.cfg.hidden_size
@@ -97,7 +101,7 @@ class Proposer:
                 s = c.req.num_computed
                 slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens + int(c.last)))
                 host_tok += c.req.tokens[s : s + c.num_tokens] + ([0] if c.last else [])
-            uniform = k + 2 if nd and not chunks else None
+            uniform = self.first_q if nd and not chunks else None
             d1 = self.dispatcher.dispatch(BatchDescriptor(len(host_tok), len(slices), uniform))
             d_meta, d_pos = self.draft_meta.build(slices, num_tokens_padded=d1.num_tokens, num_reqs_padded=d1.num_reqs)
             host_tok += [0] * (d1.num_tokens - len(host_tok))
@@ -136,7 +140,7 @@ class Proposer:
         if fused:
             rows, tables = d1.num_reqs, d_meta.block_tables  # padded by the builder
         else:
-            d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, 1))  # later steps: one row per request
+            d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, self.shapes.later_draft))
             rows = d_step.num_tokens
             tables = _pad_rows(d_meta.block_tables[torch.tensor(table_rows, device=dev)], rows)
         greedy = st.all_greedy
@@ -149,7 +153,7 @@ class Proposer:
         if not greedy:
             args.update({f: _pad_rows(getattr(st, f), rows) for f in SAMPLING_FIELDS})
         if fused:
-            key = f"loop/q{self.first_q}/b{rows}/{'greedy' if greedy else 'sample'}"
+            key = GraphKey.loop(self.first_q, rows, LOOP_VARIANTS[0 if greedy else 1])
             flat = dict(input_ids=tok, positions=d_pos, hidden=h_in, **{f: getattr(d_meta, f) for f in META_FIELDS})
             drafts = self.forwards.loop(key, {**flat, **args}, self.loops[0 if greedy else 1])
         else:
@@ -178,9 +182,9 @@ class Proposer:
         d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * self.first_q, num_reqs, self.first_q))
         if self.loops is None or d.runtime != "FULL":
             return
-        for variant, loop in zip(("greedy", "sample"), self.loops):
+        for variant, loop in zip(LOOP_VARIANTS, self.loops):
             x = self.dummy_loop_inputs(d.num_reqs, sampled=variant == "sample")
-            self.forwards.loop(f"loop/q{self.first_q}/b{d.num_reqs}/{variant}", x, loop)
+            self.forwards.loop(GraphKey.loop(self.first_q, d.num_reqs, variant), x, loop)
 
     def dummy_loop_inputs(self, b: int, sampled: bool) -> dict:
         """The fused loop's inputs for `b` padded requests with padding rows only (nothing written)."""

@@ -10,10 +10,12 @@ Both caches use the same block tables: drafter row i lives at the same slot as t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from draftgraph.compiler.build import CompiledModels
+from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
@@ -72,18 +74,15 @@ class StepRunner:
         shape: RunnerShape,
         device,
         dispatcher: Dispatcher,
-        target_fn=None,
-        drafter_fn=None,
-        full_target=None,
-        full_drafter=None,
-        loops=None,
+        shapes: StepShapes,
+        compiled: CompiledModels | None = None,
     ):
-        self.target, self.drafter, self.shape = target, drafter, shape
+        self.target, self.drafter, self.shape, self.shapes = target, drafter, shape, shapes
         self.device = torch.device(device)
         self.dispatcher = dispatcher
         # The callables that run the forwards: the modules themselves (mode NONE) or their compiled forms.
-        self.target_fn = target_fn or target
-        self.drafter_fn = drafter_fn or drafter
+        self.target_fn = compiled.target if compiled else target
+        self.drafter_fn = (compiled.drafter if compiled else None) or drafter
         max_tokens = max(shape.max_num_batched_tokens, *shape.capture_sizes, 1)
         self.k = shape.num_speculative_tokens if drafter is not None else 0
         bs, nb = shape.block_size, shape.num_kv_blocks
@@ -106,8 +105,7 @@ class StepRunner:
             self.target_cache.layers,
             self.draft_cache.layers if drafter is not None else None,
             getattr(self, "aux_layers", ()),
-            full_target,
-            full_drafter,
+            compiled.whole_graphs if compiled else None,
         )
         self.proposer = None
         if drafter is not None:
@@ -126,7 +124,8 @@ class StepRunner:
                 self.forwards,
                 dispatcher,
                 self.device,
-                loops if self.k else None,
+                shapes,
+                compiled.loops if compiled and self.k else None,
             )
 
     # ---- the step --------------------------------------------------------------------------------
@@ -149,7 +148,7 @@ class StepRunner:
             chunk_rows.append((len(ids), c.num_tokens))
             slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens))
             ids += c.req.tokens[s : s + c.num_tokens]
-        uniform = k + 1 if nd and not chunks else None  # every request verifies 1 + K tokens
+        uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         d = self.dispatcher.dispatch(BatchDescriptor(len(ids), len(slices), uniform))
         meta, positions = self.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
         input_ids = torch.tensor(ids + [0] * (d.num_tokens - len(ids)), dtype=torch.long).to(dev, non_blocking=True)
@@ -206,6 +205,13 @@ class StepRunner:
         drafts = [host[i * k : (i + 1) * k] for i in range(len(sampled))] if k else [[] for _ in sampled]
         return StepResult(sampled, emitted, acc, drafts)
 
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Both caches at `num_blocks` blocks, in place (the forwards hold the same layer lists)."""
+        self.shape = replace(self.shape, num_kv_blocks=num_blocks)
+        self.target_cache.resize(num_blocks)
+        if self.drafter is not None:
+            self.draft_cache.resize(num_blocks)
+
     # ---- capture --------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -227,8 +233,9 @@ class StepRunner:
         """Capture (while allowed) the FULL graphs of `num_reqs` padded requests: the target's verify (or
         decode) shape; the fused draft loops (greedy and sampled) or, without them, the drafter's
         first-step shape; and the drafter's one-row-per-request shape (mixed batches' later steps)."""
-        dev, k = self.device, self.k
-        d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * (k + 1), num_reqs, k + 1))
+        dev = self.device
+        q = self.shapes.verify
+        d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
         if d.runtime == "FULL":
             meta, positions = self.target_meta.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
             self.forwards.target(d, torch.zeros(d.num_tokens, dtype=torch.long, device=dev), positions, meta)
@@ -239,13 +246,13 @@ class StepRunner:
             self.proposer.dummy_loops(num_reqs)
         else:
             shapes.append((self.proposer.first_q, self.proposer.first_width))
-        shapes.append((1, self.proposer.step_width))
+        shapes.append((self.shapes.later_draft, self.proposer.step_width))
         for q, width in shapes:
             d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
             if d.runtime != "FULL":
                 continue
             # The same kind of tensors the step passes: builder views, or on-device metadata (later steps).
-            if q == 1:
+            if q == self.shapes.later_draft:
                 tables = torch.zeros(d.num_reqs, self.shape.max_blocks_per_req, dtype=torch.int32, device=dev)
                 no_pos = torch.zeros(d.num_reqs, dtype=torch.long, device=dev)
                 positions, meta = advance(tables, no_pos, no_pos > 0, self.shape.block_size)

@@ -1,4 +1,8 @@
-"""compile_model: load a target and drafter from any supported form and build the engine for them."""
+"""compile_model: load a target and drafter from any supported form and build the engine for them.
+
+It sits above the runtime (it returns an `Engine`) and the compiler (it builds the compiled functions),
+so that imports flow one way: models <- passes <- compiler <- runtime <- api / cli.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from typing import Any
 import torch
 
 from draftgraph.compiler.artifacts import ArtifactError, load_functions, mismatches, read_manifest
-from draftgraph.compiler.capture import build_compiled
+from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
-from draftgraph.compiler.memory import measure_and_plan
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 from draftgraph.runtime.engine import Engine
+from draftgraph.runtime.memory import measure_and_plan
 
 log = logging.getLogger("draftgraph")
 
@@ -73,10 +78,15 @@ def compile_model(
         set_kernel_impl(draft, rc.attention)
     compiled = None
     if rc.mode != CUDAGraphMode.NONE:
+        loop_fns = None
+        if rc.fuse_draft_loop:
+            choose = Chooser(draft, model.cfg.vocab_size)
+            loop_fns = fused_loop_fn(draft, choose, rc.num_speculative_tokens, rc.block_size)
         compiled = build_compiled(
             model,
             draft,
             rc,
+            loop_fns,
             config.compile_backend,
             config.cache_dir,
             config.check_addresses,
@@ -90,16 +100,12 @@ def compile_model(
             raise ValueError("artifacts hold compiled code, which mode NONE does not use; choose a compiling mode")
         artifact_note = _use_artifacts(artifacts, strict_artifacts, compiled, rc, model, draft)
 
-    def build(resolved):
-        if compiled is None:
-            return Engine(model, draft, resolved)
-        return Engine(model, draft, resolved, compiled.target, compiled.drafter, compiled)
-
     plan = None
     if config.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
-        plan = measure_and_plan(build, rc, config.gpu_memory_utilization)
-        rc = replace(rc, num_kv_blocks=plan.num_blocks)
-    engine = build(rc)
+        engine = Engine(model, draft, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)
+        plan = measure_and_plan(engine, config.gpu_memory_utilization)
+    else:
+        engine = Engine(model, draft, rc, compiled)
     engine.memory_plan = plan
     if compiled is not None:
         engine.warm_up_report = engine.warm_up()

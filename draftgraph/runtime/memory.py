@@ -2,26 +2,25 @@
 batch, and the CUDA graphs (`CompileConfig.gpu_memory_utilization`).
 
 Graph memory is only known once the graphs exist, and graphs read the KV cache in place, so sizing is a
-measured probe followed by the real build:
+measured probe on the engine itself:
 
-1. Build the engine with a small probe cache (room for one request of max_model_len), compile, and capture
-   every graph; the pool's segments give the graph memory, the allocator's peak the activations.
-2. Release the probe's graphs and cache; size the cache from the budget left:
+1. The engine is built with a small probe cache (room for one request of max_model_len); it compiles and
+   captures every graph; the pool's segments give the graph memory, the allocator's peak the activations.
+2. Its graphs are released and the cache sized from the budget left:
    blocks = (utilization x device memory - memory held before the engine - weights and buffers -
              activation peak - graph memory) / bytes per block (target and drafter together).
-3. Build the engine again with that cache and capture again. The compiled code is re-used (no trace, no
-   Inductor compile: the block count is a dynamic dimension), only capture repeats.
+3. The engine's cache is reallocated at that size in place (the same engine: no second build) and the
+   graphs captured again. The compiled code is re-used (no trace, no Inductor compile: the block count is
+   a dynamic dimension), only capture repeats.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-
-from draftgraph.compiler.piece_runner import PieceRunner
 
 log = logging.getLogger("draftgraph")
 
@@ -73,26 +72,28 @@ def plan_blocks(
     return plan
 
 
-def measure_and_plan(build_engine, rc, utilization: float):
-    """Steps 1 and 2 of the module docstring: returns the plan; the probe engine is gone afterwards."""
+def measure_and_plan(engine, utilization: float) -> MemoryPlan:
+    """Steps 1 to 3 of the module docstring on `engine` (built with the probe cache): returns the plan;
+    the engine then holds the sized cache, with its graphs captured again."""
     free_cuda()
+    rc = engine.config
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
-    # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
-    probe_rc = replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1, lazy_capture=False)
+    probe_blocks = rc.num_kv_blocks
     torch.cuda.reset_peak_memory_stats()
-    probe = build_engine(probe_rc)
-    probe.warm_up()
+    # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
+    engine.warm_up(lazy=False)
     # The largest batch a step can hold, on whatever path it takes (past the capture sizes: no graph).
-    probe.runner.dummy_run(rc.max_num_batched_tokens)
+    engine.runner.dummy_run(rc.max_num_batched_tokens)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    bpb = kv_bytes_per_block(probe.runner)
-    graphs = probe.compiled.counters.graph_memory_bytes if probe.compiled is not None else 0
-    plan = plan_blocks(total, utilization, outside, peak - probe_rc.num_kv_blocks * bpb, graphs, bpb,
+    bpb = kv_bytes_per_block(engine.runner)
+    graphs = engine.compiled.counters.graph_memory_bytes if engine.compiled is not None else 0
+    plan = plan_blocks(total, utilization, outside, peak - probe_blocks * bpb, graphs, bpb,
                        rc.max_blocks_per_req)  # fmt: skip
-    release_graphs(probe.compiled)
-    del probe
+    if engine.compiled is not None:
+        engine.compiled.ctx.release()
+    engine.resize_kv_cache(plan.num_blocks)  # the probe cache goes first, then the sized one is allocated
     free_cuda()
     log.info(plan.describe())
     return plan
@@ -103,31 +104,6 @@ def kv_bytes_per_block(runner) -> int:
     if runner.drafter is not None:
         total += runner.draft_cache.spec.bytes_per_block
     return total
-
-
-def release_graphs(compiled) -> None:
-    """Drop every captured graph (FULL and piece graphs) and their pool, so the memory goes back."""
-    if compiled is None:
-        return
-    for fg in (compiled.full_target, compiled.full_drafter):
-        if fg is not None:
-            fg.graphs.clear()
-    for fn in (compiled.target, compiled.drafter, *(compiled.loops or ())):
-        if fn is None:
-            continue
-        # Compiled here: the backend's split modules; loaded from artifacts: each stored trace's module.
-        splits = [rec["split"].module for rec in fn.backend.records] + [t.module for t in getattr(fn, "traces", [])]
-        for split in splits:
-            for module in split.modules():
-                if isinstance(module, PieceRunner):
-                    module.graphs.clear()
-    ctx = compiled.ctx
-    ctx.pool = None
-    ctx.static_ptrs.clear()
-    ctx.persistent_ptrs.clear()
-    compiled.counters.graphs_captured = 0
-    compiled.counters.static_buffer_bytes = 0
-    compiled.counters.capture_seconds = 0.0
 
 
 def free_cuda() -> None:

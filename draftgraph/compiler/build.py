@@ -1,0 +1,70 @@
+"""Build an engine's compiled functions: one torch.compile per model function (target forward, drafter
+step, fused draft loop variants), all through the piecewise backend, sharing one `PieceCache` (a piece is
+compiled once for every function that holds it) and one `CudaGraphs` (the graph owner).
+
+Compiling happens at the first call of each function (the runtime's warm-up, runtime/warmup.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
+from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
+from draftgraph.compiler.counters import CompileCounters
+from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
+from draftgraph.passes.manager import PassManager
+
+LOOP_VARIANTS = ("greedy", "sample")
+
+
+@dataclass
+class CompiledModels:
+    counters: CompileCounters
+    ctx: CudaGraphs  # the one owner of this engine's CUDA graphs
+    target: CompiledTarget
+    drafter: CompiledDrafter | None
+    pieces: PieceCache
+    loop_backend: PiecewiseBackend | None = None  # the fused draft loop's backend (FULL modes with a drafter)
+    loops: tuple | None = None  # the fused loop's CompiledLoops, one per LOOP_VARIANTS entry
+    full: bool = False  # whole-forward graphs (a FULL mode on CUDA)
+
+    @property
+    def whole_graphs(self) -> CudaGraphs | None:
+        """The graph owner when whole-forward graphs exist; None when forwards run their code."""
+        return self.ctx if self.full else None
+
+
+def build_compiled(
+    target,
+    drafter,
+    rc: ResolvedConfig,
+    loop_fns: tuple[Callable, ...] | None,
+    compile_backend: str,
+    cache_dir: str,
+    check_addresses: bool,
+    dump_dir: str,
+    progress: bool,
+) -> CompiledModels:
+    """`loop_fns`: the fused draft loop's functions (one per LOOP_VARIANTS entry) when rc fuses the loop."""
+    counters = CompileCounters()
+    piece_graphs = rc.graphs_enabled and rc.mode in PIECEWISE_MODES
+    ctx = CudaGraphs(counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, check_addresses, progress)
+    passes = PassManager(dump_dir=dump_dir or None)
+    shared = PieceCache()
+
+    def backend(name):
+        return PiecewiseBackend(name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared)
+
+    ct = CompiledTarget(target, backend("target"))
+    cd = CompiledDrafter(drafter, backend("drafter")) if drafter is not None else None
+    backend_l, loops = None, None
+    if rc.fuse_draft_loop:  # traced once per engine build, whatever cache the runner allocates
+        if not loop_fns or len(loop_fns) != len(LOOP_VARIANTS):
+            raise ValueError(f"a fused draft loop needs one function per variant {LOOP_VARIANTS}")
+        backend_l = backend("draft_loop")
+        loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", backend_l) for fn, v in zip(loop_fns, LOOP_VARIANTS))
+    full = rc.graphs_enabled and rc.mode in FULL_MODES
+    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full)

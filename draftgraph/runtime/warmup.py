@@ -1,0 +1,106 @@
+"""The compile-and-capture lifecycle of an engine, in one ordered place.
+
+1. Register what graphs read in place (weights, KV caches, the metadata builders' buffers) with the
+   engine's graph owner (compiler/cuda_graphs.py).
+2. Compile: run each compiled function once on padding-only inputs; the first call traces it and compiles
+   each unique piece once (the token count symbolic).
+3. Capture (CUDA only): every FULL graph, then every piece graph, each largest size first, into the one
+   shared pool; free memory is logged before and after. With capture="lazy" this step is skipped and
+   capture stays allowed: each graph is captured by the first step that needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("draftgraph")
+
+
+def register_in_place(engine) -> None:
+    graphs, runner = engine.compiled.ctx, engine.runner
+    static = [*engine.target.parameters(), *engine.target.buffers()]
+    static += [t for kv in runner.target_cache.layers for t in kv]
+    if engine.drafter is not None:
+        static += [*engine.drafter.parameters(), *engine.drafter.buffers()]
+        static += [t for kv in runner.draft_cache.layers for t in kv]
+        static += [p for m in getattr(engine.drafter, "_target", []) for p in m.parameters()]
+        static.append(runner.proposer.draft_probs)
+    graphs.register_static(static)
+    builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
+    fields = ("slot_mapping", "token_req", "token_kv_len", "positions", "block_tables", "seq_lens", "query_start_loc")
+    graphs.register_persistent(getattr(b, f) for b in builders for f in fields)
+
+
+def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
+    """Compile (first call of each function) and capture; returns the report line. `lazy`: leave capture to
+    the steps (None: as configured)."""
+    compiled = engine.compiled
+    if compiled is None:
+        return "mode NONE: nothing to compile"
+    rc, runner, counters, graphs = engine.config, engine.runner, compiled.counters, compiled.ctx
+    lazy = rc.lazy_capture if lazy is None else lazy
+    register_in_place(engine)
+    t0 = time.perf_counter()
+    compiles_before = counters.inductor_compiles
+    with tqdm(total=1, desc="tracing and compiling", disable=not graphs.progress, leave=False) as bar:
+        runner.dummy_run(rc.warmup_tokens)  # the first call traces and compiles every unique piece once
+        if compiled.loops is not None and rc.full_capture_sizes:
+            runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (no capture yet)
+        bar.update(1)
+    compile_s = time.perf_counter() - t0
+    capture_s, graph_bytes = 0.0, 0
+    if rc.graphs_enabled and lazy:
+        graphs.allow_capture = True  # from now on, the first step at a capture size captures its graph
+    elif rc.graphs_enabled:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = torch.cuda.memory_reserved()
+        t1 = time.perf_counter()
+        full_sizes = sorted(rc.full_capture_sizes, reverse=True) if compiled.full else []
+        piece_sizes = sorted(rc.capture_sizes, reverse=True) if graphs.piece_graphs else []
+        with graphs.capturing(), tqdm(
+            total=len(full_sizes) + len(piece_sizes), desc="capturing CUDA graphs", unit="size",
+            disable=not graphs.progress, leave=False,
+        ) as bar:  # fmt: skip
+            # FULL graphs first, then piece graphs, each largest first, all into the one shared pool.
+            for reqs in full_sizes:
+                runner.dummy_run_full(reqs)
+                bar.update(1)
+            for size in piece_sizes:
+                runner.dummy_run(size)
+                bar.update(1)
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t1
+        free_after = torch.cuda.mem_get_info()[0]
+        graph_bytes = graphs.memory_bytes()
+        if graph_bytes is None:  # no allocator snapshot: fall back to what the device lost
+            graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
+        log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
+    # Runtime counters start after warm-up: from here they count serving steps only.
+    counters.graph_replays.clear()
+    counters.compiled_runs.clear()
+    counters.dynamic_runs.clear()
+    runner.forwards.hits.clear()
+    counters.graph_memory_bytes = graph_bytes
+    if rc.graphs_enabled and lazy:
+        graphs_line = "CUDA graphs captured lazily, each at the first step that needs it"
+    elif rc.graphs_enabled:
+        graphs_line = (
+            f"captured {counters.graphs_captured} CUDA graphs in {capture_s:.1f} s, graph memory "
+            f"{graph_bytes / 2**20:.0f} MiB"
+        )
+    elif rc.device.type != "cuda":
+        graphs_line = "CUDA graphs off (no CUDA device)"
+    else:
+        graphs_line = "CUDA graphs off (use_cuda_graphs=False)"
+    compiles = counters.inductor_compiles - compiles_before
+    line = (
+        f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique, {compiles} Inductor compiles, "
+        f"token count symbolic) in {compile_s:.1f} s; {graphs_line}"
+    )
+    log.info(line)
+    return line
