@@ -10,8 +10,9 @@ import torch
 
 from draftgraph.compiler.artifacts import ArtifactError, load_functions, mismatches, read_manifest
 from draftgraph.compiler.capture import build_compiled
-from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
+from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
 from draftgraph.compiler.memory import measure_and_plan
+from draftgraph.compiler.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
@@ -59,10 +60,13 @@ def compile_model(
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
     reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`."""
     config = config or CompileConfig()
-    max_pos = getattr(getattr(target, "cfg", None), "max_position_embeddings", None)
-    if max_pos is None and hasattr(target, "config"):
-        max_pos = getattr(target.config, "max_position_embeddings", None)
-    rc = resolve(config, max_pos, drafter is not None)
+    # Everything that can be checked without weights is, before any are loaded (compiler/preflight.py).
+    check_checkpoints(target, drafter)
+    tcfg = target_config(target, DTYPES.get(config.dtype))
+    auto_from = artifact_mode(artifacts) if artifacts is not None and config.mode == "auto" else None
+    rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
+    if tcfg is not None:
+        check_kv_memory(rc, tcfg)
     model = load_target(target, rc.device, rc.dtype, rc.attention)
     draft: Drafter | None = None
     if drafter is not None:
@@ -71,6 +75,7 @@ def compile_model(
         )
         draft = draft.to(rc.device)
         set_kernel_impl(draft, rc.attention)
+    check_kv_memory(rc, model.cfg, draft)  # the exact bytes, drafter included, before any compile
     compiled = None
     if rc.mode != CUDAGraphMode.NONE:
         compiled = build_compiled(
@@ -96,8 +101,8 @@ def compile_model(
         return Engine(model, draft, resolved, compiled.target, compiled.drafter, compiled)
 
     plan = None
-    if config.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
-        plan = measure_and_plan(build, rc, config.gpu_memory_utilization)
+    if rc.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
+        plan = measure_and_plan(build, rc, rc.gpu_memory_utilization)
         rc = replace(rc, num_kv_blocks=plan.num_blocks)
     engine = build(rc)
     engine.memory_plan = plan
