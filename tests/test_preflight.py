@@ -157,3 +157,12 @@ def test_k_is_checked_only_with_a_drafter():
     with pytest.raises(ValueError, match=r"num_speculative_tokens=9 must lie in \[0, 8\]"):
         resolve(dg.CompileConfig(num_speculative_tokens=9), 256, True)
     assert resolve(dg.CompileConfig(num_speculative_tokens=9), 256, False).num_speculative_tokens == 0
+
+
+def test_auto_takes_the_mode_of_the_artifacts(tmp_path):
+    from draftgraph.compiler.preflight import artifact_mode
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"mode": "PIECEWISE"}))
+    assert artifact_mode(str(tmp_path)) == "PIECEWISE"
+    # unreadable: `draftgraph build`'s default, and loading says what is wrong with the directory
+    assert artifact_mode(str(tmp_path / "missing")) == "FULL_AND_PIECEWISE"
