@@ -14,10 +14,11 @@ import torch
 
 from draftgraph.compiler.artifacts import ArtifactError, load_functions, mismatches, read_manifest
 from draftgraph.compiler.build import build_compiled
-from draftgraph.compiler.config import CompileConfig, CUDAGraphMode, resolve
+from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 from draftgraph.runtime.engine import Engine
 from draftgraph.runtime.memory import measure_and_plan
@@ -64,10 +65,13 @@ def compile_model(
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
     reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`."""
     config = config or CompileConfig()
-    max_pos = getattr(getattr(target, "cfg", None), "max_position_embeddings", None)
-    if max_pos is None and hasattr(target, "config"):
-        max_pos = getattr(target.config, "max_position_embeddings", None)
-    rc = resolve(config, max_pos, drafter is not None)
+    # Everything that can be checked without weights is, before any are loaded (preflight.py).
+    check_checkpoints(target, drafter)
+    tcfg = target_config(target, DTYPES.get(config.dtype))
+    auto_from = artifact_mode(artifacts) if artifacts is not None and config.mode == "auto" else None
+    rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
+    if tcfg is not None:
+        check_kv_memory(rc, tcfg)
     model = load_target(target, rc.device, rc.dtype, rc.attention)
     draft: Drafter | None = None
     if drafter is not None:
@@ -76,6 +80,7 @@ def compile_model(
         )
         draft = draft.to(rc.device)
         set_kernel_impl(draft, rc.attention)
+    check_kv_memory(rc, model.cfg, draft)  # the exact bytes, drafter included, before any compile
     compiled = None
     if rc.mode != CUDAGraphMode.NONE:
         loop_fns = None
@@ -101,9 +106,9 @@ def compile_model(
         artifact_note = _use_artifacts(artifacts, strict_artifacts, compiled, rc, model, draft)
 
     plan = None
-    if config.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
+    if rc.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
         engine = Engine(model, draft, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)
-        plan = measure_and_plan(engine, config.gpu_memory_utilization)
+        plan = measure_and_plan(engine, rc.gpu_memory_utilization)
     else:
         engine = Engine(model, draft, rc, compiled)
     engine.memory_plan = plan

@@ -2,50 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 
 import torch
 
-from draftgraph import envs
+from draftgraph.cli_parser import build_parser
 from draftgraph.compiler.artifacts import ArtifactError
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target checkpoint directory (default: the built-in model pair)")
-    p.add_argument("--drafter", help="drafter checkpoint directory (default: the built-in drafter)")
-    p.add_argument("--drafter-kind", choices=["eagle", "eagle3", "mtp", "draft_model"], help="default: detect")
-    p.add_argument("--no-drafter", action="store_true", help="plain decoding with the target alone")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--mode", default="NONE", help="CUDA graph mode (default NONE)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention", default="auto", choices=["auto", "reference", "triton"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--capture-sizes", default="", help="comma-separated token counts (default: auto)")
-    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager"])
-    p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
-    p.add_argument(
-        "--capture",
-        default="eager",
-        choices=["eager", "lazy"],
-        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy)",
-    )
-    p.add_argument(
-        "--check-addresses",
-        action="store_true",
-        default=envs.check_addresses(),
-        help="verify static input addresses at every graph replay (env DRAFTGRAPH_CHECK_ADDRESSES=1)",
-    )
-    p.add_argument(
-        "--dump-graphs",
-        default=envs.dump_graphs_dir(),
-        help="write each pass's before/after graph here (env DRAFTGRAPH_DUMP_GRAPHS)",
-    )
 
 
 def _config(args, **over):
@@ -59,6 +23,10 @@ def _config(args, **over):
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         drafter_kind=args.drafter_kind,
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
@@ -95,20 +63,7 @@ def cmd_generate(args) -> int:
     import draftgraph as dg
 
     config = _config(args)
-    print(f"config: {config}")
-    target, drafter = _models(args)
-    t0 = time.perf_counter()
-    engine = dg.compile_model(target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts)
-    if engine.warm_up_report:
-        print(engine.warm_up_report)
-    print(
-        f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}, device "
-        f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
-    )
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = engine.target.cfg.vocab_size
-    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
-    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    # Checked before anything is built or compiled: a bad value fails in well under a second.
     params = dg.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -117,6 +72,24 @@ def cmd_generate(args) -> int:
         ignore_eos=True,
         seed=args.seed,
     )
+    for name in ("num_prompts", "prompt_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    print(f"config: {config}")
+    target, drafter = _models(args)
+    t0 = time.perf_counter()
+    engine = dg.compile_model(target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts)
+    if engine.warm_up_report:
+        print(engine.warm_up_report)
+    why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}{why}, device "
+        f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.target.cfg.vocab_size
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     outputs = engine.generate(prompts, params, progress=True)
     for out in outputs[: min(3, len(outputs))]:
         print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
@@ -172,6 +145,7 @@ def cmd_build(args) -> int:
     if args.mode == "NONE":
         print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
         return 2
+    mode = "FULL_AND_PIECEWISE" if args.mode == "auto" else args.mode  # graphs are captured when loaded
     if os.path.isdir(args.out) and os.listdir(args.out):
         print(f"draftgraph build: error: {args.out} is not empty; choose a new directory", file=sys.stderr)
         return 2
@@ -181,7 +155,7 @@ def cmd_build(args) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="draftgraph-build-") as tmp:
         cache = tmp if cuda else os.path.join(args.out, CACHE)
-        config = _config(args, use_cuda_graphs=False, cache_dir=cache)
+        config = _config(args, mode=mode, use_cuda_graphs=False, cache_dir=cache, gpu_memory_utilization=0.0)
         print(f"config: {config}")
         target, drafter = _models(args)
         t0 = time.perf_counter()
@@ -204,13 +178,16 @@ def cmd_inspect(args) -> int:
         )
         return 2
     config = dg.CompileConfig(
-        mode=args.mode,
+        mode="PIECEWISE" if args.mode == "auto" else args.mode,  # inspection compiles on the CPU
         num_speculative_tokens=args.num_speculative_tokens,
         device="cpu",
         dtype=args.dtype,
         attention="reference",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x) or (1, 2, 4, 8, 16),
         compile_backend=args.compile_backend,
         drafter_kind=args.drafter_kind,
@@ -238,51 +215,9 @@ def cmd_graph_diff(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftgraph", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("generate", "run"):
-        p = sub.add_parser(name, help="generate with speculative decoding and report acceptance and tokens/s")
-        _add_common(p)
-        p.add_argument("--num-prompts", type=int, default=8)
-        p.add_argument("--prompt-len", type=int, default=24)
-        p.add_argument("--max-tokens", type=int, default=64)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
-        p.add_argument(
-            "--strict-artifacts",
-            action="store_true",
-            help="stop (exit 2) when the artifacts do not match, instead of compiling",
-        )
-        p.add_argument(
-            "--profile",
-            type=int,
-            default=0,
-            metavar="STEPS",
-            help="afterwards, profile this many steps: GPU kernels launched from CUDA graphs vs outside them",
-        )
-        p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("build", help="compile ahead of time into an artifact directory (manifest, summary, code)")
-    _add_common(p)
-    p.add_argument("--out", required=True, help="artifact directory to write (new or empty)")
-    p.set_defaults(func=cmd_build, mode="FULL_AND_PIECEWISE")
-    p = sub.add_parser("inspect", help="write normalized graph dumps and a summary for a model pair and config")
-    _add_common(p)
-    p.add_argument("--out", required=True, help="inspection directory to write")
-    p.add_argument(
-        "--family",
-        default="llama",
-        choices=["llama", "qwen2", "qwen3", "mistral"],
-        help="built-in target family (without --target)",
+    parser = build_parser(
+        {"generate": cmd_generate, "build": cmd_build, "inspect": cmd_inspect, "graph-diff": cmd_graph_diff}
     )
-    p.set_defaults(func=cmd_inspect, mode="PIECEWISE")
-    p = sub.add_parser("graph-diff", help="compare two inspections; exit 0 equal, 1 different, 2 error")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_graph_diff)
-    parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:

@@ -45,6 +45,7 @@ def compile_engines(target, drafter, modes, sizes, k, ctx, min_batched_tokens) -
         max_num_batched_tokens=max(max_b * (k + 1), min_batched_tokens),
         max_model_len=ctx + 64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         progress=False,
         capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
         full_capture_sizes=tuple(sizes),

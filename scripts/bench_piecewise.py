@@ -154,6 +154,7 @@ def main():
         max_num_batched_tokens=max_b * (k + 1),
         max_model_len=ctx + 64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=tuple(sorted({s * q for s in sizes for q in (1, k + 1)})),
         progress=False,
     )

@@ -29,6 +29,7 @@ def config(args, **kw):
         max_num_batched_tokens=max(512, args.max_num_seqs * (args.k + 1)),
         max_model_len=1024,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         progress=False,
         **kw,
     )

@@ -32,6 +32,7 @@ def main() -> int:
             max_num_batched_tokens=32,
             max_model_len=64,
             device="cuda",
+            gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
             capture_sizes=(1,),
             full_capture_sizes=(1, 2, 4),
             progress=False,

@@ -27,6 +27,7 @@ def main():
         max_num_batched_tokens=max(b * (k + 1), 64),
         max_model_len=ctx + 64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         progress=False,
         capture_sizes=(b, b * (k + 1)),
         full_capture_sizes=(b,),

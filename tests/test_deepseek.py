@@ -315,7 +315,7 @@ def generate(
         capture_sizes=sizes if mode != "NONE" else (),
         compile_backend=backend,
         progress=False,
-        **config,
+        **{"gpu_memory_utilization": 0.0, **config},  # on CUDA too: a cache of max_num_seqs requests
     )
     eng = dg.compile_model(target, drafter, cfg, artifacts=artifacts, strict_artifacts=artifacts is not None)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
@@ -390,10 +390,12 @@ def test_target_and_mtp_drafter_from_one_checkpoint_directory(tmp_path, pair):
     w.update({p + n: torch.ones(h) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
     w[p + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.05
     save_file({k: v.contiguous() for k, v in w.items()}, str(tmp_path / "mtp.safetensors"))
-    cfg = dg.CompileConfig(num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = dg.CompileConfig(
+        mode="NONE", num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.0
+    )
     from_dir = dg.compile_model(str(tmp_path), str(tmp_path), cfg)
     assert from_dir.drafter.kind == "mtp" and from_dir.target.cfg.moe.num_experts == 8
     prompts, params, _ = ragged(4)
     got = [o.token_ids for o in from_dir.generate(prompts, params)]
-    plain = dg.compile_model(target, None, dg.CompileConfig(num_speculative_tokens=0, max_num_seqs=4))
+    plain = dg.compile_model(target, None, dg.CompileConfig(mode="NONE", max_num_seqs=4, gpu_memory_utilization=0.0))
     assert got == [o.token_ids for o in plain.generate(prompts, params)]  # lossless with a random MTP layer

@@ -170,7 +170,11 @@ def test_bad_input_is_refused_with_the_value(target):
     with pytest.raises(ValueError, match=r"prompt token ids \[96\] lie outside the vocabulary \[0, 96\)"):
         eng.add_request([1, 96])
     with pytest.raises(ValueError, match="max_num_batched_tokens=10 cannot hold a full decode batch"):
-        dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=10)
+        dg.compile_model(
+            target,
+            make_drafter("eagle", target),
+            dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=10),
+        )
     with pytest.raises(ValueError, match="mode='FULLEST' is unknown; choose one of"):
         dg.CompileConfig(mode="FULLEST")
     with pytest.raises(ValueError, match="capture='later' is unknown; choose 'eager'"):

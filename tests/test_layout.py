@@ -10,7 +10,9 @@ import draftgraph
 
 ROOT = Path(draftgraph.__file__).parent
 ORDER = ["models", "passes", "compiler", "runtime"]
-LATER = {stage: [*ORDER[i + 1 :], "api", "cli", "inspection"] for i, stage in enumerate(ORDER)}
+LATER = {
+    stage: [*ORDER[i + 1 :], "api", "cli", "cli_parser", "preflight", "inspection"] for i, stage in enumerate(ORDER)
+}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -169,9 +169,10 @@ def test_lossless_suite_in_full_modes_on_cpu(target, reference, mode, kind):
     assert eng.config.capture_sizes == (SIZES if mode == "FULL_AND_PIECEWISE" else ())
 
 
-def test_full_mode_refuses_an_attention_without_graph_support():
+def test_full_mode_refuses_an_attention_without_graph_support(monkeypatch):
     from draftgraph.compiler.config import resolve
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve only: nothing touches a device
     with pytest.raises(ValueError, match="'reference' supports CUDA graphs up to NEVER.*needs UNIFORM_BATCH"):
         resolve(dg.CompileConfig(mode="FULL", device="cuda", attention="reference"), 256, True)
 

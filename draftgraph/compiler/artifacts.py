@@ -66,7 +66,7 @@ def source_hash() -> str:
 
 def config_hash(rc) -> str:
     """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
-    skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture"}
+    skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason"}
     fields = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
     return _sha(json.dumps(fields, sort_keys=True).encode())[:16]
 

@@ -50,8 +50,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class CompileConfig:
     """How to compile and run a model pair. "auto" fields are resolved by `resolve()`."""
 
-    mode: str = "NONE"
-    num_speculative_tokens: int = 3
+    # "auto": FULL_AND_PIECEWISE on CUDA, NONE on the CPU (where no graph can be captured), or the mode an
+    # artifact directory was built for; or one of CUDAGraphMode's names.
+    mode: str = "auto"
+    num_speculative_tokens: int = 3  # K; checked (0..8) only when there is a drafter
     attention: str = "auto"  # "reference" | "triton" | "auto" (triton on CUDA, reference on CPU)
     device: str = "auto"  # "cpu" | "cuda" | "auto"
     dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's, else float32)
@@ -62,7 +64,8 @@ class CompileConfig:
     num_kv_blocks: int = 0  # 0 = auto: room for max_num_seqs requests of max_model_len (or see below)
     # CUDA: the fraction of device memory the engine may hold; the KV cache gets what weights, activations
     # and CUDA graphs leave, measured before it is allocated (runtime/memory.py). 0 = off.
-    gpu_memory_utilization: float = 0.0
+    # None = auto: 0.9 on CUDA unless num_kv_blocks is set, off on the CPU.
+    gpu_memory_utilization: float | None = None
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
     seed: int = 0  # seeds requests that give none
     # Compilation (modes other than NONE)
@@ -86,32 +89,32 @@ class CompileConfig:
     progress: bool = True  # progress bars for compile and capture
 
     def __post_init__(self):
-        modes = [m.value for m in CUDAGraphMode]
+        modes = ["auto", *(m.value for m in CUDAGraphMode)]
         if self.mode in FOLDED_MODES:
             ours, why = FOLDED_MODES[self.mode]
             raise ValueError(f"mode={self.mode!r} is not a separate mode here: {why}; use mode={ours!r}")
         if self.mode not in modes:
             raise ValueError(f"mode={self.mode!r} is unknown; choose one of {modes}")
-        if self.mode not in [m.value for m in AVAILABLE_MODES]:
+        if self.mode != "auto" and self.mode not in [m.value for m in AVAILABLE_MODES]:
             raise ValueError(
                 f"mode={self.mode!r} is not available in this build yet; available: "
-                f"{[m.value for m in AVAILABLE_MODES]}"
+                f"{['auto', *(m.value for m in AVAILABLE_MODES)]}"
             )
-        if not 0 <= self.num_speculative_tokens <= 8:
-            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must lie in [0, 8]")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {['auto', *DTYPES]}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is unknown; choose 'auto', 'cpu' or 'cuda'")
         if self.attention != "auto":
             get_backend(self.attention)
-        if not 0.0 <= self.gpu_memory_utilization < 1.0:
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 <= util < 1.0:
             raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1), e.g. 0.9; 0 turns it off"
+                f"gpu_memory_utilization={util} must lie in (0, 1), e.g. 0.9; 0 turns it off, None = auto "
+                "(0.9 on CUDA unless num_kv_blocks is set)"
             )
-        if self.gpu_memory_utilization and self.num_kv_blocks:
+        if util and self.num_kv_blocks:
             raise ValueError(
-                f"num_kv_blocks={self.num_kv_blocks} and gpu_memory_utilization={self.gpu_memory_utilization} both "
+                f"num_kv_blocks={self.num_kv_blocks} and gpu_memory_utilization={util} both "
                 "size the KV cache; set one of them"
             )
         if self.capture not in ("eager", "lazy"):
@@ -125,14 +128,14 @@ class CompileConfig:
             raise ValueError(f"capture_sizes={self.capture_sizes} must all be >= 1")
         if any(s < 1 for s in self.compile_sizes):
             raise ValueError(f"compile_sizes={self.compile_sizes} must all be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
-        needed = self.max_num_seqs * (self.num_speculative_tokens + 1)
-        if self.max_num_batched_tokens < needed:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold a full decode batch: "
-                f"max_num_seqs x (1 + K) = {needed}; raise it to at least {needed}"
-            )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = auto)")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, ...); e.g. 16")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class ResolvedConfig:
     fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
     lazy_capture: bool = False  # graphs are captured when a step first needs them (capture="lazy")
     compile_sizes: tuple[int, ...] = ()  # token counts with a per-size Inductor compile (opt-in)
+    gpu_memory_utilization: float = 0.0  # > 0: the KV cache is sized from measured CUDA memory
+    mode_reason: str = ""  # why mode "auto" became `mode` ("" when the mode was given)
 
     @property
     def lookahead(self) -> int:
@@ -172,25 +177,46 @@ class ResolvedConfig:
         return -(-(self.max_model_len + self.lookahead) // self.block_size)
 
 
-def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter: bool) -> ResolvedConfig:
-    """Decide every "auto" value once and log each decision."""
+def resolve(
+    config: CompileConfig, target_max_positions: int | None, has_drafter: bool, artifact_mode: str | None = None
+) -> ResolvedConfig:
+    """Decide every "auto" value once and log each decision. `artifact_mode`: the mode of the artifact
+    directory the engine will load, which mode "auto" then takes."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device='cuda' was asked for, but torch.cuda.is_available() is False here (torch {torch.__version__}, "
+            + (f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build")
+            + "); use device='cpu' or 'auto' (--device cpu), or run on a machine with a GPU and a CUDA build of torch"
+        )
     device = torch.device(
         "cuda"
         if config.device == "auto" and torch.cuda.is_available()
         else ("cpu" if config.device == "auto" else config.device)
     )
     attention = default_backend(device.type) if config.attention == "auto" else config.attention
-    if config.gpu_memory_utilization and device.type != "cuda":
+    util = config.gpu_memory_utilization
+    if util and device.type != "cuda":
         raise ValueError(
-            f"gpu_memory_utilization={config.gpu_memory_utilization} sizes the KV cache from CUDA memory, but the "
+            f"gpu_memory_utilization={util} sizes the KV cache from CUDA memory, but the "
             f"device is {device.type}; set num_kv_blocks (or leave both at 0 for room for max_num_seqs requests)"
         )
+    if util is None:  # auto: measure on CUDA unless the user sized the cache
+        util = 0.9 if device.type == "cuda" and not config.num_kv_blocks else 0.0
     check_device(attention, device.type)
+    if target_max_positions and config.max_model_len > target_max_positions:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the target's max_position_embeddings="
+            f"{target_max_positions} (its RoPE table); lower max_model_len to at most {target_max_positions}"
+        )
     max_len = config.max_model_len or min(target_max_positions or 4096, 4096)
     k = config.num_speculative_tokens if has_drafter else 0
+    if has_drafter:
+        check_speculative(config)
     lookahead = 2 * k + 2
     blocks = config.num_kv_blocks or config.max_num_seqs * -(-(max_len + lookahead) // config.block_size)
-    mode = CUDAGraphMode(config.mode)
+    mode, reason = (CUDAGraphMode(config.mode), "") if config.mode != "auto" else auto_mode(device, artifact_mode)
+    if reason:
+        log.info("mode auto -> %s: %s", mode.value, reason)
     # A draft model's first step runs one extra row per request beyond the target's tokens.
     max_capture = config.max_capture_tokens or min(config.max_num_batched_tokens + config.max_num_seqs, 512)
     if mode not in PIECEWISE_MODES:  # NONE and FULL dispatch nothing by token count
@@ -216,7 +242,7 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
             "CUDA graphs are disabled on %s: mode %s runs its compiled pieces without graphs", device.type, mode.value
         )
     rc = ResolvedConfig(
-        mode=CUDAGraphMode(config.mode),
+        mode=mode,
         num_speculative_tokens=k,
         attention=attention,
         device=device,
@@ -233,6 +259,8 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
         lazy_capture=graphs and config.capture == "lazy",
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
+        gpu_memory_utilization=util,
+        mode_reason=reason,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -251,6 +279,32 @@ def resolve(config: CompileConfig, target_max_positions: int | None, has_drafter
         "on" if graphs else "off",
     )
     return rc
+
+
+def auto_mode(device: torch.device, artifact_mode: str | None = None) -> tuple[CUDAGraphMode, str]:
+    """What mode "auto" means here, and why."""
+    if artifact_mode is not None:
+        return CUDAGraphMode(artifact_mode), "the mode the artifacts were built with"
+    if device.type == "cuda":
+        return (
+            CUDAGraphMode.FULL_AND_PIECEWISE,
+            "a CUDA device: FULL graphs for uniform batches, PIECEWISE for the rest",
+        )
+    return CUDAGraphMode.NONE, f"no CUDA graphs on {device.type}, where compiling would only add start-up time"
+
+
+def check_speculative(config: CompileConfig) -> None:
+    """The checks on K, which apply only when there is a drafter."""
+    k = config.num_speculative_tokens
+    if not 0 <= k <= 8:
+        raise ValueError(f"num_speculative_tokens={k} must lie in [0, 8]; e.g. 3")
+    needed = config.max_num_seqs * (k + 1)
+    if config.max_num_batched_tokens < needed:
+        raise ValueError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} cannot hold a full decode batch: "
+            f"max_num_seqs x (1 + K) = {config.max_num_seqs} x {k + 1} = {needed}; raise it to at least {needed} "
+            "or lower max_num_seqs or num_speculative_tokens"
+        )
 
 
 def auto_capture_sizes(max_tokens: int, device_type: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from draftgraph.models.weights import (
     convert_layer,
     layer_indices,
     read_checkpoint,
-    read_config,
+    read_target_config,
 )
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device="cpu", attn_impl="reference") -> CausalLM:
-        cfg = ModelConfig.from_hf(read_config(path), dtype=dtype)
+        cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl)
 
     @classmethod

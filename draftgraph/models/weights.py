@@ -35,22 +35,60 @@ LAYER_RULES: dict[str, str | list[str]] = {
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read: the message names the file, what is wrong and the fix."""
+
+
+# config.json keys every target needs, each a positive integer.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (from its shard index when it has one)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{index} has no "weight_map" object; re-save the checkpoint')
+    files = [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise FileNotFoundError(f"{index} lists shards that are missing: {missing[:4]}; download them again")
+    return files
+
+
+def check_weight_files(path: str) -> list[str]:
+    """Read each safetensors file's header only (no tensor data): a truncated or corrupt file is named here,
+    before any weights are loaded. Returns the files."""
+    from safetensors import safe_open
+
+    files = weight_files(path)
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({os.path.getsize(file)} bytes: {e}); it may be "
+                "truncated or corrupt: download or save the checkpoint again"
+            ) from e
+    return files
+
+
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory, by their stored names."""
     from safetensors.torch import load_file
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, s) for s in shards]
-    else:
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    files = check_weight_files(path)
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as e:
+            raise CheckpointError(f"{file} could not be read ({e}); download or save the checkpoint again") from e
     if not files:
         bin_path = os.path.join(path, "pytorch_model.bin")
         if not os.path.exists(bin_path):
@@ -58,16 +96,50 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
                 f"no weights in {path!r}: expected model.safetensors, a sharded index "
                 "(model.safetensors.index.json) or pytorch_model.bin"
             )
-        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"{bin_path} could not be read as a weights-only torch checkpoint ({e}); download it again or "
+                "convert the checkpoint to safetensors"
+            ) from e
     return state
 
 
 def read_config(path: str) -> dict:
+    """config.json of a checkpoint directory, as a dict (a file that is not a JSON object is named)."""
     cfg = os.path.join(path, "config.json")
     if not os.path.exists(cfg):
         raise FileNotFoundError(f"{path!r} has no config.json")
-    with open(cfg) as f:
-        return json.load(f)
+    return _read_json(cfg)
+
+
+def read_target_config(path: str) -> dict:
+    """config.json of a target checkpoint, checked for the keys every target needs."""
+    config = read_config(path)
+    file = os.path.join(path, "config.json")
+    for key in REQUIRED_KEYS:
+        value = config.get(key)
+        if value is None:
+            raise CheckpointError(f"{file} has no {key!r}; a target's config.json needs {list(REQUIRED_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{file}: {key}={value!r} must be a positive integer; fix or re-save config.json")
+    return config
+
+
+def _read_json(file: str) -> dict:
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{file} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); fix it or download it again"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file} is not UTF-8 text ({e.reason}); fix it or download it again") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(data).__name__}, not an object; fix it or download it again")
+    return data
 
 
 def convert_layer(state: dict[str, torch.Tensor], src: str, dst: str) -> dict[str, torch.Tensor]:

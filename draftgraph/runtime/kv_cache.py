@@ -32,6 +32,11 @@ class KVCacheSpec:
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be at least 1")
 
+    @classmethod
+    def for_model(cls, cfg, num_layers: int, num_blocks: int, block_size: int) -> KVCacheSpec:
+        """The cache of a model with ModelConfig `cfg` and `num_layers` layers that hold KV."""
+        return cls(num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.kv_entry_shapes)
+
     @property
     def bytes_per_block(self) -> int:
         per_token = sum(math.prod(e) for e in self.entry_shapes)

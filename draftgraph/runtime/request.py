@@ -9,7 +9,8 @@ from draftgraph.runtime.kv_cache import BlockTable
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings. temperature 0 is greedy; top_k 0 and top_p 1 switch those off."""
+    """Per-request generation settings, checked when built. temperature 0 is greedy; top_k 0 (or -1) and
+    top_p 1 switch those off."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -21,13 +22,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1 (the tokens to generate per prompt)")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature={self.temperature} must be >= 0; 0 is greedy, e.g. 0.7 samples")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1 to keep the k likeliest tokens, or 0 (or -1) for off")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1]; 1 is off, e.g. 0.9 keeps the top 90% of mass")
 
 
 @dataclass

@@ -87,15 +87,11 @@ class StepRunner:
         self.k = shape.num_speculative_tokens if drafter is not None else 0
         bs, nb = shape.block_size, shape.num_kv_blocks
         tc = target.cfg
-        self.target_cache = PagedKVCache(
-            KVCacheSpec(tc.num_layers, nb, bs, tc.num_kv_heads, tc.head_dim, tc.dtype, tc.kv_entry_shapes), self.device
-        )
+        self.target_cache = PagedKVCache(KVCacheSpec.for_model(tc, tc.num_layers, nb, bs), self.device)
         self.target_meta = MetadataBuilder(max_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device)
         if drafter is not None:
-            dc = drafter.cfg
             self.draft_cache = PagedKVCache(
-                KVCacheSpec(drafter.num_kv_layers, nb, bs, dc.num_kv_heads, dc.head_dim, dc.dtype, dc.kv_entry_shapes),
-                self.device,
+                KVCacheSpec.for_model(drafter.cfg, drafter.num_kv_layers, nb, bs), self.device
             )
             self.hidden_kind = drafter.target_hidden != "none"
             self.aux_layers = drafter.aux_layers if drafter.target_hidden == "aux" else ()

@@ -25,6 +25,7 @@ def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=(1, 4, 16, 64, 72),  # 72: a draft model's first step over a full 64-token batch
         progress=False,
         check_addresses=True,

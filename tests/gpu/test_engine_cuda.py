@@ -26,7 +26,13 @@ def targets():
 def run(target, drafter, k, device, attention):
     prompts, params, arrivals = ragged(16)
     cfg = dg.CompileConfig(
-        num_speculative_tokens=k, max_num_seqs=8, max_num_batched_tokens=64, device=device, attention=attention
+        mode="NONE",
+        num_speculative_tokens=k,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        device=device,
+        attention=attention,
+        gpu_memory_utilization=0.0,
     )
     eng = dg.compile_model(target, drafter, cfg)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng.stats()
@@ -58,7 +64,10 @@ def test_sampling_on_cuda_is_seeded_and_batch_independent(targets):
         dg.SamplingParams(max_tokens=p.max_tokens, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
         for i, p in enumerate(params)
     ]
-    cfg = dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64, device="cuda")
+    cfg = dg.CompileConfig(
+        mode="NONE", num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
+        gpu_memory_utilization=0.0,
+    )  # fmt: skip
     a = dg.compile_model(cuda, make_drafter("eagle", cuda), cfg).generate(prompts, sp)
     b = dg.compile_model(cuda, make_drafter("eagle", cuda), cfg).generate(prompts[:5], sp[:5])
     assert [o.token_ids for o in a[:5]] == [o.token_ids for o in b]  # same seeds, another batch: same tokens

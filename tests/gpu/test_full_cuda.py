@@ -34,6 +34,7 @@ def run(target, kind, mode, k=3, capture="eager"):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=SIZES,
         full_capture_sizes=(1, 2, 4, 8),
         progress=False,
@@ -99,6 +100,7 @@ def test_every_request_count_across_padding(target):
             max_num_batched_tokens=512,  # every prompt prefills in one step: then all decode together
             max_model_len=128,
             device="cuda",
+            gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
             progress=False,
             max_capture_reqs=64,
             capture_sizes=(1,),
@@ -140,6 +142,7 @@ def test_profiler_shows_the_step_runs_from_graphs(target):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         progress=False,
     )
     eng = dg.compile_model(target, make_drafter("eagle", target), cfg)

@@ -21,7 +21,7 @@ def test_kv_cache_sized_after_graph_memory():
     drafter = make_drafter("eagle", target)
     prompts, params, arrivals = ragged(16)
     base = dict(num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64, device="cuda", progress=False)
-    ref_engine = dg.compile_model(target, drafter, dg.CompileConfig(**base))
+    ref_engine = dg.compile_model(target, drafter, dg.CompileConfig(mode="NONE", gpu_memory_utilization=0.0, **base))
     ref = [o.token_ids for o in ref_engine.generate(prompts, params, arrivals)]
     del ref_engine
     gc.collect()

@@ -32,6 +32,7 @@ def config(k, mode="PIECEWISE", **kw):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=SIZES,
         check_addresses=True,
         **kw,

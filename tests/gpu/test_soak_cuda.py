@@ -36,6 +36,7 @@ def test_two_thousand_steps_match_eager():
             max_num_seqs=16,
             max_num_batched_tokens=96,
             device="cuda",
+            gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
             progress=False,
         )
         eng = dg.compile_model(target, drafter, cfg)

@@ -15,7 +15,7 @@ from draftgraph.models.drafters.eagle import EagleDrafter
 from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.weights import read_checkpoint, read_config
+from draftgraph.models.weights import read_checkpoint, read_config, read_target_config
 
 
 def detect_kind(config: dict, keys) -> str:
@@ -65,6 +65,8 @@ def load_drafter(
         raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
     kind = kind or detect_kind(config, state.keys())
     if kind == "draft_model":
+        if isinstance(source, str):
+            config = read_target_config(source)  # a whole model: every key a target needs
         draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)

@@ -1,0 +1,68 @@
+"""The `draftgraph` command line, run in-process (no subprocess, nothing compiled): every flag has help,
+--version, the "auto" defaults, and bad values refused before any model is built."""
+
+import argparse
+import time
+
+import pytest
+
+import draftgraph as dg
+from draftgraph.cli import main
+from draftgraph.cli_parser import build_parser
+
+COMMANDS = ("generate", "run", "build", "inspect", "graph-diff")
+
+
+def _parsers():
+    parser = build_parser(dict.fromkeys(("generate", "build", "inspect", "graph-diff"), lambda args: 0))
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+def test_every_flag_of_every_command_has_help():
+    parser, commands = _parsers()
+    assert set(commands) == set(COMMANDS)
+    for name, p in [("draftgraph", parser), *commands.items()]:
+        for action in p._actions:
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help != argparse.SUPPRESS and action.help.strip(), f"{what} has no help"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"draftgraph {dg.__version__} (torch ")
+
+
+def test_defaults_are_auto_and_the_new_flags_reach_the_config():
+    from draftgraph.cli import _config
+
+    parser, _ = _parsers()
+    for command in ("generate", "build", "inspect"):
+        args = parser.parse_args([command] + (["--out", "x"] if command != "generate" else []))
+        assert args.mode == "auto" and args.gpu_memory_utilization is None
+    args = parser.parse_args(["generate", "--max-model-len", "128", "--gpu-memory-utilization", "0.5"])
+    config = _config(args)
+    assert config.mode == "auto" and config.max_model_len == 128 and config.gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
+        (["--top-p", "0"], r"top_p=0.0 must lie in (0, 1]"),
+        (["--top-k", "-2"], "top_k=-2 must be >= 1"),
+        (["--max-tokens", "0"], "max_tokens=0 must be at least 1"),
+        (["--num-prompts", "0"], "--num-prompts=0 must be at least 1"),
+        (["--max-num-seqs", "0"], "max_num_seqs=0 must be at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 must lie in (0, 1)"),
+        (["--block-size", "12"], "block_size=12 must be a power of two"),
+    ],
+)
+def test_bad_values_fail_before_anything_is_built(flags, message, capsys):
+    t0 = time.perf_counter()
+    assert main(["generate", *flags]) == 2
+    assert time.perf_counter() - t0 < 0.5  # no model built, nothing compiled
+    err = capsys.readouterr().err
+    assert err.startswith("draftgraph: error: ") and message in err
