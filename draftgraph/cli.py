@@ -30,6 +30,7 @@ def _config(args, **over):
         seed=args.seed,
         drafter_kind=args.drafter_kind,
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
+        compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
         compile_backend=args.compile_backend,
         use_cuda_graphs=not args.no_cuda_graphs,
         capture=args.capture,

@@ -9,7 +9,7 @@ import torch
 
 from draftgraph import envs
 
-MODES = ["auto", "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+MODES = ["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]  # CUDAGraphMode's values, and auto
 
 
 def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
@@ -67,7 +67,15 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         "graphs leave (default: 0.9 on CUDA unless --num-kv-blocks is set, off on the CPU; 0 = off)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in weights, prompts and sampling (default 0)")
-    p.add_argument("--capture-sizes", default="", help="comma-separated token counts (default: auto)")
+    p.add_argument(
+        "--capture-sizes", default="", help="PIECEWISE: comma-separated padded token counts with graphs (default: auto)"
+    )
+    p.add_argument(
+        "--compile-sizes",
+        default="",
+        help="comma-separated token counts that get an Inductor compile specialised to them, beside the one "
+        "symbolic-size compile of every piece (default: none)",
+    )
     p.add_argument(
         "--compile-backend",
         default="inductor",

@@ -58,13 +58,19 @@ def test_fused_loop_equals_step_by_step_and_none(target, kind):
 
     c = fused.compiled.counters
     # One trace per loop variant (greedy, sampled), whatever the batch size; the loop graph holds all K
-    # forwards: K x (drafter attention layers) attention ops, one more compute piece than that.
+    # forwards: K x (drafter attention layers) attention ops. Split points around each drafter call make
+    # its pieces the drafter's own (layers + 1 per call, compiled once for the drafter and shared); between
+    # calls one piece chooses the token and advances the metadata (K of them, the last stacks the drafts);
+    # one piece before the first call holds the input checks: 1 + K x (layers + 2) compute pieces.
     assert c.traces["draft_loop"] == 2 and c.traces["target"] == 1
     layers = drafter.num_kv_layers
+    drafter_keys = {p.key for _, split in fused.compiled.drafter.backend.traces for p in split.compute_pieces}
     for gm, split in fused.compiled.loop_backend.traces:
         attn = [n for n in gm.graph.nodes if "paged_attention" in str(n.target)]
         assert len(attn) == K * layers
-        assert len(split.compute_pieces) == K * layers + 1
+        assert len(split.compute_pieces) == 1 + K * (layers + 2)
+        shared = [p for p in split.compute_pieces if p.key in drafter_keys]
+        assert len(shared) == K * (layers + 1)  # every drafter piece in the loop reuses the drafter's compile
     hits = fused.stats()["dispatch"]
     q = K + 1 if kind != "draft_model" else K + 2
     loop_hits = sum(v for key, v in hits.items() if key.startswith(f"drafter/loop/q{q}/") and key.endswith("/greedy"))

@@ -1,9 +1,11 @@
 """PIECEWISE mode on the CPU (graphs off, same code path): structure, numerics and losslessness.
 
-Piece counts: the target forward of an L-layer model has L attention ops, so splitting gives L+1
-compute pieces (embed..QKV of layer 0 | L-1 times o_proj..QKV of the next layer | o_proj..final norm)
-and L attention pieces. The L-1 middle pieces are identical up to their weights, so the unique count is
-3 for L >= 3 (first, middle, last), 2 for L = 1 (first, last: no middle).
+Piece counts: the target forward of an L-layer model has L attention ops and one piece boundary before its
+body (compiled_forward.py: the input checks Dynamo adds stay out of the body's pieces), so splitting gives
+L+2 compute pieces (input checks | embed..QKV of layer 0 | L-1 times o_proj..QKV of the next layer |
+o_proj..final norm) and L+1 split-op pieces. The L-1 middle pieces are identical up to their weights, so
+the unique count is 4 for L >= 3 (checks, first, middle, last), 3 for L = 1 (no middle). The checks piece
+computes no tensor: it runs as plain FX, no Inductor compile.
 """
 
 import os
@@ -40,28 +42,28 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
 
 
-@pytest.mark.parametrize("layers,unique", [(1, 2), (3, 3), (4, 3)])
+@pytest.mark.parametrize("layers,unique", [(1, 3), (3, 4), (4, 4)])
 def test_piece_counts(layers, unique):
     model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=layers))
     eng = dg.compile_model(model, None, cfg(0, backend="eager"))
     c = eng.compiled.counters
     split = eng.compiled.target.backend.traces[-1][1]  # the SplitGraph of the one trace
     assert c.traces["target"] == 1
-    assert c.pieces == layers + 1 and c.unique_pieces == unique  # derivation in the module docstring
-    assert len(split.pieces) == 2 * layers + 1 and sum(p.is_attention for p in split.pieces) == layers
-    assert [p.is_attention for p in split.pieces] == [i % 2 == 1 for i in range(2 * layers + 1)]
+    assert c.pieces == layers + 2 and c.unique_pieces == unique  # derivation in the module docstring
+    assert len(split.pieces) == 2 * layers + 3 and sum(p.is_attention for p in split.pieces) == layers + 1
+    assert [p.is_attention for p in split.pieces] == [i % 2 == 1 for i in range(2 * layers + 3)]
     assert not c.inductor_compiles
 
 
 def test_drafter_piece_counts(target):
-    # EAGLE: one decoder layer -> 2 compute pieces; EAGLE-3 traces twice (step 1 reads [T, 3H], later
-    # steps [T, H]) -> 2 x 2 pieces; a draft model of 2 layers -> 3 pieces.
-    for kind, traces, pieces in (("eagle", 1, 2), ("eagle3", 2, 4), ("draft_model", 1, 3)):
+    # EAGLE: one decoder layer -> 2 compute pieces and the input checks; EAGLE-3 traces twice (step 1 reads
+    # [T, 3H], later steps [T, H]) -> 2 x 3 pieces; a draft model of 2 layers -> 3 pieces and the checks.
+    for kind, traces, pieces in (("eagle", 1, 3), ("eagle3", 2, 6), ("draft_model", 1, 4)):
         eng = dg.compile_model(target, make_drafter(kind, target), cfg(3, backend="eager"))
         c = eng.compiled.counters
         eng.generate([[1, 2, 3], [4] * 20], dg.SamplingParams(max_tokens=6))  # steps 2..K trace too
         assert c.traces["drafter"] == traces, kind
-        assert c.pieces == 4 + pieces, kind  # the 3-layer target's 4 plus the drafter's
+        assert c.pieces == 5 + pieces, kind  # the 3-layer target's 5 plus the drafter's
 
 
 def test_no_retrace_across_twenty_batch_sizes(target):
@@ -77,9 +79,10 @@ def test_compiled_equals_eager_target_and_drafter(target):
     drafter = make_drafter("eagle", target)
     eng = dg.compile_model(target, drafter, cfg(3))
     c = eng.compiled.counters
-    # target: 4 pieces (3 unique), drafter 2 pieces (2 unique, EAGLE's fc makes its first piece its own);
-    # one Inductor compile each with the token count symbolic, whatever the number of capture sizes
-    assert c.unique_pieces == 5 and c.inductor_compiles == 5
+    # target: 5 pieces (4 unique: checks, first, middle, last), drafter 3 pieces (3 unique, EAGLE's fc makes
+    # its first piece its own); one Inductor compile each with the token count symbolic, whatever the number
+    # of capture sizes, except the two checks pieces, which compute no tensor (plain FX)
+    assert c.unique_pieces == 7 and c.inductor_compiles == 5
     spec, maxb = eng.runner.target_cache.spec, eng.config.max_blocks_per_req
     for t in (1, 3, 16, 50, 90):  # 90 > the largest size: the dynamic-shape pieces
         padded = eng.runner.dispatcher.padded_tokens(t)
@@ -111,7 +114,7 @@ def test_compiled_equals_eager_target_and_drafter(target):
         torch.testing.assert_close(outs["compiled"][0], outs["eager"][0], atol=2e-5, rtol=0)
         torch.testing.assert_close(outs["compiled"][1], outs["eager"][1], atol=2e-5, rtol=0)
     assert c.traces["target"] == 1 and c.traces["drafter"] == 1
-    assert c.dynamic_runs["target"] == 4  # t = 90: 4 compute pieces on their dynamic versions
+    assert c.dynamic_runs["target"] == 4  # t = 90: 4 compute pieces on their symbolic code (checks: host only)
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +182,11 @@ def test_full_mode_refuses_an_attention_without_graph_support(monkeypatch):
 
 def test_builtin_pair_compiles_each_unique_piece_once():
     """The built-in pair (6-layer target, the draft model truncated to its first 2 layers) in PIECEWISE with
-    eight capture sizes. Target: 7 compute pieces, 3 unique (first, middle, last). The draft model's 3
-    pieces (first, one middle, last) are the target's pieces on other weights: no compile of their own.
-    So 3 Inductor compiles, one per unique piece whatever the number of sizes (per-size compiling made
-    3 x (8 + 1) = 27), at most unique pieces + traced functions (3 + 2)."""
+    eight capture sizes. Target: 8 compute pieces, 4 unique (input checks, first, middle, last). The draft
+    model's 4 pieces (checks, first, one middle, last) are the target's pieces on other weights: no compile
+    of their own. The checks piece computes no tensor (plain FX). So 3 Inductor compiles, one per unique
+    piece whatever the number of sizes (per-size compiling made 3 x (8 + 1) = 27), at most unique pieces +
+    traced functions (4 + 2)."""
     from draftgraph.models.builtin import builtin_pair
 
     target, drafter = builtin_pair()
@@ -190,7 +194,7 @@ def test_builtin_pair_compiles_each_unique_piece_once():
     eng = dg.compile_model(target, drafter, cfg(3, capture_sizes=sizes))
     c = eng.compiled.counters
     assert dict(c.traces) == {"target": 1, "drafter": 1}
-    assert c.pieces == 7 + 3 and c.unique_pieces == 3 and c.inductor_compiles == 3
+    assert c.pieces == 8 + 4 and c.unique_pieces == 4 and c.inductor_compiles == 3
     assert c.inductor_compiles <= c.unique_pieces + sum(c.traces.values())
     assert set(eng.compiled.pieces.owner.values()) == {"target"}  # the drafter compiled nothing itself
     prompts = [[1, 2, 3, 4, 5], [7] * 30]
@@ -202,13 +206,14 @@ def test_builtin_pair_compiles_each_unique_piece_once():
 
 
 def test_compile_sizes_add_a_specialised_compile_per_listed_size():
-    """compile_sizes=(4,): the 1-layer model's 2 unique pieces get one symbolic compile each plus one
-    specialised to 4 tokens: 4 compiles. Both agree with eager (2e-5, float32)."""
+    """compile_sizes=(4,): the 1-layer model's 2 unique compute pieces get one symbolic compile each plus one
+    specialised to 4 tokens: 4 compiles (its input-checks piece computes no tensor: none). Both agree with
+    eager (2e-5, float32)."""
     model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=1))
     eng = dg.compile_model(model, None, cfg(0, capture_sizes=(4, 8), compile_sizes=(4,)))
     c = eng.compiled.counters
-    assert c.unique_pieces == 2 and c.inductor_compiles == 2 * (1 + 1)
-    assert all(set(p.per_size) == {4} for p in eng.compiled.pieces.compiled.values())
+    assert c.unique_pieces == 3 and c.inductor_compiles == 2 * (1 + 1)
+    assert sorted(len(p.per_size) for p in eng.compiled.pieces.compiled.values()) == [0, 1, 1]
     spec, maxb = eng.runner.target_cache.spec, eng.config.max_blocks_per_req
     for t in (3, 7):  # padded to 4 (the specialised code) and 8 (the symbolic code)
         n = eng.runner.dispatcher.padded_tokens(t)

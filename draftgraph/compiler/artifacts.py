@@ -163,7 +163,7 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
             )
         pieces = {}
         for key, cp in backend._compiled.items():
-            entry = {"multi_output": cp.multi_output, "graphable": cp.graphable, "per_size": {}, "dynamic": None}
+            entry = {"multi_output": cp.multi_output, "host_only": cp.host_only, "per_size": {}, "dynamic": None}
             for size, art in cp.per_size.items():
                 entry["per_size"][str(size)] = _save_piece(art, out / f"pieces/{fn_name}/{key}/{size}.bin")
             entry["dynamic"] = _save_piece(cp.dynamic, out / f"pieces/{fn_name}/{key}/dynamic.bin")
@@ -352,16 +352,16 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache:
 
             per_size = {int(s): load(f"pieces/{fn_name}/{key}/{s}.bin", k) for s, k in entry["per_size"].items()}
             dynamic = load(f"pieces/{fn_name}/{key}/dynamic.bin", entry["dynamic"])
-            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["graphable"])
+            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["host_only"])
         traces = [
             LoadedTrace(fn_name, decode_module(json.loads((root / t["graph"]).read_text())), t, pieces, ctx)
             for t in fn["traces"]
         ]
         loaded[fn_name] = (traces, len(pieces), sum(len(t["pieces"]) for t in fn["traces"]))
     counters = compiled.counters
-    for fn_name, (traces, unique, total) in loaded.items():
+    counters.unique_pieces += len({key for fn in manifest["functions"].values() for key in fn["pieces"]})
+    for fn_name, (traces, _unique, total) in loaded.items():
         counters.pieces += total
-        counters.unique_pieces += unique
         if fn_name == "draft_loop":
             variants = [t["variant"] for t in manifest["functions"][fn_name]["traces"]]
             compiled.loops = tuple(

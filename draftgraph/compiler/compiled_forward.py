@@ -14,7 +14,8 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from draftgraph.compiler.piecewise import PiecewiseBackend
-from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.models.attention.op import mark_piece_boundary
 
 
 def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) -> None:
@@ -29,6 +30,16 @@ def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) 
 _serial = itertools.count()
 
 
+def _tensor_inputs(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, AttentionMetadata):
+            out += [getattr(a, f) for f in META_FIELDS]
+    return out
+
+
 def own_entry_point(fn, name: str):
     """A call-through to `fn` with a code object of its own. Dynamo caches compiled code per code
     object, so compiling `model.forward` directly would pile every engine's entries onto the one
@@ -36,6 +47,10 @@ def own_entry_point(fn, name: str):
     entries belong to one engine and are freed with it."""
 
     def entry(*args, **kwargs):
+        # A split point before the function body: the batch-dim checks Dynamo adds at the inputs land in a
+        # piece of their own, so the body's pieces are the same as where the body is traced inside another
+        # function (the drafter inside the fused draft loop) and share its compiled code.
+        mark_piece_boundary(*_tensor_inputs(args))
         return fn(*args, **kwargs)
 
     code = entry.__code__.replace(co_name=f"{name}_{next(_serial)}")

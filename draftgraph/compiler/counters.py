@@ -19,6 +19,7 @@ class CompileCounters:
     compiled_runs: Counter = field(default_factory=Counter)  # key "fn/size" -> piece runs without a graph
     dynamic_runs: Counter = field(default_factory=Counter)  # key "fn" -> piece runs past the captured sizes
     compile_seconds: float = 0.0
+    piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
     static_buffer_bytes: int = 0  # input buffers graphs copy into before replay (activations only)
@@ -34,6 +35,7 @@ class CompileCounters:
             "compiled_runs": dict(self.compiled_runs),
             "dynamic_runs": dict(self.dynamic_runs),
             "compile_seconds": round(self.compile_seconds, 2),
+            "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
             "capture_seconds": round(self.capture_seconds, 2),
             "graph_memory_bytes": self.graph_memory_bytes,
             "static_buffer_bytes": self.static_buffer_bytes,

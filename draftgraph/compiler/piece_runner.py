@@ -24,12 +24,14 @@ class PieceRunner(nn.Module):
         self.size_at = tuple(size_at)
 
     def forward(self, *args):
-        size = self._size(args)
         ctx, compiled = self.ctx, self.compiled
+        if compiled.host_only:  # size checks only: no kernel to graph or count
+            return compiled.dynamic(*args)
+        size = self._size(args)
         if size is None or size not in ctx.capture_sizes:
             ctx.counters.dynamic_runs[self.fn_name] += 1
             out = compiled.dynamic(*args)
-        elif compiled.graphable and ctx.wants_piece_graph(size):
+        elif ctx.wants_piece_graph(size):
             key = GraphKey.piecewise(self.fn_name, size, self.piece.index)
             out = ctx.run_piece(key, compiled.for_size(size), list(args))
         else:
@@ -48,6 +50,20 @@ class PieceRunner(nn.Module):
 
 
 def _size_locator(placeholders, token) -> tuple[str, int]:
+    """Where a call's token count is read from: ("int", i) / ("shape", i), or ("none", -1) when the piece's
+    shapes follow anything else too (the request count): such a piece runs its code, never a graph keyed by
+    the token count alone."""
+    free = set()
+    for n in placeholders:
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.SymInt):
+            free |= ev.node.expr.free_symbols
+        elif isinstance(ev, torch.Tensor):
+            for d in (*ev.shape, *ev.stride()):
+                if isinstance(d, torch.SymInt):
+                    free |= d.node.expr.free_symbols
+    if token is None or not free <= {token}:
+        return ("none", -1)
     for i, n in enumerate(placeholders):
         ev = n.meta.get("example_value")
         if isinstance(ev, torch.SymInt) and ev.node.expr == token:

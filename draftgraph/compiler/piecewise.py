@@ -35,9 +35,7 @@ class CompiledPiece:
     per_size: dict[int, Callable]
     dynamic: Callable
     multi_output: bool
-    # Its inputs' shapes depend on the token count alone, so a CUDA graph per token count is valid (a
-    # piece whose shapes also follow the request count runs its code, never a graph).
-    graphable: bool = True
+    host_only: bool = False  # computes no tensor (the input checks Dynamo adds): no kernel, never a graph
 
     def for_size(self, size: int) -> Callable:
         return self.per_size.get(size, self.dynamic)
@@ -99,8 +97,10 @@ class PiecewiseBackend:
         )
         with _cache_dir(self.cache_dir):
             for p in todo:
+                t1 = time.perf_counter()
                 self.shared.compiled[p.key] = self._compile(p, token, bar)
                 self.shared.owner[p.key] = self.fn_name
+                counters.piece_compile_seconds[f"{self.fn_name}/{p.name}/{p.key[:8]}"] = time.perf_counter() - t1
         bar.close()
         for p in pieces:
             self._compiled[p.key] = self.shared.compiled[p.key]
@@ -126,8 +126,10 @@ class PiecewiseBackend:
         multi = _returns_tuple(gm)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
         graphable = _only_depends_on(fakes, token)
-        if self.compile_backend == "eager":
-            return CompiledPiece({}, gm, multi, graphable)
+        host_only = no_tensor_work(gm)
+        if self.compile_backend == "eager" or host_only:  # plain FX: nothing for Inductor to do
+            bar.update(len(self.compile_sizes) + 1 if self.compile_backend == "inductor" else 0)
+            return CompiledPiece({}, gm, multi, host_only)
         from torch._inductor import standalone_compile
 
         per_size = {}
@@ -142,7 +144,7 @@ class PiecewiseBackend:
         dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
         self.ctx.counters.inductor_compiles += 1
         bar.update(1)
-        return CompiledPiece(per_size, dynamic, multi, graphable)
+        return CompiledPiece(per_size, dynamic, multi)
 
 
 def _recorded(backend: PiecewiseBackend, index: int, module):
@@ -209,6 +211,15 @@ def concrete_inputs(fakes, token, size: int) -> list:
         else:
             out.append(v)
     return out
+
+
+def no_tensor_work(gm: fx.GraphModule) -> bool:
+    """A piece that computes no tensor (only the size checks Dynamo puts at a function's inputs)."""
+    return not any(
+        n.op in ("call_function", "call_method", "call_module")
+        and isinstance(n.meta.get("example_value"), torch.Tensor)
+        for n in gm.graph.nodes
+    )
 
 
 def _returns_tuple(gm: fx.GraphModule) -> bool:

@@ -45,12 +45,15 @@ def summarize_trace(gm, split) -> tuple[dict, dict[str, str]]:
     syms = SymbolNames()
     texts = {"graph": graph_text(gm)}
     inputs, outputs = io_shapes(gm, syms)
+    from draftgraph.compiler.piecewise import no_tensor_work
+
     pieces = []
+    work = [p for p in split.compute_pieces if not no_tensor_work(p.graph)]  # the pieces with kernels
     for p in split.pieces:
         pin, pout = io_shapes(p.graph, syms)
         entry = {
             "index": p.index,
-            "kind": "attention" if p.is_attention else "compute",
+            "kind": _piece_kind(p, p in work),
             "ops": op_counts(p.graph),
             "inputs": pin,
             "outputs": pout,
@@ -65,10 +68,18 @@ def summarize_trace(gm, split) -> tuple[dict, dict[str, str]]:
         "inputs": inputs,
         "outputs": outputs,
         "pieces": pieces,
-        "compute_pieces": len(split.compute_pieces),
-        "unique_compute_pieces": len(split.unique_keys),
+        "compute_pieces": len(work),
+        "unique_compute_pieces": len({p.key for p in work}),
     }
     return summary, texts
+
+
+def _piece_kind(piece, has_work: bool) -> str:
+    """attention / boundary (the no-op split point) / checks (input size checks, no kernel) / compute."""
+    if piece.is_attention:
+        ops = [n.target for n in piece.graph.graph.nodes if n.op == "call_function"]
+        return "boundary" if any("piece_boundary" in str(t) for t in ops) else "attention"
+    return "compute" if has_work else "checks"
 
 
 class RecompileLog(logging.Handler):
@@ -179,9 +190,11 @@ def inspect_model(target, drafter, config, out_dir: str, workload=None) -> dict:
 def captures(rc, k: int, fn: str, compute_pieces: int, hidden_kind: bool, trace: int = 0) -> dict:
     """The CUDA graphs a CUDA run of this config captures for one traced function, per graph kind."""
     from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES
+    from draftgraph.compiler.cuda_graphs import StepShapes
 
     out = {}
-    first = k + 1 if hidden_kind else k + 2
+    shapes = StepShapes(k, hidden_kind)
+    first = shapes.first_draft
     if fn == "draft_loop":  # the fused loop: FULL graphs only, one per request count and variant
         variant = ("greedy", "sample")[min(trace, 1)]
         return {"FULL": {"request_counts": list(rc.full_capture_sizes), "first_query_len": first, "variant": variant}}
@@ -190,8 +203,9 @@ def captures(rc, k: int, fn: str, compute_pieces: int, hidden_kind: bool, trace:
     if rc.mode in FULL_MODES:
         # verify: 1 + K per request; a drafter's first step: 1 + K (hidden-state drafters) or K + 2 (a draft
         # model), its later steps 1; without a drafter, plain decode: 1
-        drafter_qs = [1] if rc.fuse_draft_loop else [first, 1]  # fused: the first step lives in the loop
-        qs = ([k + 1] if fn == "target" else drafter_qs) if k else [1]
+        later = shapes.later_draft
+        drafter_qs = [later] if rc.fuse_draft_loop else [first, later]  # fused: the first step lives in the loop
+        qs = ([shapes.verify] if fn == "target" else drafter_qs) if k else [later]
         out["FULL"] = {"request_counts": list(rc.full_capture_sizes), "query_lens": qs}
     return out
 

@@ -39,7 +39,7 @@ class Piece:
 
     index: int
     name: str  # the submodule's attribute name in the split graph ("submod_N")
-    is_attention: bool
+    is_attention: bool  # a split-op piece (attention, or a piece boundary): runs as is, never compiled
     graph: fx.GraphModule
     key: str  # structural hash: identical layers share a key (and one compiled artifact)
 
@@ -72,10 +72,6 @@ def token_symbol(gm: fx.GraphModule):
 
 def split_at_attention(gm: fx.GraphModule) -> SplitGraph:
     targets = splitting_targets()
-    try:
-        token = token_symbol(gm)
-    except ValueError:  # a static-shape graph (inspection of plain functions): nothing to rename
-        token = None
     part, assignment, attention_parts = 0, {}, set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -94,14 +90,15 @@ def split_at_attention(gm: fx.GraphModule) -> SplitGraph:
             continue
         sub = getattr(split, node.target)
         index = int(node.target.split("_")[-1])
-        pieces.append(Piece(index, node.target, index in attention_parts, sub, structural_key(sub, token)))
+        pieces.append(Piece(index, node.target, index in attention_parts, sub, structural_key(sub)))
     return SplitGraph(split, tuple(pieces))
 
 
-def structural_key(gm: fx.GraphModule, token=None) -> str:
+def structural_key(gm: fx.GraphModule) -> str:
     """Hash of a graph's structure with names removed: ops, targets, argument wiring, input shapes and
-    strides. Symbols are renamed (the token count "T", others by first appearance), so identical pieces
-    of different traces (a target and the draft model truncated from it) share one key."""
+    strides. Symbols are renamed by first appearance, so identical pieces of different traces (a target and
+    the draft model truncated from it; the drafter inside the fused loop) share one key and one compile.
+    (Whether a piece's graphs are keyed by the token count is decided per use: piece_runner.py.)"""
     ids, names = {}, {}
 
     def sym(d) -> str:
@@ -111,7 +108,7 @@ def structural_key(gm: fx.GraphModule, token=None) -> str:
         sub = {}
         for s in sorted(expr.free_symbols, key=str):
             if s not in names:
-                names[s] = "T" if s == token else f"s{len(names)}"
+                names[s] = f"s{len(names)}"
             sub[s] = names[s]
         return str(expr.xreplace({s: sympy.Symbol(n) for s, n in sub.items()}))
 

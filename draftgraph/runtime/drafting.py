@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.models.attention.op import mark_piece_boundary
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.sampler import SALT_DRAFT, SamplingTensors, probabilities, sample_from_probs
 
@@ -115,7 +116,11 @@ def fused_loop_fn(drafter: Drafter, choose: Chooser, k: int, block_size: int):
                  query_start_loc, sample_rows, valid, slots, draft_probs, kv_caches, temperature=None, top_k=None,
                  top_p=None, seeds=None):  # fmt: skip
             def drafter_step(ids, pos, h, meta):
-                return drafter(ids, pos, h, meta, kv_caches)
+                # Split points around the drafter: its pieces inside the loop are its own (shared compiles).
+                mark_piece_boundary(ids, pos, h, *(getattr(meta, f) for f in META_FIELDS))
+                out = drafter(ids, pos, h, meta, kv_caches)
+                mark_piece_boundary(*out)
+                return out
 
             meta = AttentionMetadata(slot_mapping, token_req, token_kv_len, block_tables, seq_lens, query_start_loc)
             sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds) if sampled else None

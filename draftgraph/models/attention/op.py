@@ -17,7 +17,20 @@ from draftgraph.models.attention.mla import check_form, mla_forward
 from draftgraph.models.attention.reference import paged_attention_reference
 
 # The single list of ops the compiler splits graphs at (passes read it from here).
-SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention"]
+SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention", "draftgraph::piece_boundary"]
+
+
+@torch.library.custom_op("draftgraph::piece_boundary", mutates_args=("tensors",))
+def piece_boundary(tensors: list[torch.Tensor]) -> None:
+    """Does nothing to `tensors`: a split point. Around a module call inside a larger traced function (the
+    drafter's forward inside the fused draft loop) it makes the call's pieces exactly the module's own, so
+    they share its compiled code. Declared as mutating so that no pass drops it; it launches no kernel."""
+
+
+def mark_piece_boundary(*tensors) -> None:
+    """A split point over these tensors while Dynamo traces (eager callers pay nothing)."""
+    if torch.compiler.is_compiling():
+        piece_boundary([t for t in tensors if t is not None])
 
 
 @torch.library.custom_op("draftgraph::paged_attention", mutates_args=("k_cache", "v_cache"))
