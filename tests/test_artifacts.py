@@ -111,8 +111,8 @@ def test_each_mismatch_is_named(target, built, tmp_path, field, value):
 
 def test_a_real_config_change_is_caught(target, built):
     drafter, out, *_ = built
-    with pytest.raises(ArtifactError, match="config_hash: built for"):
-        dg.compile_model(target, drafter, cfg(num_speculative_tokens=2), artifacts=out, strict_artifacts=True)
+    with pytest.raises(ArtifactError, match=re.escape("config: num_speculative_tokens 3 != 4")):
+        dg.compile_model(target, drafter, cfg(num_speculative_tokens=4), artifacts=out, strict_artifacts=True)
     bigger = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=4))
     with pytest.raises(ArtifactError, match="target_hash: built for"):
         dg.compile_model(bigger, make_drafter("eagle3", bigger), cfg(), artifacts=out, strict_artifacts=True)
@@ -184,4 +184,4 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
         env=env,
         timeout=600,
     )
-    assert bad.returncode == 2 and "config_hash: built for" in bad.stderr
+    assert bad.returncode == 2 and "num_speculative_tokens 3 != 2" in bad.stderr
