@@ -140,25 +140,48 @@ def _tensor_call(kind: str, dim, where: str):
     return read
 
 
-def reader(steps):
-    """A function of the call's locals dict that follows the (validated) steps."""
-    validate(steps)
-    where = describe(steps)
-    fns = []
-    for kind, *a in steps[1:]:
-        if kind == "attr":
-            fns.append(operator.attrgetter(a[0]))
-        elif kind == "item":
-            fns.append(operator.itemgetter(a[0]))
-        else:
-            fns.append(_tensor_call(kind, a[0] if a else None, where))
-    first = steps[0][1]
+def _step_fn(kind: str, a: list, where: str):
+    if kind == "attr":
+        return operator.attrgetter(a[0])
+    if kind == "item":
+        return operator.itemgetter(a[0])
+    return _tensor_call(kind, a[0] if a else None, where)
 
-    def read(local: dict):
-        x = local[first]
-        for f in fns:
-            x = f(x)
-        return x
+
+def reader(steps):
+    """A function of the call's locals dict that follows one (validated) path."""
+    read_all = readers([steps])
+    return lambda local: read_all(local)[0]
+
+
+def readers(paths: list):
+    """A function of the call's locals dict returning every path's value, each (validated) path's prefix
+    shared with the others (a weight path walks `L['fn'].__self__._modules[...]` once per call, not once
+    per weight)."""
+    for steps in paths:
+        validate(steps)
+    slots: dict[tuple, int] = {}  # path prefix -> slot of its value
+    program = []  # (parent slot, step function, slot), in order: a parent is always computed first
+    leaves = []
+    for steps in paths:
+        prefix = (steps[0][1],)
+        if prefix not in slots:
+            slots[prefix] = len(slots)
+            program.append((None, steps[0][1], slots[prefix]))
+        for k in range(1, len(steps)):
+            key = prefix + (tuple(steps[k]),)
+            if key not in slots:
+                slots[key] = len(slots)
+                program.append((slots[prefix], _step_fn(steps[k][0], steps[k][1:], describe(steps)), slots[key]))
+            prefix = key
+        leaves.append(slots[prefix])
+    n = len(slots)
+
+    def read(local: dict) -> list:
+        values = [None] * n
+        for parent, f, slot in program:
+            values[slot] = local[f] if parent is None else f(values[parent])
+        return [values[i] for i in leaves]
 
     return read
 

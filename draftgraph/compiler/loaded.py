@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
-from draftgraph.compiler.input_paths import from_call_args, reader
+from draftgraph.compiler.input_paths import from_call_args, readers
 from draftgraph.compiler.piece_runner import GraphContext, PieceRunner
 
 
@@ -32,15 +32,12 @@ class LoadedTrace:
             runner = PieceRunner(fn_name, _PieceStub(i, p["name"]), compiled[p["key"]], None, ctx, p["size_at"])
             setattr(module, p["name"], runner)
         module.recompile()
-        self.readers = [reader(steps) for steps in record["inputs"]]
+        self.read_inputs = readers(record["inputs"])  # a function of the call's locals
         self.static_shapes = [None if s is None else tuple(s) for s in record["static_shapes"]]
         # The caller's tensors (not parameters): what tells this trace from another of the same function.
         self.check = [i for i, steps in enumerate(record["inputs"]) if from_call_args(steps)]
         self.leaf_map = record["leaf_map"]
         self.spec = pytree.treespec_loads(record["treespec"])
-
-    def read_inputs(self, local: dict) -> list:
-        return [read(local) for read in self.readers]
 
     def matches(self, inputs: list) -> bool:
         for i in self.check:
