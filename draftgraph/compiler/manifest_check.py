@@ -70,9 +70,8 @@ def check_functions(manifest: dict, needs: set[str]) -> None:
             _check_trace(f"function {name} trace {i}", trace, pieces, files)
         if name == "draft_loop":
             variants = [t.get("variant") for t in fn["traces"]]
-            for v in LOOP_VARIANTS:
-                if v not in variants:
-                    raise ManifestError(f"function draft_loop has no {v!r} trace (variants listed: {variants})")
+            if set(variants) != set(LOOP_VARIANTS):
+                raise ManifestError(f"function draft_loop has trace variants {variants}; it needs {LOOP_VARIANTS}")
 
 
 def _check_piece(where: str, fn_name: str, key, entry, files: dict) -> None:
@@ -80,6 +79,8 @@ def _check_piece(where: str, fn_name: str, key, entry, files: dict) -> None:
         raise ManifestError(f"{where}: the key is not a plain name")
     if not isinstance(entry, dict) or any(f not in entry for f in PIECE_FIELDS):
         raise ManifestError(f"{where}: an entry needs the fields {PIECE_FIELDS}")
+    if not isinstance(entry["multi_output"], bool):
+        raise ManifestError(f"{where}: multi_output {entry['multi_output']!r} is not true or false")
     per_size, dynamic = entry["per_size"], entry["dynamic"]
     if not isinstance(per_size, dict) or not all(isinstance(s, str) and s.isdigit() for s in per_size):
         raise ManifestError(f"{where}: per_size {per_size!r} does not map sizes to stored code")
