@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from draftgraph.compiler.artifacts import ArtifactError, load_functions, mismatches, read_manifest
+from draftgraph.compiler.artifacts import ArtifactError, check_artifacts, load_functions
 from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
 from draftgraph.models.drafters.base import Drafter
@@ -126,23 +126,17 @@ def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
     import time
 
     t0 = time.perf_counter()
-    try:
-        manifest = read_manifest(path)
-        diffs = mismatches(manifest, rc, model, draft)
-        if diffs:
-            raise ArtifactError(
-                f"artifacts in {path} were built for something else: "
-                + "; ".join(f"{k}: built for {a!r}, running {b!r}" for k, a, b in diffs)
-            )
-    except ArtifactError as e:
-        if strict:
-            raise
-        log.warning("%s; compiling instead", e)
-        return f"artifacts not used ({e}); compiled instead"
     fns = {"target": model.forward}
     if draft is not None:
         fns["drafter"] = draft.forward
     if compiled.loops is not None:
         fns["draft_loop"] = tuple(loop.loop_fn for loop in compiled.loops)
-    load_functions(path, manifest, compiled, fns)
+    try:
+        manifest = check_artifacts(path, rc, model, draft, needs=fns)
+        load_functions(path, manifest, compiled, fns)
+    except ArtifactError as e:
+        if strict:
+            raise
+        log.warning("%s; compiling instead", e)
+        return f"artifacts not used ({e}); compiled instead"
     return f"loaded compiled code from {path} in {time.perf_counter() - t0:.1f} s (no trace, no Inductor compile)"

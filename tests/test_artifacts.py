@@ -111,8 +111,8 @@ def test_each_mismatch_is_named(target, built, tmp_path, field, value):
 
 def test_a_real_config_change_is_caught(target, built):
     drafter, out, *_ = built
-    with pytest.raises(ArtifactError, match="config_hash: built for"):
-        dg.compile_model(target, drafter, cfg(num_speculative_tokens=2), artifacts=out, strict_artifacts=True)
+    with pytest.raises(ArtifactError, match=re.escape("config: num_speculative_tokens 3 != 4")):
+        dg.compile_model(target, drafter, cfg(num_speculative_tokens=4), artifacts=out, strict_artifacts=True)
     bigger = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, num_hidden_layers=4))
     with pytest.raises(ArtifactError, match="target_hash: built for"):
         dg.compile_model(bigger, make_drafter("eagle3", bigger), cfg(), artifacts=out, strict_artifacts=True)
@@ -124,7 +124,7 @@ def test_a_corrupted_file_is_never_run(target, built, tmp_path):
     drafter, out, manifest, ref, _ = built
     bad = str(tmp_path / "c")
     shutil.copytree(out, bad)
-    victim = next(f for f in sorted(manifest["files"]) if f.startswith("pieces/target/"))
+    victim = next(f for f in sorted(manifest["files"]) if f.startswith("pieces/"))
     with open(os.path.join(bad, victim), "r+b") as f:  # truncate one compiled piece
         f.truncate(os.path.getsize(os.path.join(bad, victim)) // 2)
     with pytest.raises(ArtifactError, match=re.escape(f"artifact file {victim} does not match its checksum")):
@@ -186,4 +186,4 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
         env=env,
         timeout=600,
     )
-    assert bad.returncode == 2 and "config_hash: built for" in bad.stderr
+    assert bad.returncode == 2 and "num_speculative_tokens 3 != 2" in bad.stderr

@@ -1,15 +1,22 @@
 """Ahead-of-time artifacts: build once (`draftgraph build`), start warm (`compile_model(..., artifacts=DIR)`).
 
 An artifact directory holds, per compiled function (target, drafter, the fused loop's two variants) and per
-Dynamo trace, the split graph, the input expressions and output layout (compiler/loaded.py), and each unique
-compute piece's compiled code for every capture size plus its dynamic version (Inductor's
-`CompiledArtifact`, or the FX graph with compile_backend="eager"); a JSON manifest; a readable summary.
+Dynamo trace, the split graph, the input paths and output layout (compiler/loaded.py); each unique compute
+piece's compiled code once, whichever functions share it: the symbolic-size version, plus one per listed
+`compile_sizes` entry (Inductor's `CompiledArtifact`, or the FX graph with compile_backend="eager" and for
+pieces that compute no tensor); a JSON manifest; a readable summary.
 
 The manifest records what the code was built for: draftgraph, torch, triton, CUDA and Python versions, the
-GPU architecture, hashes of the resolved config, of both model configs and of draftgraph's compiler, pass,
-model and runtime sources, the capture sizes and mode, and a SHA-256 per file. Loading checks every file's
-checksum before anything is read (a truncated or altered file is never run), then compares each field with
-the running setup: a difference is named, and the engine compiles from scratch, or stops when strict.
+GPU architecture, the resolved config's fields and their hash, hashes of both model configs and of
+draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file.
+Loading checks every file's checksum before anything is read (a truncated or altered file is never run),
+compares each field with the running setup, then the functions and pieces against what the engine needs
+(manifest_check.py): a difference is named, and the engine compiles from scratch, or stops when strict.
+
+Trust: the directory holds compiled code (Inductor's artifacts are pickles and shared libraries), so it
+must come from a source trusted like a checkpoint that contains pickles. What draftgraph itself reads is
+not evaluated: input paths are declared steps (input_paths.py) and graph call targets come from an
+allowlist (fx_allowlist.py).
 """
 
 from __future__ import annotations
@@ -28,10 +35,19 @@ from torch.utils import _pytree as pytree
 import draftgraph
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.fx_serialize import decode_module, encode_module
+from draftgraph.compiler.input_paths import InputPathError, parse_source
+from draftgraph.compiler.manifest_check import (
+    ManifestError,
+    check_directory,
+    check_functions,
+    check_trace_graph,
+    field_mismatches,
+    piece_file,
+)
 
 log = logging.getLogger("draftgraph")
 
-FORMAT = 1
+FORMAT = 2  # 2: input paths as declared steps (not expressions), the config's fields
 MANIFEST = "manifest.json"
 # Inductor's cache of a CPU build: the built .so files, which a CPU artifact does not bundle (without them
 # every load would re-run the C++ compiler). `draftgraph build` points Inductor here on the CPU only; a CUDA
@@ -64,11 +80,14 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def config_hash(rc) -> str:
+def config_fields(rc) -> dict[str, str]:
     """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
     skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason"}
-    fields = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
-    return _sha(json.dumps(fields, sort_keys=True).encode())[:16]
+    return {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
+
+
+def config_hash(rc) -> str:
+    return _sha(json.dumps(config_fields(rc), sort_keys=True).encode())[:16]
 
 
 def model_hash(model) -> str:
@@ -128,7 +147,7 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
         raise ArtifactError(f"{out_dir} is not empty; artifacts go into a new or empty directory")
     t0 = time.perf_counter()
     calls = _exercise(engine)  # every trace once, recording its graph outputs and the returned value
-    functions = {}
+    functions, saved = {}, {}
     for fn_name, backend in _backends(compiled).items():
         traces = []
         for i, rec in enumerate(backend.records):
@@ -142,16 +161,14 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
                 if not hits:
                     raise ArtifactError(f"{fn_name} trace {i} returns a value that is not one of its graph outputs")
                 leaf_map.append(hits[0])
-            bad = [s for s in rec["sources"] if s is None or not s.startswith("L[")]
-            if bad:
-                raise ArtifactError(f"{fn_name} trace {i} reads inputs from {bad[:3]}: only arguments are supported")
+            inputs = _input_paths(fn_name, i, rec["sources"])
             path = f"functions/{fn_name}.{i}.json"
             _save_split(rec["split"], out / path)
             traces.append(
                 {
                     "graph": path,
                     "variant": variant,  # the fused loop: "greedy" or "sample"
-                    "sources": rec["sources"],
+                    "inputs": inputs,
                     "static_shapes": rec["static_shapes"],
                     "leaf_map": leaf_map,
                     "treespec": pytree.treespec_dumps(spec),
@@ -163,18 +180,32 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
             )
         pieces = {}
         for key, cp in backend._compiled.items():
-            entry = {"multi_output": cp.multi_output, "host_only": cp.host_only, "per_size": {}, "dynamic": None}
-            for size, art in cp.per_size.items():
-                entry["per_size"][str(size)] = _save_piece(art, out / f"pieces/{fn_name}/{key}/{size}.bin")
-            entry["dynamic"] = _save_piece(cp.dynamic, out / f"pieces/{fn_name}/{key}/dynamic.bin")
-            pieces[key] = entry
+            if key not in saved:  # a piece shared by several functions is written once
+                entry = {"multi_output": cp.multi_output, "host_only": cp.host_only, "per_size": {}, "dynamic": None}
+                for size, art in cp.per_size.items():
+                    entry["per_size"][str(size)] = _save_piece(art, out / piece_file(fn_name, key, size))
+                entry["dynamic"] = _save_piece(cp.dynamic, out / piece_file(fn_name, key, "dynamic"))
+                saved[key] = entry
+            pieces[key] = saved[key]
         functions[fn_name] = {"traces": traces, "pieces": pieces, "backend": backend.compile_backend}
     fields = expected_fields(engine.config, engine.target, engine.drafter)
     files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
-    manifest = {**fields, "functions": functions, "files": files, "build_seconds": round(time.perf_counter() - t0, 2)}
+    manifest = {**fields, "config": config_fields(engine.config), "functions": functions, "files": files}
+    manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     (out / SUMMARY).write_text(summary_text(manifest))
     return manifest
+
+
+def _input_paths(fn_name: str, i: int, sources: list) -> list:
+    """Dynamo's source expressions as declared steps (input_paths.py); refused at build when outside them."""
+    out = []
+    for j, src in enumerate(sources):
+        try:
+            out.append(parse_source(src if isinstance(src, str) else repr(src)))
+        except InputPathError as e:
+            raise ArtifactError(f"{fn_name} trace {i} input {j}: {e}; only the call's arguments are supported") from e
+    return out
 
 
 def _backends(compiled) -> dict:
@@ -286,7 +317,13 @@ def read_manifest(path: str) -> dict:
         manifest = json.loads((root / MANIFEST).read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path}/{MANIFEST} is not valid JSON ({e}); rebuild the artifacts") from e
-    for rel, digest in manifest.get("files", {}).items():
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}/{MANIFEST} is not a JSON object; rebuild the artifacts")
+    try:
+        check_directory(root, manifest, skip=(CACHE, MANIFEST, SUMMARY))
+    except ManifestError as e:
+        raise ArtifactError(f"artifacts in {path}: {e}; rebuild the artifacts") from e
+    for rel, digest in manifest["files"].items():
         f = root / rel
         if not f.is_file():
             raise ArtifactError(f"artifact file {rel} is missing from {path}; rebuild the artifacts")
@@ -298,10 +335,18 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def mismatches(manifest: dict, rc, target, drafter) -> list[tuple[str, object, object]]:
-    """(field, built for, running now) for every field that differs."""
-    now = expected_fields(rc, target, drafter)
-    return [(k, manifest.get(k), v) for k, v in now.items() if manifest.get(k) != v]
+def check_artifacts(path: str, rc, target, drafter, needs) -> dict:
+    """The manifest of `path` when it matches the running setup and lists what the engine needs (`needs`:
+    its function names); otherwise ArtifactError naming every differing field, or the first bad entry."""
+    manifest = read_manifest(path)
+    diffs = field_mismatches(manifest, expected_fields(rc, target, drafter), config_fields(rc))
+    if diffs:
+        raise ArtifactError(f"artifacts in {path} were built for something else: " + "; ".join(diffs))
+    try:
+        check_functions(manifest, set(needs))
+    except ManifestError as e:
+        raise ArtifactError(f"artifacts in {path} do not match what the engine needs: {e}") from e
+    return manifest
 
 
 def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
@@ -334,6 +379,14 @@ class _LazyArtifact:
         return self.fn(*args)
 
 
+def _read_graph(root: Path, rel: str):
+    """A stored FX graph; a refused call target or malformed node is an ArtifactError naming the file."""
+    try:
+        return decode_module(json.loads((root / rel).read_text()))
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        raise ArtifactError(f"artifact graph {rel} was refused: {e}") from e
+
+
 def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache: Path | None) -> None:
     from draftgraph.compiler.loaded import LoadedFunction, LoadedTrace
     from draftgraph.compiler.piecewise import CompiledPiece
@@ -345,18 +398,21 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache:
         pieces = {}
         for key, entry in fn["pieces"].items():
 
-            def load(rel, kind):
-                if kind == "fx":
-                    return decode_module(json.loads((root / rel).read_text()))
-                return _LazyArtifact(root / rel, cache)
+            def load(size, kind, fn_name=fn_name, key=key):
+                rel = piece_file(fn_name, key, size)
+                return _read_graph(root, rel) if kind == "fx" else _LazyArtifact(root / rel, cache)
 
-            per_size = {int(s): load(f"pieces/{fn_name}/{key}/{s}.bin", k) for s, k in entry["per_size"].items()}
-            dynamic = load(f"pieces/{fn_name}/{key}/dynamic.bin", entry["dynamic"])
+            per_size = {int(s): load(s, k) for s, k in entry["per_size"].items()}
+            dynamic = load("dynamic", entry["dynamic"]) if entry["dynamic"] is not None else None
             pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["host_only"])
-        traces = [
-            LoadedTrace(fn_name, decode_module(json.loads((root / t["graph"]).read_text())), t, pieces, ctx)
-            for t in fn["traces"]
-        ]
+        traces = []
+        for i, t in enumerate(fn["traces"]):
+            module = _read_graph(root, t["graph"])
+            try:
+                check_trace_graph(module, t)
+                traces.append(LoadedTrace(fn_name, module, t, pieces, ctx))
+            except (ManifestError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise ArtifactError(f"function {fn_name} trace {i} ({t['graph']}): {e}; rebuild the artifacts") from e
         loaded[fn_name] = (traces, len(pieces), sum(len(t["pieces"]) for t in fn["traces"]))
     counters = compiled.counters
     counters.unique_pieces += len({key for fn in manifest["functions"].values() for key in fn["pieces"]})

@@ -1,11 +1,11 @@
 """A compiled function run from an artifact directory, without Dynamo or Inductor.
 
-Each Dynamo trace of a function is stored as its split graph (pieces as FX graphs), the Python expression
-each graph input was read from (over the entry point's locals `L`: `L['args'][0]`, `L['fn'].__self__...
-_parameters['weight']`, `L['args'][0].size()[0]`, ...), and how the function's return value is built
-from the graph's outputs. Loading swaps every compute piece for a `PieceRunner` over the loaded compiled
-code; a call evaluates the input expressions against the call's own arguments, so it reads the model's
-parameters and the caller's tensors exactly as the traced code did.
+Each Dynamo trace of a function is stored as its split graph (pieces as FX graphs), the path each graph
+input was read from (input_paths.py: steps over the entry point's locals, from Dynamo's `L['args'][0]`,
+`L['fn'].__self__..._parameters['weight']`, `L['args'][0].size()[0]`, ...), and how the function's return
+value is built from the graph's outputs. Loading swaps every compute piece for a `PieceRunner` over the
+loaded compiled code; a call follows the input paths from its own arguments (an interpreter of the declared
+steps, no eval), so it reads the model's parameters and the caller's tensors exactly as the traced code did.
 
 Where a function has several traces (EAGLE-3's drafter: hidden width 3H at step 1, H later), the call
 picks the trace whose static input shapes match, as Dynamo's guards did.
@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.input_paths import from_call_args, readers
 from draftgraph.compiler.piece_runner import PieceRunner
 
 
@@ -32,10 +33,10 @@ class LoadedTrace:
             runner = PieceRunner(fn_name, _PieceStub(i, p["name"]), compiled[p["key"]], None, ctx, p["size_at"])
             setattr(module, p["name"], runner)
         module.recompile()
-        self.read_inputs = eval("lambda L: [" + ", ".join(record["sources"]) + "]", {"torch": torch})  # noqa: S307
+        self.read_inputs = readers(record["inputs"])  # a function of the call's locals
         self.static_shapes = [None if s is None else tuple(s) for s in record["static_shapes"]]
         # The caller's tensors (not parameters): what tells this trace from another of the same function.
-        self.check = [i for i, src in enumerate(record["sources"]) if src.startswith(("L['args']", "L['kwargs']"))]
+        self.check = [i for i, steps in enumerate(record["inputs"]) if from_call_args(steps)]
         self.leaf_map = record["leaf_map"]
         self.spec = pytree.treespec_loads(record["treespec"])
 
