@@ -110,6 +110,8 @@ def cmd_generate(args) -> int:
 def print_report(s: dict) -> None:
     k = s["num_speculative_tokens"]
     print(f"\nsteps {s['steps']}, generated tokens {s['generated_tokens']}, wall {s['seconds']:.2f} s")
+    if s.get("preemptions"):
+        print(f"preemptions {s['preemptions']} (the KV cache ran out: requests were recomputed)")
     if k:
         total = max(1, s["verify_steps"])
         print(f"acceptance histogram (accepted drafts per verify step, K={k}):")

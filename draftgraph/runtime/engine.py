@@ -19,6 +19,7 @@ from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import Scheduler
 from draftgraph.runtime.step import RunnerShape, StepRunner
+from draftgraph.runtime.step_writes import StepWrites
 
 
 class Engine:
@@ -51,21 +52,13 @@ class Engine:
         dispatcher = Dispatcher(rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens)
         self.runner = StepRunner(target, drafter, shape, rc.device, dispatcher, self.shapes, compiled)
         self.scheduler = Scheduler(
-            rc.max_num_seqs, rc.max_num_batched_tokens, self.k, self.allocator, rc.block_size, rc.lookahead
+            rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
         )
         self._eos = frozenset(target.cfg.eos_token_ids)
         self._next_id = 0
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
-        self._stats = {
-            "steps": 0,
-            "verify_steps": 0,
-            "draft_tokens": 0,
-            "accepted_tokens": 0,
-            "generated_tokens": 0,
-            "acceptance_histogram": [0] * (self.k + 1),
-            "seconds": 0.0,
-        }
+        self.reset_stats()
 
     def warm_up(self, lazy: bool | None = None) -> str:
         """Compile every piece and (on CUDA) capture every graph, largest size first, or leave capture to the
@@ -88,6 +81,15 @@ class Engine:
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
         params = params or SamplingParams()
+        prompt = self._checked(prompt, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        req = Request(self._next_id, prompt, params, seed)
+        self._next_id += 1
+        self.scheduler.add(req)
+        return req.id
+
+    def _checked(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, or a ValueError naming what does not fit."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -100,11 +102,8 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len="
                 f"{self.config.max_model_len}; shorten the request or raise CompileConfig.max_model_len"
             )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        req = Request(self._next_id, prompt, params, seed)
-        self._next_id += 1
-        self.scheduler.add(req)
-        return req.id
+        self.scheduler.check_fits(len(prompt), params.max_tokens)
+        return prompt
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -112,6 +111,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
+        self._stats["preemptions"] += batch.num_preempted
         if batch.empty:
             return []
         t0 = time.perf_counter()
@@ -152,12 +152,17 @@ class Engine:
         arrival_steps: Sequence[int] | None = None,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; request i joins at step arrival_steps[i] (all at once by default)."""
+        """Generate for every prompt; request i joins at step arrival_steps[i] (all at once by default).
+        Every request is checked before any runs; `stats()` then reports this call alone."""
         n = len(prompts)
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
         arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
         if len(params) != n or len(arrivals) != n:
             raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
+        params = [p or SamplingParams() for p in params]
+        for prompt, p in zip(prompts, params):
+            self._checked(prompt, p)
+        self.reset_stats()
         order = sorted(range(n), key=lambda i: arrivals[i])
         ids: dict[int, int] = {}
         outputs: dict[int, RequestOutput] = {}
@@ -179,7 +184,24 @@ class Engine:
 
     # ---- reporting --------------------------------------------------------------------------------
 
+    def reset_stats(self) -> None:
+        """Start the runtime statistics afresh (generate() does at its start); compile counters stay."""
+        self._stats = {
+            "steps": 0,
+            "verify_steps": 0,
+            "draft_tokens": 0,
+            "accepted_tokens": 0,
+            "generated_tokens": 0,
+            "acceptance_histogram": [0] * (self.k + 1),
+            "preemptions": 0,
+            "seconds": 0.0,
+        }
+        self.runner.forwards.hits.clear()
+
     def stats(self) -> dict:
+        """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,
+        acceptance, tokens/s, preemptions, forwards per dispatch key. `compile` (when compiled) counts
+        since the engine was built: traces, compiles, captures and replays are the engine's, not a call's."""
         s = dict(self._stats)
         s["acceptance_histogram"] = list(s["acceptance_histogram"])
         s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0

@@ -104,9 +104,13 @@ class BlockTable:
         self.block_size = block_size
         self.blocks: list[int] = []
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks to allocate before the table holds `num_tokens` positions."""
+        return max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+
     def ensure_capacity(self, num_tokens: int) -> None:
-        needed = -(-num_tokens // self.block_size) - len(self.blocks)
-        if needed > 0:
+        needed = self.blocks_needed(num_tokens)
+        if needed:
             self.blocks.extend(self.allocator.allocate(needed))
 
     def release(self) -> None:

@@ -45,16 +45,19 @@ class RequestOutput:
 @dataclass
 class Request:
     """A request's host-side state. Target KV holds positions < num_computed; in decode the last token of
-    `tokens` has no KV yet and `drafts` holds the K proposals to verify next."""
+    `tokens` has no KV yet and `drafts` holds the K proposals to verify next. `tokens` (prompt, then
+    output) and `output` are appended to, never rebuilt: a request's bookkeeping is linear in its length."""
 
     id: int
     prompt: list[int]
     params: SamplingParams
     seed: int
-    slot: int = -1  # persistent per-request index into device buffers while running
+    slot: int = -1  # persistent per-request index into device buffers while running (or preempted)
     tokens: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # generated tokens, prompt excluded
     num_computed: int = 0
-    prefill_len: int = 0  # tokens to prefill before decoding starts
+    prefill_len: int = 0  # tokens to prefill before decoding starts (after a preemption: to recompute)
+    resumes_decode: bool = False  # preempted while decoding: prefill_len ends before the last token, no sampling
     drafts: list[int] = field(default_factory=list)
     block_table: BlockTable | None = None
     finish_reason: str | None = None
@@ -70,15 +73,11 @@ class Request:
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_len
 
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[len(self.prompt) :]
-
     def to_output(self) -> RequestOutput:
         return RequestOutput(
             self.id,
             list(self.prompt),
-            self.output,
+            list(self.output),
             self.finish_reason or "length",
             self.num_verify_steps,
             self.num_draft_tokens,
@@ -89,6 +88,7 @@ class Request:
         """Append emitted tokens up to max_tokens or the first stop token (kept in the output)."""
         for tok in new_tokens:
             self.tokens.append(tok)
+            self.output.append(tok)
             if tok in stop_ids:
                 self.finish_reason = "stop"
                 return

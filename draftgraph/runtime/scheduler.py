@@ -1,10 +1,18 @@
-"""Continuous batching: which requests run this step, and how many tokens each.
+"""Continuous batching: which requests run this step, how many tokens each, and their KV blocks.
 
 Every decoding request verifies its last token plus K drafts (K+1 tokens, or 1 without a drafter).
 Prompts are prefilled in chunks from what is left of the token budget: first the prompts already in
-progress, then new arrivals in order. A request is admitted only when a slot is free and its worst-case
-KV blocks (prompt + max_tokens + draft lookahead) can be allocated, so a running request never waits
-for memory (no preemption).
+progress, then new arrivals in order.
+
+KV blocks are allocated as sequences grow: before each step, every scheduled request gets the blocks this
+step may write (runtime/step_writes.py holds that worst case), a new arrival only those of its first
+chunk. When the cache runs out, the most recently admitted running requests not yet scheduled this step
+are preempted (vLLM's policy): their blocks are freed and they go back to the front of the waiting queue,
+to be recomputed (their generated tokens prefilled after the prompt). A request preempted while decoding
+keeps its last token and pending drafts, and its slot (the device buffers holding the drafts' sampling
+probabilities are indexed by it): its recomputation ends without sampling, and its next step verifies
+exactly the drafts it would have verified, so no output is lost, duplicated or changed. No new request is
+admitted in a step that preempted.
 """
 
 from __future__ import annotations
@@ -14,19 +22,23 @@ from dataclasses import dataclass
 
 from draftgraph.runtime.kv_cache import BlockAllocator, BlockTable
 from draftgraph.runtime.request import Request
+from draftgraph.runtime.step_writes import StepWrites
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     req: Request
     num_tokens: int
-    last: bool  # this chunk finishes the prompt: the step samples the request's next token
+    # This chunk finishes the prompt and the step samples the request's next token (False for the last chunk
+    # of a preempted decode's recomputation: its next token and drafts are known already).
+    last: bool
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     decodes: list[Request]  # each verifies 1 + K tokens
     prefills: list[ScheduledChunk]
+    num_preempted: int = 0  # requests preempted while scheduling this batch
 
     @property
     def empty(self) -> bool:
@@ -38,41 +50,76 @@ class Scheduler:
         self,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        num_speculative_tokens: int,
         allocator: BlockAllocator,
         block_size: int,
-        lookahead: int,
+        writes: StepWrites,
     ):
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
-        self.k = num_speculative_tokens
         self.allocator = allocator
         self.block_size = block_size
-        self.lookahead = lookahead  # KV positions a decode step may write past the accepted tokens
+        self.writes = writes
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
 
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse a request that could not run even alone in the cache."""
+        slots = self.writes.lifetime_slots(prompt_len, max_tokens)
+        blocks = -(-slots // self.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(
+                f"a request of {prompt_len} prompt tokens and max_tokens={max_tokens} needs {blocks} KV blocks of "
+                f"{self.block_size} tokens ({slots} positions with the speculative lookahead) at its longest, but "
+                f"the cache has {self.allocator.num_blocks}; raise CompileConfig.num_kv_blocks (or "
+                f"gpu_memory_utilization), or shorten the prompt / lower max_tokens"
+            )
+
     def add(self, req: Request) -> None:
+        self.check_fits(len(req.prompt), req.params.max_tokens)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        decodes = [r for r in self.running if not r.prefilling]
-        budget = self.budget - len(decodes) * (self.k + 1)
+        scheduled: set[int] = set()  # id() of requests given their blocks this step
+        preempted: set[int] = set()
+        budget = self.budget
+        decodes = []
+        for r in list(self.running):
+            if r.prefilling or id(r) in preempted:
+                continue
+            if self._grow(r, self.writes.slots(r.num_computed, self.writes.decode_rows, True), scheduled, preempted):
+                decodes.append(r)
+                budget -= self.writes.decode_rows
         prefills = []
-        for r in self.running:
-            if r.prefilling and budget > 0:
-                prefills.append(self._chunk(r, budget))
-                budget -= prefills[-1].num_tokens
-        while self.waiting and budget > 0 and self._free_slots and self._try_admit(self.waiting[0]):
-            r = self.waiting.popleft()
-            self.running.append(r)
-            prefills.append(self._chunk(r, budget))
-            budget -= prefills[-1].num_tokens
-        return ScheduledBatch(decodes, prefills)
+        for r in list(self.running):  # requests preempted above have left the list
+            if budget <= 0:
+                break
+            if not r.prefilling or id(r) in scheduled or id(r) in preempted:
+                continue
+            n, samples = self._chunk_size(r, budget)
+            if self._grow(r, self.writes.slots(r.num_computed, n, samples), scheduled, preempted):
+                prefills.append(ScheduledChunk(r, n, samples))
+                budget -= n
+        while not preempted and self.waiting and budget > 0:
+            r = self.waiting[0]
+            if r.slot < 0 and not self._free_slots:
+                break
+            n, samples = self._chunk_size(r, budget)
+            table = r.block_table or BlockTable(self.allocator, self.block_size)
+            slots = self.writes.slots(r.num_computed, n, samples)
+            if table.blocks_needed(slots) > self.allocator.num_free:
+                break  # running requests are never preempted for a new one
+            r.block_table = table
+            table.ensure_capacity(slots)
+            if r.slot < 0:
+                r.slot = self._free_slots.pop()
+            self.running.append(self.waiting.popleft())
+            prefills.append(ScheduledChunk(r, n, samples))
+            budget -= n
+        return ScheduledBatch(decodes, prefills, len(preempted))
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
@@ -80,22 +127,32 @@ class Scheduler:
         self._free_slots.append(req.slot)
         req.slot = -1
 
-    def _chunk(self, r: Request, budget: int) -> ScheduledChunk:
+    def _chunk_size(self, r: Request, budget: int) -> tuple[int, bool]:
+        """Tokens of r's prompt to prefill now, and whether the step then samples its next token."""
         n = min(r.prefill_len - r.num_computed, budget)
-        return ScheduledChunk(r, n, r.num_computed + n == r.prefill_len)
+        return n, r.num_computed + n == r.prefill_len and not r.resumes_decode
 
-    def _try_admit(self, r: Request) -> bool:
-        need = len(r.prompt) + r.params.max_tokens + self.lookahead
-        blocks = -(-need // self.block_size)
-        if blocks > self.allocator.num_free:
-            if not self.running:
-                raise RuntimeError(
-                    f"request {r.id} needs {blocks} KV blocks (prompt {len(r.prompt)} + max_tokens "
-                    f"{r.params.max_tokens} + lookahead {self.lookahead}) but the cache has only "
-                    f"{self.allocator.num_blocks}; raise num_kv_blocks or lower max_tokens"
-                )
-            return False
-        r.block_table = BlockTable(self.allocator, self.block_size)
-        r.block_table.ensure_capacity(need)
-        r.slot = self._free_slots.pop()
+    def _grow(self, r: Request, slots: int, scheduled: set[int], preempted: set[int]) -> bool:
+        """Give r blocks for `slots` positions, preempting the latest admitted running requests not scheduled
+        this step while the cache is short; False when r itself had to go."""
+        need = r.block_table.blocks_needed(slots)
+        while need > self.allocator.num_free:
+            # r is running and unscheduled, so there is always a victim: r itself at the latest.
+            victim = next(v for v in reversed(self.running) if id(v) not in scheduled)
+            self._preempt(victim)
+            preempted.add(id(victim))
+            if victim is r:
+                return False
+        r.block_table.ensure_capacity(slots)
+        scheduled.add(id(r))
         return True
+
+    def _preempt(self, r: Request) -> None:
+        """Free r's blocks and put it at the front of the waiting queue for recomputation; it keeps its slot."""
+        self.running.remove(r)
+        r.block_table.release()
+        if not r.prefilling:  # decoding: recompute all but the last token, which the next verify feeds
+            r.prefill_len = len(r.tokens) - 1
+            r.resumes_decode = True
+        r.num_computed = 0
+        self.waiting.appendleft(r)
