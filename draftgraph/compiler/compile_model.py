@@ -16,6 +16,7 @@ from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.engine import Engine
+from draftgraph.runtime.text import resolve_tokenizer
 
 log = logging.getLogger("draftgraph")
 
@@ -51,14 +52,20 @@ def compile_model(
     config: CompileConfig | None = None,
     artifacts: str | None = None,
     strict_artifacts: bool = False,
+    tokenizer: Any = None,
 ) -> Engine:
     """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None).
 
     `artifacts`: a directory written by `draftgraph build` (compiler/artifacts.py). Its compiled code is
     loaded without tracing or compiling; only CUDA graph capture remains. When it was built for something
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
-    reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`."""
+    reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`.
+
+    `tokenizer`: a transformers tokenizer, a directory holding one, False for none, or None (default): the
+    one saved beside a target checkpoint, if any. With one, `generate` takes text prompts and outputs carry
+    `.text` (runtime/text.py)."""
     config = config or CompileConfig()
+    tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     max_pos = getattr(getattr(target, "cfg", None), "max_position_embeddings", None)
     if max_pos is None and hasattr(target, "config"):
         max_pos = getattr(target.config, "max_position_embeddings", None)
@@ -101,6 +108,7 @@ def compile_model(
         rc = replace(rc, num_kv_blocks=plan.num_blocks)
     engine = build(rc)
     engine.memory_plan = plan
+    engine.tokenizer = tok
     if compiled is not None:
         engine.warm_up_report = engine.warm_up()
     if plan is not None:
