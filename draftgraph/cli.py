@@ -10,6 +10,7 @@ import time
 import torch
 
 from draftgraph import envs
+from draftgraph.cli_text import add_text_arguments, cli_tokenizer, generate_text, stop_token_ids, text_prompts
 from draftgraph.compiler.artifacts import ArtifactError
 
 
@@ -95,16 +96,39 @@ def cmd_generate(args) -> int:
     import draftgraph as dg
 
     config = _config(args)
+    texts = text_prompts(args)  # prompts, stop ids and the tokenizer are checked before anything is built
+    stops = stop_token_ids(args)
+    tokenizer = cli_tokenizer(args, needed=bool(texts))
     print(f"config: {config}")
     target, drafter = _models(args)
     t0 = time.perf_counter()
-    engine = dg.compile_model(target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts)
+    engine = dg.compile_model(
+        target,
+        drafter,
+        config,
+        artifacts=args.artifacts,
+        strict_artifacts=args.strict_artifacts,
+        tokenizer=tokenizer,
+    )
     if engine.warm_up_report:
         print(engine.warm_up_report)
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}, device "
         f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
     )
+    if texts:
+        params = dg.SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            ignore_eos=args.ignore_eos,
+            stop_token_ids=stops,
+            seed=args.seed,
+        )
+        generate_text(engine, texts, params, args.stream)
+        print_report(engine.stats())
+        return 0
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.target.cfg.vocab_size
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
@@ -115,6 +139,7 @@ def cmd_generate(args) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         ignore_eos=True,
+        stop_token_ids=stops,
         seed=args.seed,
     )
     outputs = engine.generate(prompts, params, progress=True)
@@ -250,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
+        add_text_arguments(p)
         p.add_argument(
             "--strict-artifacts",
             action="store_true",
