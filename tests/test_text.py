@@ -122,6 +122,9 @@ def test_generation_config_eos_stops_like_transformers(ckpt, reference, tmp_path
     out = eng.generate([PROMPTS[0]], dg.SamplingParams(max_tokens=MAX))[0]
     assert out.token_ids == reference[0][: i_early + 1] and out.finish_reason == "stop"
     assert out.token_ids == hf_generate(d, out.prompt_token_ids, MAX)  # transformers reads the same file
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
+    assert set(CausalLM.from_hf(hf).cfg.eos_token_ids) == {late, never, early}  # a model object: its generation_config
+    assert dg.compile_model(hf, None, dg.CompileConfig(num_speculative_tokens=0, **NONE)).tokenizer is not None
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     # An int in generation_config.json, another in config.json: both stop (the union).
     d = with_eos(path, tmp_path / "both", late, config_eos=early)
