@@ -22,6 +22,7 @@ from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memo
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 from draftgraph.runtime.engine import Engine
 from draftgraph.runtime.memory import measure_and_plan
+from draftgraph.runtime.text import resolve_tokenizer
 
 log = logging.getLogger("draftgraph")
 
@@ -57,14 +58,20 @@ def compile_model(
     config: CompileConfig | None = None,
     artifacts: str | None = None,
     strict_artifacts: bool = False,
+    tokenizer: Any = None,
 ) -> Engine:
     """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None).
 
     `artifacts`: a directory written by `draftgraph build` (compiler/artifacts.py). Its compiled code is
     loaded without tracing or compiling; only CUDA graph capture remains. When it was built for something
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
-    reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`."""
+    reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`.
+
+    `tokenizer`: a transformers tokenizer, a directory holding one, False for none, or None (default): the
+    one saved beside a target checkpoint, if any. With one, `generate` takes text prompts and outputs carry
+    `.text` (runtime/text.py)."""
     config = config or CompileConfig()
+    tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
     check_checkpoints(target, drafter)
     tcfg = target_config(target, DTYPES.get(config.dtype))
@@ -112,6 +119,7 @@ def compile_model(
     else:
         engine = Engine(model, draft, rc, compiled)
     engine.memory_plan = plan
+    engine.tokenizer = tok
     if compiled is not None:
         engine.warm_up_report = engine.warm_up()
     if plan is not None:

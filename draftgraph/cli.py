@@ -9,6 +9,7 @@ import time
 import torch
 
 from draftgraph.cli_parser import build_parser
+from draftgraph.cli_text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
 from draftgraph.compiler.artifacts import ArtifactError
 
 
@@ -65,12 +66,16 @@ def cmd_generate(args) -> int:
 
     config = _config(args)
     # Checked before anything is built or compiled: a bad value fails in well under a second.
+    texts = text_prompts(args)  # text prompts, stop ids and the tokenizer too
+    stops = stop_token_ids(args)
+    tokenizer = cli_tokenizer(args, needed=bool(texts))
     params = dg.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        ignore_eos=True,
+        ignore_eos=args.ignore_eos or not texts,  # random prompts run to max_tokens
+        stop_token_ids=stops,
         seed=args.seed,
     )
     for name in ("num_prompts", "prompt_len"):
@@ -79,7 +84,9 @@ def cmd_generate(args) -> int:
     print(f"config: {config}")
     target, drafter = _models(args)
     t0 = time.perf_counter()
-    engine = dg.compile_model(target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts)
+    engine = dg.compile_model(
+        target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts, tokenizer=tokenizer
+    )
     if engine.warm_up_report:
         print(engine.warm_up_report)
     why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
@@ -87,6 +94,10 @@ def cmd_generate(args) -> int:
         f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}{why}, device "
         f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
     )
+    if texts:
+        generate_text(engine, texts, params, args.stream)
+        print_report(engine.stats())
+        return 0
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.target.cfg.vocab_size
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from draftgraph import envs
+from draftgraph.cli_text import add_text_arguments
 
 MODES = ["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]  # CUDAGraphMode's values, and auto
 
@@ -138,6 +139,7 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
         )
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default 1)")
         p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
+        add_text_arguments(p)
         p.add_argument(
             "--strict-artifacts",
             action="store_true",

@@ -15,6 +15,7 @@ from torch import nn
 
 from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
 from draftgraph.models.weights import (
     assign_weights,
@@ -122,6 +123,7 @@ class CausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device="cpu", attn_impl="reference") -> CausalLM:
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
+        cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
         return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl)
 
     @classmethod
@@ -129,4 +131,5 @@ class CausalLM(nn.Module):
         """From a transformers *ForCausalLM object in memory (weights copied by reference when possible)."""
         param = next(hf_model.parameters())
         cfg = ModelConfig.from_hf(hf_model.config, dtype=dtype or param.dtype)
+        cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, model_generation_eos(hf_model)))
         return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-
-from tqdm import tqdm
 
 from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import ResolvedConfig
@@ -20,11 +18,13 @@ from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import Scheduler
 from draftgraph.runtime.step import RunnerShape, StepRunner
 from draftgraph.runtime.step_writes import StepWrites
+from draftgraph.runtime.streaming import StreamDelta, stream_requests
+from draftgraph.runtime.text import decode_text, encode_prompt
 
 
 class Engine:
-    """Continuous batching around a StepRunner. Use `generate` for a list of prompts, or
-    `add_request` + `step` to drive it yourself."""
+    """Continuous batching around a StepRunner. Use `generate` for a list of prompts, `stream` to see their
+    tokens and text step by step, or `add_request` + `step` to drive it yourself."""
 
     def __init__(
         self,
@@ -54,7 +54,9 @@ class Engine:
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
         )
-        self._eos = frozenset(target.cfg.eos_token_ids)
+        self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
+        self.tokenizer = None  # set by compile_model when the target has one (runtime/text.py)
+        self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
         self._next_id = 0
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
@@ -79,24 +81,35 @@ class Engine:
 
     # ---- driving ----------------------------------------------------------------------------------
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The target's end-of-sequence ids (config.json and generation_config.json); a request stops at the
+        first one it emits unless SamplingParams.ignore_eos."""
+        return tuple(self.target.cfg.eos_token_ids)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a prompt (text when the engine has a tokenizer, or token ids); returns its request id."""
         params = params or SamplingParams()
         prompt = self._checked(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Request(self._next_id, prompt, params, seed)
+        req.stop_ids = (frozenset() if params.ignore_eos else self._eos) | frozenset(params.stop_token_ids)
         self._next_id += 1
         self.scheduler.add(req)
         return req.id
 
-    def _checked(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt as a list of ints, or a ValueError naming what does not fit."""
-        prompt = [int(t) for t in prompt]
+    def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ids (text encoded), or a ValueError naming what does not fit."""
+        prompt = encode_prompt(self.tokenizer, prompt)
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         vocab = self.target.cfg.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab}) and can never stop")
         if len(prompt) + params.max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len="
@@ -121,6 +134,7 @@ class Engine:
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
         done = []
+        self.last_step_tokens = []
         for i, req in enumerate(result.sampled):
             emitted = result.emitted[i]
             if i < len(result.accepted):  # a decode: the last token and `accepted` drafts now have KV
@@ -133,54 +147,56 @@ class Engine:
                 self._stats["draft_tokens"] += self.k
                 self._stats["accepted_tokens"] += a
                 self._stats["acceptance_histogram"][a] += 1
-            before = len(req.output)
-            stop = self._eos if not req.params.ignore_eos else frozenset()
-            req.append(emitted, stop | frozenset(req.params.stop_token_ids))
-            self._stats["generated_tokens"] += len(req.output) - before
+            before = len(req.tokens)
+            req.append(emitted, req.stop_ids)  # up to the first stop token; what follows it is dropped
+            self.last_step_tokens.append((req.id, req.tokens[before:]))
+            self._stats["generated_tokens"] += len(req.tokens) - before
             if self.step_log is not None:
                 self.step_log.append({"request": req.id, "verified": list(req.drafts), "emitted": list(emitted)})
             req.drafts = result.drafts[i]
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-                done.append(req.to_output())
+                out = req.to_output()
+                if self.tokenizer is not None:
+                    out.text = decode_text(self.tokenizer, out.token_ids)
+                done.append(out)
         return done
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[str | Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         arrival_steps: Sequence[int] | None = None,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; request i joins at step arrival_steps[i] (all at once by default).
-        Every request is checked before any runs; `stats()` then reports this call alone."""
+        """Generate for every prompt (text, with a tokenizer, or token ids); request i joins at step
+        arrival_steps[i] (all at once by default). Every request is checked before any runs; `stats()` then
+        reports this call alone. Outputs carry `.text` when the engine has a tokenizer."""
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for delta in self.stream(prompts, sampling, arrival_steps, progress, detokenize=False):
+            if delta.output is not None:
+                outputs[delta.index] = delta.output
+        return outputs
+
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        arrival_steps: Sequence[int] | None = None,
+        progress: bool = False,
+        detokenize: bool = True,
+    ) -> Iterator[StreamDelta]:
+        """Like `generate`, but yields each request's new tokens (and text) after every step it emits in:
+        `StreamDelta(index, request_id, token_ids, text, finish_reason, output)` (runtime/streaming.py).
+        Every request is checked before any runs, and `stats()` restarts."""
         n = len(prompts)
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
-        if len(params) != n or len(arrivals) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
         params = [p or SamplingParams() for p in params]
-        for prompt, p in zip(prompts, params):
-            self._checked(prompt, p)
+        if len(params) == n:
+            for prompt, p in zip(prompts, params):
+                self._checked(prompt, p)
         self.reset_stats()
-        order = sorted(range(n), key=lambda i: arrivals[i])
-        ids: dict[int, int] = {}
-        outputs: dict[int, RequestOutput] = {}
-        step, nxt = 0, 0
-        bar = tqdm(total=n, desc="generating", unit="req", disable=not progress)
-        while len(outputs) < n:
-            while nxt < n and arrivals[order[nxt]] <= step:
-                ids[self.add_request(prompts[order[nxt]], params[order[nxt]])] = order[nxt]
-                nxt += 1
-            if not self.has_unfinished():
-                step = arrivals[order[nxt]]  # idle until the next arrival
-                continue
-            for out in self.step():
-                outputs[ids[out.request_id]] = out
-                bar.update(1)
-            step += 1
-        bar.close()
-        return [outputs[i] for i in range(n)]
+        return stream_requests(self, prompts, params, arrival_steps, progress, detokenize)
 
     # ---- reporting --------------------------------------------------------------------------------
 

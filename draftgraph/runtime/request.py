@@ -29,6 +29,7 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 1 to keep the k likeliest tokens, or 0 (or -1) for off")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must lie in (0, 1]; 1 is off, e.g. 0.9 keeps the top 90% of mass")
+        check_stop_token_ids(self)
 
 
 @dataclass
@@ -36,10 +37,11 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens, prompt excluded
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str  # "length" (max_tokens reached) or "stop" (an eos or stop token, kept as the last id)
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    text: str | None = None  # token_ids decoded, special tokens skipped (None when the engine has no tokenizer)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     block_table: BlockTable | None = None
     finish_reason: str | None = None
+    stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) + stop_token_ids
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -95,3 +98,13 @@ class Request:
             if len(self.output) >= self.params.max_tokens:
                 self.finish_reason = "length"
                 return
+
+
+def check_stop_token_ids(params: SamplingParams) -> None:
+    """stop_token_ids: a list or tuple of ids >= 0, kept as a tuple (the params stay hashable)."""
+    ids = params.stop_token_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids={ids!r} must be a list of token ids, e.g. [2] or [2, 32000]")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"stop_token_ids={list(ids)} must hold token ids: ints >= 0")
+    object.__setattr__(params, "stop_token_ids", tuple(ids))  # frozen: a list given is kept as a tuple

@@ -1,0 +1,84 @@
+"""Streaming: a generator over an engine's steps that yields each request's new tokens and text.
+
+`Engine.generate` is this generator drained; `Engine.stream` hands it to the caller. A speculative step
+can emit several tokens of one request at once; they arrive as one delta, already cut at a stop token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from draftgraph.runtime.request import RequestOutput, SamplingParams
+from draftgraph.runtime.text import IncrementalDetokenizer, encode_prompt
+
+if TYPE_CHECKING:
+    from draftgraph.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one step added to one request."""
+
+    index: int  # the prompt's position in the list given to stream / generate
+    request_id: int
+    token_ids: list[int]  # the ids emitted in this step (one or more; the stop token, if any, is last)
+    text: str | None  # the text they complete (None without a tokenizer); the pieces add up to output.text
+    finish_reason: str | None = None  # "stop" or "length" on the request's last delta
+    output: RequestOutput | None = None  # the whole result, on the request's last delta
+
+
+def stream_requests(
+    engine: Engine,
+    prompts: Sequence[str | Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    arrival_steps: Sequence[int] | None = None,
+    progress: bool = False,
+    detokenize: bool = True,
+) -> Iterator[StreamDelta]:
+    """Run `engine` until every prompt finished, yielding a StreamDelta per request per step it emitted in.
+    Request i joins at step arrival_steps[i] (all at once by default). Every prompt is encoded (and a text
+    prompt without a tokenizer refused) before the first request starts. A caller that stops iterating
+    early leaves its unfinished requests in the engine."""
+    n = len(prompts)
+    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
+    if len(params) != n or len(arrivals) != n:
+        raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
+    encoded = [encode_prompt(engine.tokenizer, p) for p in prompts]
+    order = sorted(range(n), key=lambda i: arrivals[i])
+    index: dict[int, int] = {}  # request id -> prompt index (other requests in the engine are not ours)
+    detoks: dict[int, IncrementalDetokenizer] = {}
+    step, nxt, finished = 0, 0, 0
+    bar = tqdm(total=n, desc="generating", unit="req", disable=not progress)
+    try:
+        while finished < n:
+            while nxt < n and arrivals[order[nxt]] <= step:
+                i = order[nxt]
+                rid = engine.add_request(encoded[i], params[i])
+                index[rid] = i
+                if detokenize and engine.tokenizer is not None:
+                    detoks[rid] = IncrementalDetokenizer(engine.tokenizer)
+                nxt += 1
+            if not engine.has_unfinished():
+                step = arrivals[order[nxt]]  # idle until the next arrival
+                continue
+            done = {o.request_id: o for o in engine.step() if o.request_id in index}
+            for rid, new in engine.last_step_tokens:
+                if rid not in index:
+                    continue
+                out = done.get(rid)
+                text = None
+                if rid in detoks:
+                    text = detoks[rid].push(new)
+                    if out is not None:
+                        text += detoks.pop(rid).finish()
+                yield StreamDelta(index[rid], rid, new, text, out.finish_reason if out else None, out)
+            finished += len(done)
+            bar.update(len(done))
+            step += 1
+    finally:
+        bar.close()
