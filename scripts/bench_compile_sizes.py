@@ -43,6 +43,7 @@ def main():
         max_model_len=ctx + 64,
         device="cuda",
         progress=False,
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=graphed,
         full_capture_sizes=tuple(sizes),
     )

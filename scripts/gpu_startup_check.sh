@@ -9,7 +9,7 @@ tmp=$(mktemp -d)
 echo "== draftgraph generate --device cuda (no mode flag), empty Inductor / Triton caches"
 start=$(date +%s.%N)
 TORCHINDUCTOR_CACHE_DIR=$tmp/ind TRITON_CACHE_DIR=$tmp/tri python3 -m draftgraph generate --device cuda 2>&1 | tail -25
-echo "whole process: $(echo "$(date +%s.%N) - $start" | bc) s"
+echo "whole process: $(( $(date +%s) - ${start%.*} )) s"
 echo "== bench_startup"
 python3 scripts/bench_startup.py 2>&1 | tail -12
 echo "== bench_compile_sizes"
