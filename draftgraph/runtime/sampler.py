@@ -69,24 +69,47 @@ class SamplingTensors:
 
 
 def probabilities(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Processed probabilities [N, V] float32: temperature, then top-k, then top-p (greedy rows: one-hot)."""
+    """Processed probabilities [N, V] float32: temperature, then top-k, then top-p (greedy rows: one-hot).
+    Inside a compiled function it is one opaque op (`draftgraph::sampling_probs`): Inductor compiles the
+    code around it, and the sort over the vocabulary runs as ATen kernels (inside CUDA graphs all the same),
+    which spares each sampled draft-loop piece a long compile of its own."""
+    if torch.compiler.is_compiling():
+        return torch.ops.draftgraph.sampling_probs(logits, st.temperature, st.top_k, st.top_p)
+    return _probabilities(logits, st.temperature, st.top_k, st.top_p)
+
+
+def _probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
     logits = logits.float()
-    greedy = st.temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     logits = logits / temp[:, None]
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, vocab))
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
     drop = rank >= k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     # Keep the smallest prefix whose mass reaches top_p (top_p == 1 keeps everything, rounding aside).
-    drop |= (mass_before >= st.top_p[:, None]) & (st.top_p[:, None] < 1.0)
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(-1))
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+# Registering the op is this module's one import-time action (once per process, before any graph naming it
+# is traced or loaded from artifacts).
+@torch.library.custom_op("draftgraph::sampling_probs", mutates_args=())
+def _sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    return _probabilities(logits, temperature, top_k, top_p)
+
+
+@_sampling_probs.register_fake
+def _(logits, temperature, top_k, top_p):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
