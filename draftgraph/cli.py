@@ -22,7 +22,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="NONE", help="CUDA graph mode (default NONE)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention", default="auto", choices=["auto", "reference", "triton"])
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "reference", "triton"])
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)

@@ -41,7 +41,7 @@ class CompileConfig:
 
     mode: str = "NONE"
     num_speculative_tokens: int = 3
-    attention: str = "auto"  # "reference" | "triton" | "auto" (triton on CUDA, reference on CPU)
+    attention: str = "auto"  # "sdpa" | "reference" | "triton" | "auto" (triton on CUDA, sdpa on CPU)
     device: str = "auto"  # "cpu" | "cuda" | "auto"
     dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's, else float32)
     max_num_seqs: int = 16
