@@ -156,6 +156,18 @@ def test_sdpa_sliding_window_long_runs(window):
         torch.testing.assert_close(g.double().cpu(), w, atol=1e-5, rtol=0)
 
 
+def test_sdpa_chunks_through_a_mask_where_cpu_flash_is_absent(monkeypatch):
+    """Other devices (and a torch without the CPU flash op) run chunks after a prefix through a mask."""
+    import draftgraph.models.attention.sdpa as sdpa
+
+    monkeypatch.setattr(sdpa, "_CPU_FLASH", None)
+    shape = SHAPES["gqa4-d64-bs4"]
+    ref, _ = run_steps(shape, LONG_CASES["long-prefill-chunks"], "reference")
+    got, _ = run_steps(shape, LONG_CASES["long-prefill-chunks"], "sdpa")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+
+
 def test_sdpa_bf16_against_reference():
     shape = Shape(8, 2, 128, 16, torch.bfloat16)
     steps = CASES["mixed"] + LONG_CASES["long-prefill-chunks"]
