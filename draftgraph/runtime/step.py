@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.compiler.config import CUDAGraphMode
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
@@ -108,6 +109,7 @@ class StepRunner:
             getattr(self, "aux_layers", ()),
             full_target,
             full_drafter,
+            graph_mode=dispatcher.mode != CUDAGraphMode.NONE,
         )
         self.proposer = None
         if drafter is not None:
