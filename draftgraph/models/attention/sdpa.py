@@ -162,5 +162,6 @@ def _attend_short(q, k_cache, v_cache, block_tables, group, scale, window, out) 
     o = F.scaled_dot_product_attention(
         qb, keys, vals, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
     ).transpose(1, 2)  # [B, n_max, Hq, D]
-    real = torch.from_numpy(np.arange(n_max)[None, :] < np.array([e - s for s, e, _, _ in group])[:, None])
-    out[rows_t[real.to(device)]] = o[real.to(device)]
+    counts = np.array([e - s for s, e, _, _ in group])
+    real = torch.from_numpy(np.arange(n_max)[None, :] < counts[:, None]).to(device)  # [B, n_max]: not padding
+    out[rows_t[real]] = o[real]
