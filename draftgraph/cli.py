@@ -146,6 +146,9 @@ def print_report(s: dict) -> None:
     if s.get("dispatch") and s["mode"] != "NONE":
         hits = ", ".join(f"{key} {n}" for key, n in s["dispatch"].items())
         print(f"forwards by artifact ({s['fallbacks']} fallbacks without graphs): {hits}")
+        if s["fallbacks_by_key"]:
+            missed = ", ".join(f"{key} {n}" for key, n in s["fallbacks_by_key"].items())
+            print(f"fallbacks by dispatch key: {missed}")
 
 
 def cmd_build(args) -> int:

@@ -41,8 +41,8 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     p.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "reference", "triton"],
-        help="attention kernels (default auto: triton on CUDA, reference on the CPU)",
+        choices=["auto", "sdpa", "reference", "triton"],
+        help="attention kernels (default auto: triton on CUDA, sdpa on the CPU; reference is the oracle)",
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="most requests in one step (default 16)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="most tokens in one step (default 512)")

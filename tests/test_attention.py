@@ -1,4 +1,4 @@
-"""Paged attention: the reference against a dense per-request oracle, then Triton against the reference.
+"""Paged attention: the reference against a dense per-request oracle, then SDPA and Triton against the reference.
 
 On a CPU machine the Triton kernels run under TRITON_INTERPRET=1 (conftest.py); on the GPU machine the
 same file runs them on CUDA (python -m pytest tests/test_attention.py). Tolerances: float32 1e-5
@@ -32,7 +32,7 @@ class Shape:
 def run_steps(shape, steps, impl, seed=0, window=0):
     """steps: list of batches [(request id, new tokens)]. Returns outputs per step and the final cache."""
     gen = torch.Generator().manual_seed(seed)
-    runner = PagedRunner(shape, num_blocks=96, block_size=shape.block_size, device=DEVICE)
+    runner = PagedRunner(shape, num_blocks=128, block_size=shape.block_size, device=DEVICE)
     k_cache, v_cache = runner.cache.layers[0]
     outs = []
     for parts in steps:
@@ -104,6 +104,11 @@ CASES = {
     "verify-1+K": [[(0, 10), (1, 4)], [(0, 4), (1, 4)]],
     "mixed": [[(0, 11)], [(0, 1), (1, 9), (2, 4)], [(2, 1), (0, 4), (1, 1)]],
 }
+# Runs longer than sdpa.SHORT_RUN rows take SDPA's per-request path: a whole prefill (is_causal), chunks
+# after a cached prefix (a visibility mask), decode rows batched beside them.
+LONG_CASES = {
+    "long-prefill-chunks": [[(0, 40), (1, 20)], [(0, 24), (1, 1)], [(1, 18), (0, 1)]],
+}
 SHAPES = {
     "gqa4-d64-bs4": Shape(8, 2, 64, 4),
     "mha-d128-bs16": Shape(2, 2, 128, 16),
@@ -131,7 +136,49 @@ def test_triton_matches_reference(case, shape):
     assert torch.equal(got_cache[0], ref_cache[0]) and torch.equal(got_cache[1], ref_cache[1])
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(CASES) + list(LONG_CASES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_sdpa_matches_reference(case, shape):
+    steps = {**CASES, **LONG_CASES}[case]
+    ref, ref_cache = run_steps(SHAPES[shape], steps, "reference")
+    got, got_cache = run_steps(SHAPES[shape], steps, "sdpa")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+    assert torch.equal(got_cache[0], ref_cache[0]) and torch.equal(got_cache[1], ref_cache[1])
+
+
+@pytest.mark.parametrize("window", [5, 17, 64])  # inside a block, across blocks, past every key (no window)
+def test_sdpa_sliding_window_long_runs(window):
+    shape = SHAPES["gqa4-d64-bs4"]
+    steps = LONG_CASES["long-prefill-chunks"]
+    got, _ = run_steps(shape, steps, "sdpa", window=window)
+    for g, w in zip(got, dense_oracle(shape, steps, window=window)):
+        torch.testing.assert_close(g.double().cpu(), w, atol=1e-5, rtol=0)
+
+
+def test_sdpa_chunks_through_a_mask_where_cpu_flash_is_absent(monkeypatch):
+    """Other devices (and a torch without the CPU flash op) run chunks after a prefix through a mask."""
+    import draftgraph.models.attention.sdpa as sdpa
+
+    monkeypatch.setattr(sdpa, "_CPU_FLASH", None)
+    shape = SHAPES["gqa4-d64-bs4"]
+    ref, _ = run_steps(shape, LONG_CASES["long-prefill-chunks"], "reference")
+    got, _ = run_steps(shape, LONG_CASES["long-prefill-chunks"], "sdpa")
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0)
+
+
+def test_sdpa_bf16_against_reference():
+    shape = Shape(8, 2, 128, 16, torch.bfloat16)
+    steps = CASES["mixed"] + LONG_CASES["long-prefill-chunks"]
+    got, _ = run_steps(shape, steps, "sdpa")
+    ref, _ = run_steps(shape, steps, "reference")
+    for g, r in zip(got, ref):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "triton"])
 def test_sliding_window(impl):
     shape = SHAPES["gqa4-d64-bs4"]
     steps = CASES["mixed"]
@@ -148,7 +195,7 @@ def test_triton_bf16_against_reference():
         torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "triton"])
 def test_padding_rows_write_nothing_and_read_nothing(impl):
     shape = SHAPES["gqa4-d64-bs4"]
     runner = PagedRunner(shape, num_blocks=16, block_size=4, device=DEVICE)

@@ -54,7 +54,7 @@ class CompileConfig:
     # artifact directory was built for; or one of CUDAGraphMode's names.
     mode: str = "auto"
     num_speculative_tokens: int = 3  # K; checked (0..8) only when there is a drafter
-    attention: str = "auto"  # "reference" | "triton" | "auto" (triton on CUDA, reference on CPU)
+    attention: str = "auto"  # "sdpa" | "reference" | "triton" | "auto" (triton on CUDA, sdpa on CPU)
     device: str = "auto"  # "cpu" | "cuda" | "auto"
     dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's, else float32)
     max_num_seqs: int = 16

@@ -85,7 +85,7 @@ class MoE(nn.Module):
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
         shared = m.moe_intermediate_size * m.n_shared_experts
         self.shared = MLP(cfg, shared) if shared else None
-        self.attn_impl = attn_impl  # the kernels' implementation: "triton" or "reference" (as attention's)
+        self.attn_impl = attn_impl  # the kernels' implementation: "triton", else the reference (as attention's)
 
     def forward(self, x):
         m = self.m

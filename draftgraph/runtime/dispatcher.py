@@ -8,6 +8,8 @@ request has the same one). The dispatcher answers, in this order:
 2. PIECEWISE, when the mode has piece graphs and the padded token count was captured
    (bound: max_capture_tokens);
 3. NONE: compiled code without graphs at the real size (or eager in mode NONE). Never an error.
+FULL and PIECEWISE dispatches say whether they run on a CUDA graph: not where graphs are off (the CPU,
+use_cuda_graphs=False), where they run their compiled code at the padded size instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Dispatch:
     num_tokens: int  # padded
     num_reqs: int  # padded
     query_len: int | None = None  # FULL: every request's query length
+    graph: bool = False  # runs on a CUDA graph (FULL / PIECEWISE with graphs captured)
 
     def graph_key(self, fn: str) -> GraphKey | None:
         """The key of `fn`'s graph for this batch (None when it runs without graphs)."""
@@ -60,8 +63,9 @@ class Dispatcher:
         piecewise_sizes: tuple[int, ...],
         full_reqs: tuple[int, ...] = (),
         full_query_lens: tuple[int, ...] = (),
+        graphs: bool = False,
     ):
-        self.mode = mode
+        self.mode, self.graphs = mode, graphs
         self.piecewise_sizes = tuple(sorted(piecewise_sizes)) if mode in PIECEWISE_MODES else ()
         self.full_reqs = tuple(sorted(full_reqs)) if mode in FULL_MODES else ()
         self.full_query_lens = tuple(sorted(full_query_lens)) if mode in FULL_MODES else ()
@@ -71,10 +75,10 @@ class Dispatcher:
         if q is not None and q in self.full_query_lens:
             b = _next(self.full_reqs, desc.num_reqs)
             if b is not None:
-                return Dispatch("FULL", b * q, b, q)
+                return Dispatch("FULL", b * q, b, q, self.graphs)
         t = _next(self.piecewise_sizes, desc.num_tokens)
         if t is not None:
-            return Dispatch("PIECEWISE", t, desc.num_reqs)
+            return Dispatch("PIECEWISE", t, desc.num_reqs, None, self.graphs)
         return Dispatch("NONE", desc.num_tokens, desc.num_reqs)
 
     def padded_tokens(self, num_tokens: int) -> int:

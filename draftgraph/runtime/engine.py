@@ -49,7 +49,9 @@ class Engine:
             rc.capture_sizes,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
-        dispatcher = Dispatcher(rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens)
+        dispatcher = Dispatcher(
+            rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens, graphs=rc.graphs_enabled
+        )
         self.runner = StepRunner(target, drafter, shape, rc.device, dispatcher, self.shapes, compiled)
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
@@ -212,7 +214,7 @@ class Engine:
             "preemptions": 0,
             "seconds": 0.0,
         }
-        self.runner.forwards.hits.clear()
+        self.runner.forwards.reset()
 
     def stats(self) -> dict:
         """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,
@@ -227,11 +229,12 @@ class Engine:
         s["mode"] = self.config.mode.value
         s["num_speculative_tokens"] = self.k
         s["cuda_graphs"] = self.config.graphs_enabled
-        # Which artifact ran each forward: "fn/full/q5/b8", "fn/loop/q5/b8/greedy" (the fused draft loop),
-        # "fn/piecewise/t16", or "fn/none" (no graph: a fallback in a graph mode).
-        hits = dict(sorted(self.runner.forwards.hits.items()))
-        s["dispatch"] = hits
-        s["fallbacks"] = 0 if not self.config.graphs_enabled else sum(v for k, v in hits.items() if k.endswith("/none"))
+        # Which CUDA graph ran each forward: "fn/full/q5/b8", "fn/loop/q5/b8/greedy" (the fused draft loop),
+        # "fn/piecewise/t16", or "fn/none" (no graph). In a graph mode, each forward without a graph is also a
+        # fallback, counted by the key it was dispatched to (on the CPU: every forward).
+        s["dispatch"] = dict(sorted(self.runner.forwards.hits.items()))
+        s["fallbacks"] = sum(self.runner.forwards.fallbacks.values())
+        s["fallbacks_by_key"] = dict(sorted(self.runner.forwards.fallbacks.items()))
         if self.compiled is not None:
             s["compile"] = self.compiled.counters.as_dict()
             if self.config.lazy_capture:  # graphs appear as steps need them: read the pool now

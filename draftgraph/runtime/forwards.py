@@ -1,7 +1,8 @@
 """Run the target forward, the drafter step and the fused draft loop for a `Dispatch`: a whole-forward
 CUDA graph (through the engine's `CudaGraphs`), or the function itself (compiled with its piece graphs, or
-eager) at the dispatch's padded size. Every call counts one hit for its dispatch key
-(`engine.stats()["dispatch"]`)."""
+eager) at the dispatch's padded size. Every call counts one hit for the graph that ran, or "none"
+(`engine.stats()["dispatch"]`); in a graph mode, a call without a graph is also a fallback, counted by its
+dispatch key (`engine.stats()["fallbacks_by_key"]`)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from torch._dynamo.decorators import maybe_mark_dynamic
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,8 @@ class PagedKVCache:
         ]
         # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
         # cache is resized after measuring graph memory (runtime/memory.py) re-uses its traces.
+        from torch._dynamo.decorators import maybe_mark_dynamic  # here: torch._dynamo costs ~1 s to import
+
         for kv in self.layers:
             for t in kv:
                 maybe_mark_dynamic(t, 0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftgraph.compiler.build import CompiledModels
+from draftgraph.compiler.config import CUDAGraphMode
 from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.llama import CausalLM
@@ -102,6 +103,7 @@ class StepRunner:
             self.draft_cache.layers if drafter is not None else None,
             getattr(self, "aux_layers", ()),
             compiled.whole_graphs if compiled else None,
+            graph_mode=dispatcher.mode != CUDAGraphMode.NONE,
         )
         self.proposer = None
         if drafter is not None:

@@ -84,7 +84,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     counters.graph_replays.clear()
     counters.compiled_runs.clear()
     counters.dynamic_runs.clear()
-    runner.forwards.hits.clear()
+    runner.forwards.reset()
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:
         graphs_line = "CUDA graphs captured lazily, each at the first step that needs it"

@@ -116,7 +116,7 @@ def test_every_request_count_across_padding(target):
         params = [dg.SamplingParams(max_tokens=6, ignore_eos=True)] * n
         outs = {}
         for mode, eng in engines.items():
-            eng.runner.forwards.hits.clear()
+            eng.runner.forwards.reset()
             outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
         assert outs["FULL"] == outs["NONE"], n
         hits = engines["FULL"].runner.forwards.hits
@@ -129,6 +129,7 @@ def test_every_request_count_across_padding(target):
             # 65 verifying requests exceed the bound: those steps fall back; once some requests finish, the
             # rest fit a captured size again
             assert n == 65 and hits["target/none"] > 0, dict(hits)
+            assert engines["FULL"].runner.forwards.fallbacks["target/none"] == hits["target/none"]
     c = engines["FULL"].compiled.counters
     assert c.traces["draft_loop"] == 2  # greedy and sampled loops, each traced once for every size
 

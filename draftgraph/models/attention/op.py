@@ -15,6 +15,7 @@ import torch
 from draftgraph.models.attention.backends import check_device
 from draftgraph.models.attention.mla import check_form, mla_forward
 from draftgraph.models.attention.reference import paged_attention_reference
+from draftgraph.models.attention.sdpa import paged_attention_sdpa
 
 # The single list of ops the compiler splits graphs at (passes read it from here).
 SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention", "draftgraph::piece_boundary"]
@@ -54,6 +55,8 @@ def paged_attention(
         from draftgraph.models.attention.triton_attention import paged_attention_triton
 
         return paged_attention_triton(*args)
+    if impl == "sdpa":
+        return paged_attention_sdpa(*args)
     return paged_attention_reference(*args)
 
 

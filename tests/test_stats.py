@@ -1,0 +1,73 @@
+"""engine.stats() says what ran: graph keys only for graphs that replayed (none on the CPU), and fallbacks
+counted per dispatch key for every forward a graph mode ran without a graph. Compiled with the eager
+backend (the split pieces run as plain FX): what is under test is the counting, not Inductor's code."""
+
+from collections import Counter
+
+import pytest
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    return target, make_drafter("eagle", target)
+
+
+def counting(fn, calls: Counter, name: str):
+    def wrapped(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def run(pair, mode):
+    """Generate 6 staggered requests; returns the stats and the forwards counted at the callables themselves."""
+    cfg = dg.CompileConfig(
+        mode=mode, num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64, compile_backend="eager",
+        capture_sizes=(1, 4, 16), full_capture_sizes=(1, 2), progress=False,
+    )  # fmt: skip
+    eng = dg.compile_model(*pair, cfg)
+    calls: Counter = Counter()
+    f = eng.runner.forwards
+    f.target_fn = counting(f.target_fn, calls, "target")
+    f.drafter_fn = counting(f.drafter_fn, calls, "drafter")
+    proposer = eng.runner.proposer
+    if proposer.loops is not None:
+        proposer.loops = tuple(counting(fn, calls, "loop") for fn in proposer.loops)
+    prompts, params, arrivals = ragged(6)
+    eng.generate(prompts, params, arrivals)
+    return eng.stats(), calls
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_cpu_stats_show_no_graph_keys_and_count_every_fallback(pair, mode):
+    stats, calls = run(pair, mode)
+    assert not stats["cuda_graphs"]
+    # Nothing ran on a graph: every forward is "none", none is reported under a graph key.
+    assert set(stats["dispatch"]) == {"target/none", "drafter/none"}
+    assert stats["dispatch"]["target/none"] == calls["target"]
+    assert stats["dispatch"]["drafter/none"] == calls["drafter"] + calls["loop"]
+    # ... and each is a fallback, under the key it was dispatched to.
+    by_key = stats["fallbacks_by_key"]
+    assert stats["fallbacks"] == sum(by_key.values()) == calls.total() > 0
+    assert sum(n for key, n in by_key.items() if key.startswith("target/")) == calls["target"]
+    loops = sum(n for key, n in by_key.items() if key.startswith("drafter/loop/"))
+    assert loops == calls["loop"]
+    if mode == "PIECEWISE":
+        assert loops == 0 and not any("/full/" in key for key in by_key)
+        assert any(key.startswith("target/piecewise/t") for key in by_key)
+    else:  # uniform verify batches of 1-2 requests were dispatched FULL, then the fused loop
+        assert any(key.startswith("target/full/q4/b") for key in by_key) and loops > 0
+
+
+def test_mode_none_has_no_fallbacks(pair):
+    stats, calls = run(pair, "NONE")
+    assert stats["dispatch"] == {"target/none": calls["target"], "drafter/none": calls["drafter"]}
+    assert stats["fallbacks"] == 0 and stats["fallbacks_by_key"] == {}
