@@ -20,7 +20,7 @@ def test_import_loads_no_heavy_module():
 
 
 def test_compile_model_resolves_on_first_use():
-    from draftgraph.compiler.compile_model import compile_model
+    from draftgraph.api import compile_model
 
     assert dg.compile_model is compile_model
     from draftgraph import compile_model as again
