@@ -32,7 +32,7 @@ class GraphKey:
     query_len: int | None  # FULL: every request's query length; None: PIECEWISE (keyed by token count)
     size: int  # FULL: padded request count; PIECEWISE: padded token count
     variant: str = ""  # the fused draft loop: "greedy" or "sample"
-    piece: int | None = None  # a piece graph: the piece's index in its split graph
+    piece: int | None = None  # a piece graph: its runner's id, unique in the engine (PieceRunner.graph_id)
 
     @classmethod
     def full(cls, fn: str, query_len: int, num_reqs: int) -> GraphKey:
@@ -155,6 +155,12 @@ class CudaGraphs:
     # draft steps) that its capture would then never see.
     persistent_ptrs: set = field(default_factory=set)
     _in_whole_capture: int = 0
+    _pieces: int = 0
+
+    def new_piece_id(self) -> int:
+        """An id for one piece runner (the piece part of its graphs' keys)."""
+        self._pieces += 1
+        return self._pieces
 
     # ---- what graphs read in place -------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ class PieceRunner(nn.Module):
             phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
             size_at = _size_locator(phs, token)
         self.size_at = tuple(size_at)
+        self.graph_id = ctx.new_piece_id()  # unique in the engine: a function may have several traces
 
     def forward(self, *args):
         ctx, compiled = self.ctx, self.compiled
@@ -32,7 +33,7 @@ class PieceRunner(nn.Module):
             ctx.counters.dynamic_runs[self.fn_name] += 1
             out = compiled.dynamic(*args)
         elif ctx.wants_piece_graph(size):
-            key = GraphKey.piecewise(self.fn_name, size, self.piece.index)
+            key = GraphKey.piecewise(self.fn_name, size, self.graph_id)
             out = ctx.run_piece(key, compiled.for_size(size), list(args))
         else:
             ctx.counters.compiled_runs[GraphKey.piecewise(self.fn_name, size).name] += 1
