@@ -230,3 +230,19 @@ def test_compile_sizes_add_a_specialised_compile_per_listed_size():
             outs.append(h[:t])
         torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=0)
     assert dict(c.compiled_runs) == {"target/piecewise/t4": 2, "target/piecewise/t8": 2}
+
+
+def test_piece_graph_keys_are_unique_across_traces(target):
+    """EAGLE-3's drafter traces twice (hidden 3H at step 1, H later) with the same piece indices: every piece
+    runner's graph key part must still be its own, or one trace would replay the other's graphs."""
+    from draftgraph.compiler.cuda_graphs import GraphKey
+    from draftgraph.compiler.piece_runner import PieceRunner
+
+    eng = dg.compile_model(target, make_drafter("eagle3", target), cfg(3, backend="eager"))
+    eng.generate([[1, 2, 3], [4] * 20], dg.SamplingParams(max_tokens=6))  # steps 2..K trace too
+    c = eng.compiled
+    runners = [m for b in (c.target.backend, c.drafter.backend) for _, s in b.traces for m in s.module.modules()]
+    runners = [m for m in runners if isinstance(m, PieceRunner)]
+    assert c.counters.traces["drafter"] == 2 and len(runners) == c.counters.pieces
+    keys = {GraphKey.piecewise(r.fn_name, 16, r.graph_id) for r in runners}
+    assert len(keys) == len(runners)  # one graph per runner and size
