@@ -53,8 +53,10 @@ def test_two_inspections_of_one_model_are_byte_identical(tmp_path, capsys):
     assert same_tree(tmp_path / "a", tmp_path / "b")  # depyf's raw files (uuids, paths) are not ours
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     target = summary["functions"]["target"]["traces"][0]
-    # built-in target: 6 layers -> 7 compute pieces (3 unique) and 6 attention pieces
-    assert target["compute_pieces"] == 7 and target["unique_compute_pieces"] == 3 and len(target["pieces"]) == 13
+    # built-in target: 6 layers -> 7 compute pieces (3 unique), 6 attention pieces, and the input-checks piece
+    # before the piece boundary at the body's start
+    assert target["compute_pieces"] == 7 and target["unique_compute_pieces"] == 3 and len(target["pieces"]) == 15
+    assert [p["kind"] for p in target["pieces"][:3]] == ["checks", "boundary", "compute"]
     assert summary["functions"]["drafter"]["draft_loop"] == {
         "steps": 2,
         "graph_launches_per_proposal": 4,
