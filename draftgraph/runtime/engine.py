@@ -92,7 +92,7 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text when the engine has a tokenizer, or token ids); returns its request id."""
         params = params or SamplingParams()
-        prompt = self._checked(prompt, params)
+        prompt = self.check_request(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Request(self._next_id, prompt, params, seed)
         req.stop_ids = (frozenset() if params.ignore_eos else self._eos) | frozenset(params.stop_token_ids)
@@ -100,7 +100,7 @@ class Engine:
         self.scheduler.add(req)
         return req.id
 
-    def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+    def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ids (text encoded), or a ValueError naming what does not fit."""
         prompt = encode_prompt(self.tokenizer, prompt)
         if not prompt:
@@ -191,14 +191,7 @@ class Engine:
         """Like `generate`, but yields each request's new tokens (and text) after every step it emits in:
         `StreamDelta(index, request_id, token_ids, text, finish_reason, output)` (runtime/streaming.py).
         Every request is checked before any runs, and `stats()` restarts."""
-        n = len(prompts)
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        params = [p or SamplingParams() for p in params]
-        if len(params) == n:
-            for prompt, p in zip(prompts, params):
-                self._checked(prompt, p)
-        self.reset_stats()
-        return stream_requests(self, prompts, params, arrival_steps, progress, detokenize)
+        return stream_requests(self, prompts, sampling, arrival_steps, progress, detokenize)
 
     # ---- reporting --------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from draftgraph.runtime.request import RequestOutput, SamplingParams
-from draftgraph.runtime.text import IncrementalDetokenizer, encode_prompt
+from draftgraph.runtime.text import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from draftgraph.runtime.engine import Engine
@@ -48,7 +48,10 @@ def stream_requests(
     arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
     if len(params) != n or len(arrivals) != n:
         raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
-    encoded = [encode_prompt(engine.tokenizer, p) for p in prompts]
+    params = [p or SamplingParams() for p in params]
+    # Every request is checked (and text encoded) before any runs; then stats() reports this call alone.
+    encoded = [engine.check_request(prompt, p) for prompt, p in zip(prompts, params)]
+    engine.reset_stats()
     order = sorted(range(n), key=lambda i: arrivals[i])
     index: dict[int, int] = {}  # request id -> prompt index (other requests in the engine are not ours)
     detoks: dict[int, IncrementalDetokenizer] = {}
