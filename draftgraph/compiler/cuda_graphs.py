@@ -15,6 +15,7 @@ the graph's pool tensors, overwritten by its next replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ class GraphKey:
             return f"loop/q{self.query_len}/b{self.size}/{self.variant}"
         return f"full/q{self.query_len}/b{self.size}"
 
-    @property
+    @functools.cached_property  # read on every replay for the counters: built once
     def name(self) -> str:
         """What stats report hits and replays under: "target/full/q4/b8", "drafter/loop/...", "target/piecewise/t16"."""
         return f"{self.fn}/{self.dispatch}"
@@ -177,10 +178,10 @@ class CudaGraphs:
 
     # ---- running ---------------------------------------------------------------------------------------
 
-    def wants_piece_graph(self, size: int | None) -> bool:
-        """A piece at this token count runs as a graph (never inside a whole-forward graph's capture: that
-        graph holds the piece's kernels itself)."""
-        return self.enabled and self.piece_graphs and not self._in_whole_capture and size in self.capture_sizes
+    def piece_graphs_now(self) -> bool:
+        """A piece at a capture size runs as a graph (never inside a whole-forward graph's capture: that graph
+        holds the piece's kernels itself)."""
+        return self.enabled and self.piece_graphs and not self._in_whole_capture
 
     def run_piece(self, key: GraphKey, code: Callable, args: list):
         """A piece graph at `key` (captured now when allowed), else the piece's code without a graph."""

@@ -20,9 +20,10 @@ class PieceRunner(nn.Module):
         self.fn_name, self.piece, self.compiled, self.ctx = fn_name, piece, compiled, ctx
         if size_at is None:  # from the traced piece's example values (a loaded artifact passes it)
             phs = [n for n in piece.graph.graph.nodes if n.op == "placeholder"]
-            size_at = _size_locator(phs, token)
+            size_at = size_locator(phs, token)
         self.size_at = tuple(size_at)
         self.graph_id = ctx.new_piece_id()  # unique in the engine: a function may have several traces
+        self._keys: dict[int, tuple[GraphKey, str]] = {}  # size -> (this piece's graph key, stats name)
 
     def forward(self, *args):
         ctx, compiled = self.ctx, self.compiled
@@ -32,14 +33,20 @@ class PieceRunner(nn.Module):
         if size is None or size not in ctx.capture_sizes:
             ctx.counters.dynamic_runs[self.fn_name] += 1
             out = compiled.dynamic(*args)
-        elif ctx.wants_piece_graph(size):
-            key = GraphKey.piecewise(self.fn_name, size, self.graph_id)
-            out = ctx.run_piece(key, compiled.for_size(size), list(args))
+        elif ctx.piece_graphs_now():
+            out = ctx.run_piece(self._key(size)[0], compiled.for_size(size), list(args))
         else:
-            ctx.counters.compiled_runs[GraphKey.piecewise(self.fn_name, size).name] += 1
+            ctx.counters.compiled_runs[self._key(size)[1]] += 1
             out = compiled.for_size(size)(*args)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return tuple(out) if compiled.multi_output else out[0]
+
+    def _key(self, size: int) -> tuple[GraphKey, str]:
+        """Built once per size: this runs for every piece of every step."""
+        if size not in self._keys:
+            key = GraphKey.piecewise(self.fn_name, size, self.graph_id)
+            self._keys[size] = (key, key.name)
+        return self._keys[size]
 
     def _size(self, args) -> int | None:
         kind, i = self.size_at
@@ -50,7 +57,7 @@ class PieceRunner(nn.Module):
         return None
 
 
-def _size_locator(placeholders, token) -> tuple[str, int]:
+def size_locator(placeholders, token) -> tuple[str, int]:
     """Where a call's token count is read from: ("int", i) / ("shape", i), or ("none", -1) when the piece's
     shapes follow anything else too (the request count): such a piece runs its code, never a graph keyed by
     the token count alone."""

@@ -23,7 +23,7 @@ from torch import fx
 from tqdm import tqdm
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs
-from draftgraph.compiler.piece_runner import PieceRunner
+from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
 
@@ -125,7 +125,7 @@ class PiecewiseBackend:
         gm = piece.graph
         multi = _returns_tuple(gm)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-        graphable = _only_depends_on(fakes, token)
+        graphable = size_locator([n for n in gm.graph.nodes if n.op == "placeholder"], token)[0] != "none"
         host_only = no_tensor_work(gm)
         if self.compile_backend == "eager" or host_only:  # plain FX: nothing for Inductor to do
             bar.update(len(self.compile_sizes) + 1 if self.compile_backend == "inductor" else 0)
@@ -173,22 +173,6 @@ def _source_name(node) -> str | None:
         return None
     name = arg.source.name
     return name() if callable(name) else name
-
-
-def _free(value) -> set:
-    if isinstance(value, torch.SymInt):
-        return set(value.node.expr.free_symbols)
-    if isinstance(value, torch.Tensor):
-        out = set()
-        for d in value.shape:
-            if isinstance(d, torch.SymInt):
-                out |= d.node.expr.free_symbols
-        return out
-    return set()
-
-
-def _only_depends_on(fakes, token) -> bool:
-    return all(_free(v) <= {token} for v in fakes)
 
 
 def concrete_inputs(fakes, token, size: int) -> list:
