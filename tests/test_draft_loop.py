@@ -48,11 +48,12 @@ def run(target, drafter, config, sampled=False):
     return eng, [o.token_ids for o in outs]
 
 
+@pytest.mark.parametrize("one_graph", [True, False], ids=["one_graph_step", "verify_then_loop"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fused_loop_equals_step_by_step_and_none(target, kind):
+def test_fused_loop_equals_step_by_step_and_none(target, kind, one_graph):
     drafter = make_drafter(kind, target)
     none, ref = run(target, drafter, cfg("NONE"))
-    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE"))
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=one_graph))
     assert toks == ref
     assert fused.stats()["accepted_tokens"] == none.stats()["accepted_tokens"] > 0
 
@@ -74,14 +75,20 @@ def test_fused_loop_equals_step_by_step_and_none(target, kind):
     # No CUDA graphs on the CPU: every forward ran without one, so it is a fallback counted by the key it was
     # dispatched to, and the graph keys never show up as having run.
     stats = fused.stats()
-    assert set(stats["dispatch"]) == {"target/none", "drafter/none"}
     assert stats["fallbacks"] == sum(stats["dispatch"].values()) > 0
     hits = stats["fallbacks_by_key"]
     q = K + 1 if kind != "draft_model" else K + 2
     loop_hits = sum(v for key, v in hits.items() if key.startswith(f"drafter/loop/q{q}/") and key.endswith("/greedy"))
     full_verify = sum(v for key, v in hits.items() if key.startswith("target/full/"))
-    assert loop_hits == full_verify > 0  # every FULL verify was followed by one fused proposal
+    steps = sum(v for key, v in hits.items() if key.startswith(f"step/q{K + 1}/") and key.endswith("/greedy"))
     assert not any(key.startswith(f"drafter/full/q{q}/") for key in hits)  # no per-step first-step graphs
+    if one_graph:  # every uniform batch ran its whole step as one function: no verify or loop of its own
+        assert set(stats["dispatch"]) == {"target/none", "drafter/none", "step/none"}
+        assert steps > 0 and loop_hits == full_verify == 0
+        assert stats["dispatch"]["target/none"] == sum(v for key, v in hits.items() if key.startswith("target/"))
+    else:
+        assert set(stats["dispatch"]) == {"target/none", "drafter/none"}
+        assert loop_hits == full_verify > 0 and steps == 0  # every FULL verify was followed by one fused proposal
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
@@ -90,11 +97,15 @@ def test_sampled_fused_loop_equals_step_by_step(target, kind):
     acceptance, as the step-by-step loop (FULL with fusing off) and mode NONE."""
     drafter = make_drafter(kind, target)
     none, ref = run(target, drafter, cfg("NONE"), sampled=True)
-    steps, toks_steps = run(target, drafter, cfg("FULL_AND_PIECEWISE", fuse_draft_loop=False), sampled=True)
-    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE"), sampled=True)
-    assert toks == toks_steps == ref
-    acc = [e.stats()["accepted_tokens"] for e in (none, steps, fused)]
-    assert acc[0] == acc[1] == acc[2] > 0
+    steps, toks_steps = run(
+        target, drafter, cfg("FULL_AND_PIECEWISE", fuse_draft_loop=False, one_graph_step=False), sampled=True
+    )
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=False), sampled=True)
+    one, toks_one = run(target, drafter, cfg("FULL_AND_PIECEWISE"), sampled=True)  # the whole step: one function
+    assert toks == toks_steps == toks_one == ref
+    acc = [e.stats()["accepted_tokens"] for e in (none, steps, fused, one)]
+    assert acc[0] == acc[1] == acc[2] == acc[3] > 0
+    assert any(key.startswith("step/") and key.endswith("/sample") for key in one.stats()["fallbacks_by_key"])
     assert any(key.endswith("/sample") for key in fused.stats()["fallbacks_by_key"])  # dispatched, no graph
     assert not any("/loop/" in key for key in steps.stats()["fallbacks_by_key"])
     assert steps.compiled.loop_backend is None

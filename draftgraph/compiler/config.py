@@ -84,6 +84,9 @@ class CompileConfig:
     # that step pays the capture, and graph memory grows with the sizes actually used).
     capture: str = "eager"
     fuse_draft_loop: bool = True  # FULL modes: the drafter's K steps as one graph (False: a graph per step)
+    # FULL modes: a uniform decode batch's whole step (verify, LM head, acceptance, the K drafts) is one graph
+    # (False: a verify graph, then the acceptance outside graphs, then the draft loop's graph or graphs).
+    one_graph_step: bool = True
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
     progress: bool = True  # progress bars for compile and capture
@@ -157,6 +160,7 @@ class ResolvedConfig:
     full_capture_sizes: tuple[int, ...]  # request counts with FULL graphs; empty without a FULL mode
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
     fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
+    one_graph_step: bool = False  # a FULL mode with one_graph_step on
     lazy_capture: bool = False  # graphs are captured when a step first needs them (capture="lazy")
     compile_sizes: tuple[int, ...] = ()  # token counts with a per-size Inductor compile (opt-in)
     gpu_memory_utilization: float = 0.0  # > 0: the KV cache is sized from measured CUDA memory
@@ -257,6 +261,7 @@ def resolve(
         full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
         fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
+        one_graph_step=full and config.one_graph_step,
         lazy_capture=graphs and config.capture == "lazy",
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
         gpu_memory_utilization=util,

@@ -2,7 +2,8 @@
 
 Every graph of an engine goes through one `CudaGraphs`: the piece graphs of PIECEWISE mode (one per piece
 and padded token count), the whole-forward graphs of FULL modes (one per function, query length and padded
-request count) and the fused draft loop's (one per variant and padded request count). Keys are `GraphKey`s,
+request count), the fused draft loop's (one per variant and padded request count) and the whole step's
+of uniform batches (one per variant and padded request count). Keys are `GraphKey`s,
 built only by its constructors. All graphs share one memory pool; eager capture walks the sizes largest
 first so smaller graphs reuse the larger ones' memory, lazy capture lets the first step at a size capture.
 
@@ -29,10 +30,10 @@ from draftgraph.compiler.counters import CompileCounters
 class GraphKey:
     """What one graph was captured for. Build with `full`, `loop` or `piecewise`."""
 
-    fn: str  # "target", "drafter", "draft_loop"
+    fn: str  # "target", "drafter", or "step" (a uniform batch's whole speculative step)
     query_len: int | None  # FULL: every request's query length; None: PIECEWISE (keyed by token count)
     size: int  # FULL: padded request count; PIECEWISE: padded token count
-    variant: str = ""  # the fused draft loop: "greedy" or "sample"
+    variant: str = ""  # the fused draft loop and the whole step: "greedy" or "sample"
     piece: int | None = None  # a piece graph: its runner's id, unique in the engine (PieceRunner.graph_id)
 
     @classmethod
@@ -44,21 +45,30 @@ class GraphKey:
         return cls("drafter", query_len, num_reqs, variant)
 
     @classmethod
+    def step(cls, query_len: int, num_reqs: int, variant: str) -> GraphKey:
+        """The whole speculative step of a uniform batch (runtime/uniform_step.py)."""
+        return cls("step", query_len, num_reqs, variant)
+
+    @classmethod
     def piecewise(cls, fn: str, num_tokens: int, piece: int | None = None) -> GraphKey:
         return cls(fn, None, num_tokens, "", piece)
 
     @property
     def dispatch(self) -> str:
-        """The key's name without the function: "full/q4/b8", "loop/q4/b8/greedy", "piecewise/t16"."""
+        """The key's name without the function: "full/q4/b8", "loop/q4/b8/greedy", "piecewise/t16", and for
+        the whole step "q5/b8/greedy"."""
         if self.query_len is None:
             return f"piecewise/t{self.size}"
+        if self.fn == "step":
+            return f"q{self.query_len}/b{self.size}/{self.variant}"
         if self.variant:
             return f"loop/q{self.query_len}/b{self.size}/{self.variant}"
         return f"full/q{self.query_len}/b{self.size}"
 
     @functools.cached_property  # read on every replay for the counters: built once
     def name(self) -> str:
-        """What stats report hits and replays under: "target/full/q4/b8", "drafter/loop/...", "target/piecewise/t16"."""
+        """What stats report hits and replays under: "target/full/q4/b8", "drafter/loop/...", "target/piecewise/t16",
+        "step/q5/b8/greedy"."""
         return f"{self.fn}/{self.dispatch}"
 
     def __str__(self) -> str:

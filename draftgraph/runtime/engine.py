@@ -47,6 +47,7 @@ class Engine:
             rc.num_kv_blocks,
             rc.block_size,
             rc.capture_sizes,
+            rc.one_graph_step,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
         dispatcher = Dispatcher(

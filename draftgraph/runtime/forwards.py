@@ -74,6 +74,13 @@ class Forwards:
         self._count(key, "drafter", d.graph and d.runtime == "PIECEWISE")
         return self.drafter_fn(ids, positions, hidden, meta, self.draft_caches)
 
+    def step(self, key: GraphKey, inputs: dict, step_fn):
+        """A uniform batch's whole step (`step_fn(inputs)`) as one graph, or its code without one."""
+        if self.graphs is not None:
+            return self._whole(key, inputs, step_fn)
+        self._count(key, "step", False)
+        return step_fn(inputs)
+
     def loop(self, key: GraphKey, inputs: dict, loop_fn):
         """The fused draft loop (`loop_fn(**inputs)`) as one graph, or its compiled code without one."""
         if self.graphs is not None:

@@ -142,7 +142,7 @@ class Proposer:
         else:
             d_step = self.dispatcher.dispatch(BatchDescriptor(n, n, self.shapes.later_draft))
             rows = d_step.num_tokens
-            tables = _pad_rows(d_meta.block_tables[torch.tensor(table_rows, device=dev)], rows)
+            tables = _pad_rows(d_meta.block_tables[torch.tensor(table_rows).to(dev, non_blocking=True)], rows)
         greedy = st.all_greedy
         args = dict(
             sample_rows=_pad_rows(sample_rows, rows),
@@ -172,7 +172,7 @@ class Proposer:
 
     def probs_for(self, slots: list[int]) -> torch.Tensor:
         """q [len(slots), K, V] of the pending drafts of these request slots."""
-        return self.draft_probs[torch.tensor(slots, device=self.device)]
+        return self.draft_probs[torch.tensor(slots).to(self.device, non_blocking=True)]
 
     # ---- capture --------------------------------------------------------------------------------
 

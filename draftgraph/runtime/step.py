@@ -29,6 +29,8 @@ from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.scheduler import ScheduledBatch
+from draftgraph.runtime.step_inputs import HostCopy
+from draftgraph.runtime.uniform_step import UniformStep
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class RunnerShape:
     num_kv_blocks: int
     block_size: int
     capture_sizes: tuple[int, ...] = ()  # compiled token counts: the metadata buffers must hold the largest
+    one_graph_step: bool = False  # uniform decode batches that dispatch FULL run runtime/uniform_step.py
 
 
 @dataclass
@@ -125,6 +128,8 @@ class StepRunner:
                 shapes,
                 compiled.loops if compiled and self.k else None,
             )
+        self.host = HostCopy(shape.max_num_seqs * (2 * self.k + 2), self.device)  # the step's one wait
+        self.uniform = UniformStep(self) if shape.one_graph_step else None
 
     # ---- the step --------------------------------------------------------------------------------
 
@@ -136,6 +141,12 @@ class StepRunner:
         sampled = decodes + [c.req for c in last_chunks]
         nd = len(decodes)
 
+        uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
+        if uniform is not None and self.uniform is not None:
+            d = self.dispatcher.dispatch(BatchDescriptor(nd * uniform, nd, uniform))
+            if self.uniform.applies(d):
+                return self._uniform_result(decodes, *self.uniform.run(decodes, d))
+
         slices, ids = [], []
         for r in decodes:
             slices.append(RequestSlice(r.block_table.blocks, r.num_computed, k + 1))
@@ -146,7 +157,6 @@ class StepRunner:
             chunk_rows.append((len(ids), c.num_tokens))
             slices.append(RequestSlice(c.req.block_table.blocks, s, c.num_tokens))
             ids += c.req.tokens[s : s + c.num_tokens]
-        uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         d = self.dispatcher.dispatch(BatchDescriptor(len(ids), len(slices), uniform))
         meta, positions = self.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
         input_ids = torch.tensor(ids + [0] * (d.num_tokens - len(ids)), dtype=torch.long).to(dev, non_blocking=True)
@@ -170,7 +180,7 @@ class StepRunner:
         else:
             dec_tokens = sample(dec_logits[:, 0], st_dec, dec_pos[:, 0])[:, None]
             accepted = torch.zeros(nd, dtype=torch.long, device=dev)
-        pre_pos = positions[torch.tensor(last_rows, dtype=torch.long, device=dev)] + 1
+        pre_pos = positions[torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)] + 1
         pre_tokens = sample(logits[nd * (k + 1) :], st_pre, pre_pos)
         y = torch.cat([dec_tokens.gather(1, accepted[:, None])[:, 0], pre_tokens])  # [Bs] each request's new token
 
@@ -194,7 +204,7 @@ class StepRunner:
                     d,
                 ).flatten()
             )
-        host = torch.cat(parts).tolist()  # the step's one device -> host copy
+        host = self.host.fetch(torch.cat(parts))  # the step's one device -> host copy
 
         dec_flat, host = host[: nd * (k + 1)], host[nd * (k + 1) :]
         acc, host = host[:nd], host[nd:]
@@ -202,6 +212,13 @@ class StepRunner:
         emitted = [dec_flat[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)] + [[t] for t in pre]
         drafts = [host[i * k : (i + 1) * k] for i in range(len(sampled))] if k else [[] for _ in sampled]
         return StepResult(sampled, emitted, acc, drafts)
+
+    def _uniform_result(self, decodes, host: list[int], b: int) -> StepResult:
+        """StepResult from the one-graph step's packed result [accepted | tokens | drafts] at b padded requests."""
+        k, nd = self.k, len(decodes)
+        acc, toks, drafts = host[:b], host[b : b + b * (k + 1)], host[b + b * (k + 1) :]
+        emitted = [toks[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)]
+        return StepResult(decodes, emitted, acc[:nd], [drafts[i * k : (i + 1) * k] for i in range(nd)])
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Both caches at `num_blocks` blocks, in place (the forwards hold the same layer lists)."""
@@ -234,13 +251,18 @@ class StepRunner:
         dev = self.device
         q = self.shapes.verify
         d = self.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
-        if d.runtime == "FULL":
+        one_graph = self.uniform is not None and self.uniform.applies(d)
+        if one_graph:  # verify, acceptance and the fused loop: one graph per variant
+            self.uniform.dummy(num_reqs)
+        elif d.runtime == "FULL":
             meta, positions = self.target_meta.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
             self.forwards.target(d, torch.zeros(d.num_tokens, dtype=torch.long, device=dev), positions, meta)
         if self.drafter is None:
             return
         shapes = []
-        if self.proposer.loops is not None:
+        if one_graph:
+            pass  # the first step and the loop live in the step's graphs
+        elif self.proposer.loops is not None:
             self.proposer.dummy_loops(num_reqs)
         else:
             shapes.append((self.proposer.first_q, self.proposer.first_width))

@@ -33,6 +33,8 @@ def register_in_place(engine) -> None:
     builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
     fields = ("slot_mapping", "token_req", "token_kv_len", "positions", "block_tables", "seq_lens", "query_start_loc")
     graphs.register_persistent(getattr(b, f) for b in builders for f in fields)
+    if runner.uniform is not None:  # the one-graph step's named buffers
+        graphs.register_persistent(runner.uniform.buffers.device_tensors())
 
 
 def warm_up_and_capture(engine, lazy: bool | None = None) -> str:

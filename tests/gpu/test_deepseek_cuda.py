@@ -89,6 +89,5 @@ def test_mtp_lossless_in_every_mode(hf, dtype):
                 assert s["fallbacks"] == 0, s["dispatch"]
             replays = eng.compiled.counters.graph_replays
             if mode != "PIECEWISE":
-                assert any(key.startswith("drafter/loop/q4/") for key in replays), dict(replays)
-                assert any(key.startswith("target/full/q4/") for key in replays), dict(replays)
+                assert any(key.startswith("step/q4/") for key in replays), dict(replays)  # the one-graph step
             print(f"{dtype} T={temperature} {mode}: acceptance {s['acceptance_histogram']}")

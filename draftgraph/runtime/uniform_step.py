@@ -1,0 +1,176 @@
+"""The whole speculative step of a uniform decode batch as one function, captured as one CUDA graph.
+
+When every request verifies 1 + K tokens and the batch dispatches FULL, one function runs on the device:
+the target's verify forward, the LM head on every verify row, greedy or probabilistic acceptance (recovery
+and bonus tokens), the drafter's first step over the accepted tokens and its K - 1 later steps (the fused
+loop, or the loop around the drafter step), and it returns one packed int64 tensor:
+
+    [accepted (B) | verify tokens (B x (K + 1)) | drafts (B x K)]
+
+In FULL modes on CUDA it is one graph per (padded request count, variant): `GraphKey.step`, variants
+"greedy" (every request greedy, known on the host) and "sample". Its inputs are the target's metadata
+buffers (and a draft model's), and the step's own named buffers (`StepBuffers`: input ids, request slots,
+valid rows, sampling parameters), all filled on the host and sent by pinned asynchronous copies; the host
+then waits once, for the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM head and
+token choice in one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftgraph.compiler.build import LOOP_VARIANTS
+from draftgraph.compiler.cuda_graphs import GraphKey
+from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.runtime.attn_metadata import RequestSlice
+from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
+from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
+from draftgraph.runtime.rejection import rejection_sample
+from draftgraph.runtime.sampler import SamplingTensors, sample
+from draftgraph.runtime.step_inputs import Field, StepBuffers
+
+# Row sampling parameters when every request is greedy: nothing reads the tensors (all_greedy is host-known).
+_GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-type]
+_SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
+
+
+class UniformStep:
+    """The one-graph step of `runner` (a StepRunner) for uniform decode batches."""
+
+    def __init__(self, runner):
+        self.r = runner
+        k, dev = runner.k, runner.device
+        max_b = max((*runner.dispatcher.full_reqs, runner.shape.max_num_seqs))
+        q = runner.shapes.verify
+        self.buffers = StepBuffers(
+            [
+                Field("input_ids", torch.int64, max_b * q),
+                Field("slots", torch.int64, max_b),
+                Field("valid", torch.int64, max_b),
+                Field("temperature", torch.float32, max_b),
+                Field("top_k", torch.int64, max_b),
+                Field("top_p", torch.float32, max_b),
+                Field("seeds", torch.int64, max_b),
+            ],
+            dev,
+        )
+        self.fns = {v: self._body(v == "sample") for v in LOOP_VARIANTS}
+        self.k = k
+
+    def dispatch_first(self, d: Dispatch) -> Dispatch | None:
+        """A draft model's first-step dispatch (K + 2 rows per request) when it pads as the verify does."""
+        first_q = self.r.shapes.first_draft
+        d1 = self.r.dispatcher.dispatch(BatchDescriptor(d.num_reqs * first_q, d.num_reqs, first_q))
+        return d1 if d1.runtime == "FULL" and d1.num_reqs == d.num_reqs else None
+
+    def applies(self, d: Dispatch) -> bool:
+        if d.runtime != "FULL":
+            return False
+        return self.k == 0 or self.r.proposer.hidden_kind or self.dispatch_first(d) is not None
+
+    # ---- the host side ----------------------------------------------------------------------------
+
+    def inputs(self, decodes, d: Dispatch, sampled: bool) -> dict:
+        """Fill every buffer the step reads for `decodes` (padded as `d`) and send them to the device."""
+        r, k, b, buf = self.r, self.k, d.num_reqs, self.buffers
+        slices = [RequestSlice(x.block_table.blocks, x.num_computed, k + 1) for x in decodes]
+        meta, positions = r.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=b)
+        buf.fill("input_ids", [t for x in decodes for t in (x.tokens[-1], *x.drafts)], d.num_tokens)
+        buf.fill("slots", [x.slot for x in decodes], b, pad=r.shape.max_num_seqs)
+        buf.fill("valid", [1] * len(decodes), b)
+        fields = ["input_ids", "slots", "valid"]
+        if sampled:
+            for f in SAMPLING_FIELDS:
+                values = [x.seed for x in decodes] if f == "seeds" else [getattr(x.params, f) for x in decodes]
+                buf.fill(f, values, b, pad=_SAMPLE_PAD[f])
+            fields += list(SAMPLING_FIELDS)
+        x = {"positions": positions, **{f: getattr(meta, f) for f in META_FIELDS}}
+        x.update({f: buf.view(f, d.num_tokens if f == "input_ids" else b) for f in fields})
+        if k and not r.proposer.hidden_kind:  # a draft model's first step: K + 2 rows per request
+            d1 = self.dispatch_first(d)
+            first = [RequestSlice(s.block_table, s.num_cached, k + 2) for s in slices]
+            dm, dp = r.draft_meta.build(first, num_tokens_padded=d1.num_tokens, num_reqs_padded=b)
+            x.update({"draft_positions": dp, **{f"draft_{f}": getattr(dm, f) for f in META_FIELDS}})
+        buf.upload()
+        return x
+
+    def run(self, decodes, d: Dispatch) -> tuple[list[int], int]:
+        """Run the step for `decodes`; returns the packed result on the host and the padded request count."""
+        sampled = not all(x.params.temperature <= 0 for x in decodes)
+        variant = LOOP_VARIANTS[1 if sampled else 0]
+        x = self.inputs(decodes, d, sampled)
+        packed = self.r.forwards.step(GraphKey.step(self.r.shapes.verify, d.num_reqs, variant), x, self.fns[variant])
+        return self.r.host.fetch(packed), d.num_reqs
+
+    def dummy(self, num_reqs: int) -> None:
+        """Run (capturing while allowed) both variants at `num_reqs` padded requests, on padding only."""
+        q = self.r.shapes.verify
+        d = self.r.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
+        if not self.applies(d):
+            return
+        for variant in LOOP_VARIANTS:
+            x = self.inputs([], d, variant == "sample")
+            self.r.forwards.step(GraphKey.step(q, d.num_reqs, variant), x, self.fns[variant])
+
+    # ---- the device side --------------------------------------------------------------------------
+
+    def _body(self, sampled: bool):
+        def step(x: dict) -> torch.Tensor:
+            r, k = self.r, self.k
+            meta = AttentionMetadata(**{f: x[f] for f in META_FIELDS})
+            ids, pos, slots = x["input_ids"], x["positions"], x["slots"]
+            b = slots.shape[0]
+            hidden, aux = r.forwards.target_fn(ids, pos, meta, r.target_cache.layers, r.aux_layers)
+            logits = r.target.compute_logits(hidden)  # every verify row (padding rows too: cheaper than a gather)
+            logits = logits.view(b, k + 1, logits.shape[-1])
+            predicts = pos.view(b, k + 1) + 1  # the positions the verify rows predict
+            st = SamplingTensors(*(x[f] for f in SAMPLING_FIELDS), greedy_rows=(False,)) if sampled else _GREEDY
+            if not k:
+                tokens = sample(logits[:, 0], st, predicts[:, 0])
+                return torch.cat([torch.zeros_like(tokens), tokens])
+            draft_ids = ids.view(b, k + 1)[:, 1:]
+            q = r.proposer.draft_probs[slots] if sampled else None
+            tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts)
+            y = tokens.gather(1, accepted[:, None])[:, 0]
+            drafts = self._propose(x, meta, hidden, aux, accepted, y, sampled)
+            return torch.cat([accepted, tokens.flatten(), drafts.flatten()])
+
+        return step
+
+    def _propose(self, x, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
+        """The K drafts [B, K] after acceptance: the drafter's first-step tokens from the accepted count, then
+        the loop (runtime/proposer.py says which rows the first step reads)."""
+        r, k, p = self.r, self.k, self.r.proposer
+        ids, slots = x["input_ids"], x["slots"]
+        b = slots.shape[0]
+        j = torch.arange(k + 2, device=ids.device)[None, :]
+        if p.hidden_kind:  # row i pairs the hidden state at i with the token at i + 1
+            drafts_pad = torch.cat([ids.view(b, k + 1)[:, 1:], y[:, None]], dim=1)
+            tok = torch.where(j[:, : k + 1] < accepted[:, None], drafts_pad, y[:, None]).flatten()
+            d_pos, d_meta = x["positions"], meta
+            h_in = torch.cat(aux, dim=-1) if p.aux else hidden
+        else:  # a draft model: its own tokens n..n+K+1, with y at n+a+1
+            dec = torch.cat([ids.view(b, k + 1), torch.zeros_like(y)[:, None]], dim=1)
+            tok = torch.where(j == accepted[:, None] + 1, y[:, None], dec).flatten()
+            d_pos = x["draft_positions"]
+            d_meta = AttentionMetadata(**{f: x[f"draft_{f}"] for f in META_FIELDS})
+            h_in = None
+        offset = 0 if p.hidden_kind else 1
+        sample_rows = torch.arange(b, device=ids.device) * p.first_q + accepted + offset
+        valid = x["valid"] != 0
+        # The fields are views of one buffer: compiled code given two views of one storage would trace them as
+        # aliases (a trace of its own); copies inside the step keep the loop's inputs separate tensors.
+        slots = slots.clone()
+        sampling = {f: x[f].clone() for f in SAMPLING_FIELDS} if sampled else None
+        if p.loops is not None:
+            loop = p.loops[1 if sampled else 0]
+            flat = {f: getattr(d_meta, f) for f in META_FIELDS}
+            return loop(input_ids=tok, positions=d_pos, hidden=h_in, **flat, sample_rows=sample_rows, valid=valid,
+                        slots=slots, draft_probs=p.draft_probs, kv_caches=r.draft_cache.layers,
+                        **(sampling or {}))  # fmt: skip
+
+        def drafter(ids_, pos_, h_, m_):
+            return r.forwards.drafter_fn(ids_, pos_, h_, m_, r.draft_cache.layers)
+
+        return draft_loop(drafter, drafter, p.choose, k, p.shift, r.shape.block_size, p.hidden_kind, tok, d_pos, h_in,
+                          d_meta, sample_rows, valid, d_meta.block_tables, sampling, slots, p.draft_probs)  # fmt: skip
