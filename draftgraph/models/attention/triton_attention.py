@@ -8,6 +8,8 @@ KV head as a [GROUP_PAD, D] tile and streams the token's visible keys through th
 online softmax. Decode, verify, chunked prefill and mixed batches are the same code: each token knows
 its request (token_req) and how many keys it sees (token_kv_len). Prefill re-reads keys once per query
 token, which is fine for this stage's correctness goal; a query-tiled prefill kernel is future work.
+Few query tokens over long contexts (batch-1 decode: 8 programs for 8 KV heads) instead split each token's
+keys across programs (triton_split_kv.py); `attend_triton` picks by a rule on host-known sizes.
 
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (CI checks them against the reference).
 """
@@ -19,6 +21,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.models.attention.backends import triton_interpreting
+from draftgraph.models.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
 
 
 @triton.jit
@@ -153,8 +156,23 @@ def paged_attention_triton(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged attention (triton) needs contiguous KV caches [blocks, block_size, Hkv, D]")
     write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return attend_triton(q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window)
+
+
+def attend_triton(
+    q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits: int | None = None
+) -> torch.Tensor:
+    """The attention half (caches already written). num_splits: None = `choose_num_splits` (host-known sizes
+    only, so graph-safe); 1 = the unsplit kernel; S > 1 = triton_split_kv.py's split-KV kernel."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if num_splits is None:
+        max_context = block_tables.shape[1] * k_cache.shape[1]
+        if window > 0:
+            max_context = min(max_context, window)
+        num_splits = choose_num_splits(num_tokens, num_kv_heads, max_context, device_sm_count(q.device))
+    if num_splits > 1:
+        return attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits)
     group = num_heads // num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:

@@ -1,0 +1,279 @@
+"""Split-KV paged attention (flash-decoding): each token's keys are split across programs, then merged.
+
+The unsplit kernel (triton_attention.py) runs one program per (query token, KV head). At batch 1 that is
+8 programs for a Llama-1B layer on a 132-SM GPU, each streaming the whole context: most of the GPU idles.
+Here the grid is (token, KV head, split): split s of a token covers keys [lo + s*chunk, lo + (s+1)*chunk)
+of its visible range [lo, kv_len), chunk = ceil(span / S) rounded up to a whole key tile, so every token
+uses all S splits whatever its length. Each program writes its unnormalised output, running max and
+sum of exponentials into float32 scratch; a second kernel merges the S partials by log-sum-exp.
+
+Graph safety: the grid depends on host-known numbers only (T, the KV heads, S from `choose_num_splits`);
+the chunk bounds are computed on the device from token_kv_len, so a captured graph replays correctly for
+any lengths. A split whose chunk is empty (a short token, a padding row with kv_len 0) returns after one
+load; the merge recomputes the same bounds (one helper) and skips those partials, never reading them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from draftgraph.models.attention.backends import triton_interpreting
+
+
+@dataclass(frozen=True)
+class SplitKVRule:
+    """When to split and into how many parts; from host-known sizes only (the lead calibrates these on an
+    H100 with scripts/bench_decode_attention.py, which prints the sweep)."""
+
+    min_context: int = 1024  # longest context a row can see (block-table width * block size) below which: never
+    max_programs_per_sm: float = 1.0  # unsplit programs (T * KV heads) at or above this many per SM: never
+    target_programs_per_sm: float = 2.0  # aim for T * KV heads * S near this many per SM
+    min_keys_per_split: int = 256  # no more splits than max_context / this
+    max_splits: int = 32
+
+    def __post_init__(self):
+        for name in ("min_context", "min_keys_per_split", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SplitKVRule.{name} = {getattr(self, name)} must be >= 1")
+        if not 0 < self.max_programs_per_sm <= self.target_programs_per_sm:
+            raise ValueError(
+                f"SplitKVRule needs 0 < max_programs_per_sm ({self.max_programs_per_sm}) <= "
+                f"target_programs_per_sm ({self.target_programs_per_sm}); raise the target or lower the threshold"
+            )
+
+
+DEFAULT_SPLIT_KV_RULE = SplitKVRule()
+
+
+def choose_num_splits(
+    num_tokens: int, num_kv_heads: int, max_context: int, sm_count: int | None, rule: SplitKVRule | None = None
+) -> int:
+    """S for the split kernel, or 1 for the unsplit one. A power of two, so few kernel variants compile."""
+    rule = rule or DEFAULT_SPLIT_KV_RULE
+    programs = num_tokens * num_kv_heads
+    if not sm_count or programs == 0 or max_context < rule.min_context:
+        return 1
+    if programs >= rule.max_programs_per_sm * sm_count:
+        return 1
+    want = math.ceil(rule.target_programs_per_sm * sm_count / programs)
+    splits = min(want, max_context // rule.min_keys_per_split, rule.max_splits)
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached: no per-call driver query); None elsewhere, where
+    the rule never splits (the interpreter checks correctness, not speed)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def _chunk_bounds(kv_len, window, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Keys [c0, c1) of this split, the first visible key `start`, and how many splits are non-empty."""
+    start = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    lo = (start // BLOCK_N) * BLOCK_N
+    span = kv_len - lo
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, BLOCK_N)
+    c0 = lo + split * chunk
+    c1 = tl.minimum(c0 + chunk, kv_len)
+    return start, c0, c1, tl.cdiv(span, chunk)
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    acc_ptr,  # [T, Hq, S, D] float32, unnormalised
+    m_ptr,  # [T, Hq, S] float32: running max of the scores
+    l_ptr,  # [T, Hq, S] float32: sum of exp(score - max)
+    block_tables_ptr,
+    token_req_ptr,
+    token_kv_len_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    scale,
+    window,
+    NUM_SPLITS,
+    num_heads,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(token_kv_len_ptr + t)
+    start, c0, c1, _ = _chunk_bounds(kv_len, window, split, NUM_SPLITS, BLOCK_N)
+    if c0 < c1:  # empty chunks (short tokens, padding rows) write nothing: the merge skips them
+        req = tl.load(token_req_ptr + t).to(tl.int64)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        q = tl.load(
+            q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [GROUP_PAD, D_PAD]
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        for n0 in range(c0, c1, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = (n < c1) & (n >= start)
+            block = tl.load(block_tables_ptr + req * stride_bt + n // PAGE, mask=valid, other=0).to(tl.int64)
+            row = block * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        # every non-empty chunk holds a visible key (chunk 0 starts at or before `start`), so m_i is finite
+        idx = (t * num_heads + heads).to(tl.int64) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(m_ptr + idx, m_i, mask=g_mask)
+        tl.store(l_ptr + idx, l_i, mask=g_mask)
+        tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    out_ptr,
+    token_kv_len_ptr,
+    stride_ot,
+    stride_oh,
+    window,
+    NUM_SPLITS,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(token_kv_len_ptr + t)
+    _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < used  # splits past `used` were empty and wrote nothing (their scratch is garbage)
+    d_mask = d < HEAD_DIM
+    base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
+    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S_PAD]
+    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
+    acc_mask = s_mask[:, None] & d_mask[None, :]
+    acc = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=acc_mask, other=0.0)  # [S_PAD, D_PAD]
+    m_max = tl.where(used > 0, tl.max(m, 0), 0.0)  # kv_len == 0: no split used, every weight exp(-inf) = 0
+    w = tl.exp(m - m_max)
+    denom = tl.sum(w * l_s, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)  # padding rows -> zeros
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits):
+    """Attention of q [T, Hq, D] over the paged caches with each token's keys split `num_splits` ways.
+    Same result as the unsplit kernel (float32 partials; only the summation order differs)."""
+    if num_splits < 1:
+        raise ValueError(f"num_splits = {num_splits} must be >= 1 (choose_num_splits picks one)")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if d_pad >= 256 else 64
+    # As in triton_attention.py: the interpreter gets bf16/fp16 tl.dot wrong, so there the operands are upcast.
+    dot_f32 = triton_interpreting() and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
+    _split_kv_kernel[(num_tokens, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        acc,
+        m,
+        l_sum,
+        block_tables,
+        token_req,
+        token_kv_len,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale,
+        window,
+        num_splits,
+        num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE=k_cache.shape[1],
+        BLOCK_N=block_n,
+        PRECISION=precision,
+        DOT_F32=dot_f32,
+        num_warps=4,
+    )
+    _merge_kernel[(num_tokens, num_heads)](
+        acc,
+        m,
+        l_sum,
+        out,
+        token_kv_len,
+        out.stride(0),
+        out.stride(1),
+        window,
+        num_splits,
+        num_heads,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_N=block_n,
+        num_warps=1,
+    )
+    return out
