@@ -232,3 +232,36 @@ def test_ordered_keys_and_threshold_search():
     for k in (1, 3, 100, 200):
         t = _threshold_key(k32, None, torch.tensor([[k]] * 3))
         assert torch.equal(t[:, 0], k32.long().topk(k, -1).values[:, -1].int())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_sort_free_probabilities_in_a_cuda_graph():
+    """Captured (so no host sync) and replayed on new logits: equal to eager, within the reference's rule, and
+    the capture's memory is a few [N, V] buffers (the sort's workspace cost ~656 MiB of pool at 128k)."""
+    n, vocab = 8, 128256
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(n, vocab, device="cuda", generator=g) * 2).bfloat16()
+    temp = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 0.5, 1.0, 0.7], device="cuda")
+    top_k = torch.tensor([0, 50, 0, 1000, vocab - 1, 40, 0, 1], device="cuda")
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.95, 0.99, 1.0, 1.0, 0.5], device="cuda")
+    args = (logits, temp, top_k, top_p)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _probabilities(*args)  # warm-up off the default stream, as capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.cuda.graph(graph):
+        out = _probabilities(*args)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= 12 * n * vocab * 4, f"capture peak {peak / 2**20:.1f} MiB"  # 12 float32 [N, V] buffers
+    logits.copy_(logits.flip(-1))
+    graph.replay()
+    assert torch.equal(out, _probabilities(*args))
+    ref, mass_before = sorted_probabilities(*args, dtype=torch.float64)
+    differ = (out > 0) != (ref > 0)
+    assert ((mass_before[differ] - top_p.double()[:, None].expand_as(differ)[differ]).abs() < 1e-5).all()
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-4)

@@ -10,7 +10,8 @@ int32 keys whose integer order is the float order (`_ordered_keys`), and each cu
 W(keys >= t) >= target, found bit by bit in exactly 32 steps (`_threshold_key`): W counts tokens for top-k
 (target k) and sums the top-k-renormalised probabilities for top-p (target top_p). Every step is a compare
 and a row reduction over [N, V]: fixed shapes, no host sync, capturable in a CUDA graph, [N, V] temporaries
-only (no sort workspace; about 64 + 12 small kernels per call). The kept set is the one a STABLE descending
+only, no sort workspace. Each step is 5-6 ATen kernels, ~370 per call: cheap on [N, V] but launch-bound
+at small N (a fused Triton kernel is the natural next step). The kept set is the one a STABLE descending
 sort keeps: tokens equal to a threshold are kept lowest vocabulary index first, exactly k for top-k and, for
 top-p, while the mass before them (mass above the threshold + earlier equal tokens) stays below top_p, the
 first always. Masses are float32 sums in another order than a sorted cumsum, so a token whose mass-before lies
@@ -105,13 +106,13 @@ def _threshold_key(keys: torch.Tensor, weights: torch.Tensor | None, target: tor
     (t + 2^31), so 32 steps are exact; each step holds one [N, V] temporary."""
     t = torch.full((keys.shape[0], 1), _INT32_MIN, dtype=torch.int32, device=keys.device)  # offset form 0
     for bit in range(31, -1, -1):
-        step = _INT32_MIN if bit == 31 else 1 << bit  # bit 31 of the offset form is the flipped sign bit
-        at_least = keys >= (t ^ step)  # [N, V]; the candidate: t with this bit set (the lower ones are 0)
+        cand = t ^ (_INT32_MIN if bit == 31 else 1 << bit)  # t with this bit set (bit 31: the flipped sign bit)
+        at_least = keys >= cand  # [N, V]
         if weights is None:
             w = at_least.sum(-1, keepdim=True, dtype=torch.int32)
         else:
             w = (weights * at_least).sum(-1, keepdim=True)
-        t ^= (w >= target).int() * step
+        t = torch.where(w >= target, cand, t)
     return t
 
 
