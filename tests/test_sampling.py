@@ -189,7 +189,7 @@ def test_sort_free_ties_keep_the_lowest_indices_first():
     temp, top_k, top_p = torch.ones(3), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.3, 0.5])
     kept = _probabilities(flat, temp, top_k, top_p) > 0
     # top_k 2 of four equal tokens: the first two; top_p: tokens 0, 1 then while the mass before is < top_p
-    # (p of each tie is ~0.2245, so 0.3 keeps 2 tokens and 0.5 keeps 3).
+    # (p of each tie is ~0.229, so 0.3 keeps 2 tokens and 0.5 keeps 3).
     assert kept.tolist() == [
         [True, True, False, False, False],
         [True, True, False, False, False],

@@ -131,9 +131,8 @@ def _probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
     # Top-k: exactly k tokens (k = V when off); among tokens equal to the k-th value the first ones by index.
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))[:, None]
     t_k = _threshold_key(keys, None, k)
-    above = keys > t_k
-    room = k - above.sum(-1, keepdim=True)
-    in_k = above | (_first_ties(keys == t_k) <= room) & (keys == t_k)
+    above, ties = keys > t_k, keys == t_k
+    in_k = above | ties & (_first_ties(ties) <= k - above.sum(-1, keepdim=True))
     probs = logits.masked_fill(~in_k, float("-inf")).softmax(-1)  # [N, V], 0 outside the top k
     # Top-p: the smallest set of the likeliest tokens whose mass reaches top_p; the last one's key is the
     # largest t with mass(keys >= t) >= top_p. Equal tokens there: kept while the mass before stays < top_p.
