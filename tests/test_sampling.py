@@ -1,5 +1,10 @@
 """Sampling: the processed distributions, the hashed noise, and speculative sampling preserving the
-target's distribution (chi-square against exact marginals computed with transformers)."""
+target's distribution (chi-square against exact marginals computed with transformers).
+
+The sort-free top-k / top-p is checked against `sorted_probabilities`, the former sort-based implementation
+(with a stable sort, which fixes the order of equal logits to vocabulary order): the kept sets are equal
+exactly on small vocabularies and probabilities agree to 1e-6; on 32k vocabularies (float32 mass sums over
+thousands of tokens) a token may differ only where its exact mass-before lies within 1e-5 of top_p."""
 
 import itertools
 
@@ -11,7 +16,15 @@ import draftgraph as dg
 from draftgraph.models.drafters import truncated_draft_model
 from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.rejection import rejection_sample
-from draftgraph.runtime.sampler import SamplingTensors, probabilities, sample_from_probs, uniform_noise
+from draftgraph.runtime.sampler import (
+    SamplingTensors,
+    _ordered_keys,
+    _probabilities,
+    _threshold_key,
+    probabilities,
+    sample_from_probs,
+    uniform_noise,
+)
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 
@@ -119,3 +132,136 @@ def test_speculative_sampling_preserves_the_target_distribution(kind):
         shifted[marg.argmax()] -= 0.02
         shifted[marg.argmin()] += 0.02
         assert chi_p(counts, shifted) < 1e-3
+
+
+def sorted_probabilities(logits, temperature, top_k, top_p, dtype=torch.float32):
+    """The former sort-based `_probabilities` (stable sort), the oracle of the sort-free one; masses in dtype.
+    Returns the probabilities and each token's mass before it in sorted order (top-k renormalised)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logits = (logits / temp[:, None]).to(dtype)
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = rank >= k[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(-1))
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs), torch.empty_like(logits).scatter_(-1, order, mass_before)
+
+
+def param_grid(vocab):
+    """One row per (top_k, top_p, temperature): every off / edge value of each."""
+    rows = list(itertools.product([0, 1, 5, vocab - 1, vocab, vocab + 3], [0.1, 0.5, 0.9, 1.0], [0.0, 0.7, 1.0, 2.0]))
+    return (
+        torch.tensor([r[2] for r in rows]),
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+    )
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "float16", "bfloat16"])
+def test_sort_free_probabilities_equal_the_sorted_ones(kind):
+    vocab = 40
+    temp, top_k, top_p = param_grid(vocab)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(temp), vocab, generator=g) * 3
+    if kind == "ties":  # 6 distinct values per row, and -inf (padded vocabulary entries)
+        logits = torch.randint(-3, 3, logits.shape, generator=g).float()
+        logits[:, -4:] = float("-inf")
+    elif kind != "normal":
+        logits = logits.to(getattr(torch, kind))
+    ours = _probabilities(logits, temp, top_k, top_p)
+    ref, _ = sorted_probabilities(logits, temp, top_k, top_p)
+    assert torch.equal(ours > 0, ref > 0)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(ours > 0, torch.ones_like(ours, dtype=torch.bool))  # the grid does cut tokens
+
+
+def test_sort_free_ties_keep_the_lowest_indices_first():
+    flat = torch.zeros(3, 5)
+    flat[:, 4] = -1.0
+    temp, top_k, top_p = torch.ones(3), torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.3, 0.5])
+    kept = _probabilities(flat, temp, top_k, top_p) > 0
+    # top_k 2 of four equal tokens: the first two; top_p: tokens 0, 1 then while the mass before is < top_p
+    # (p of each tie is ~0.229, so 0.3 keeps 2 tokens and 0.5 keeps 3).
+    assert kept.tolist() == [
+        [True, True, False, False, False],
+        [True, True, False, False, False],
+        [True] * 3 + [False] * 2,
+    ]
+
+
+def test_sort_free_top_p_zero_keeps_nothing_as_the_sort_did():
+    """SamplingParams refuses top_p 0; the processing itself behaves as the sort-based version did (NaN rows)."""
+    logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
+    args = (logits, torch.ones(2), torch.tensor([0, 3]), torch.zeros(2))
+    assert _probabilities(*args).isnan().all() and sorted_probabilities(*args)[0].isnan().all()
+
+
+def test_sort_free_large_vocabulary():
+    vocab = 32000
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, vocab, generator=g) * 2).bfloat16()  # bfloat16: hundreds of equal tail logits
+    temp = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 0.5])
+    top_k = torch.tensor([0, 50, 0, 1000, vocab - 1, 40])
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.95, 0.99, 1.0])
+    ours = _probabilities(logits, temp, top_k, top_p)
+    ref, mass_before = sorted_probabilities(logits, temp, top_k, top_p, dtype=torch.float64)
+    differ = (ours > 0) != (ref > 0)
+    assert ((mass_before[differ] - top_p.double()[:, None].expand_as(differ)[differ]).abs() < 1e-5).all()
+    assert differ.sum() <= 0.001 * (ref > 0).sum()
+    assert (ours[5] > 0).sum() == 40 and torch.equal(ours[5] > 0, ref[5] > 0)  # top-k alone: exact
+    torch.testing.assert_close(ours, ref.float(), atol=1e-5, rtol=1e-4)
+
+
+def test_ordered_keys_and_threshold_search():
+    x = torch.tensor([float("-inf"), -3e38, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1.0, 3e38, float("inf")])
+    keys = _ordered_keys(x).tolist()
+    assert keys == sorted(keys) and keys[4] == keys[5] and len(set(keys)) == len(keys) - 1
+    g = torch.Generator().manual_seed(4)
+    k32 = torch.randint(-(2**31), 2**31, (3, 200), generator=g, dtype=torch.int64)
+    k32[0, :5] = 2**31 - 1  # the extremes and repeated values
+    k32[1, :100] = -(2**31)
+    k32 = k32.to(torch.int32)
+    for k in (1, 3, 100, 200):
+        t = _threshold_key(k32, None, torch.tensor([[k]] * 3))
+        assert torch.equal(t[:, 0], k32.long().topk(k, -1).values[:, -1].int())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_sort_free_probabilities_in_a_cuda_graph():
+    """Captured (so no host sync) and replayed on new logits: equal to eager, within the reference's rule, and
+    the capture's memory is a few [N, V] buffers (the sort's workspace cost ~656 MiB of pool at 128k)."""
+    n, vocab = 8, 128256
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(n, vocab, device="cuda", generator=g) * 2).bfloat16()
+    temp = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 0.5, 1.0, 0.7], device="cuda")
+    top_k = torch.tensor([0, 50, 0, 1000, vocab - 1, 40, 0, 1], device="cuda")
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.95, 0.99, 1.0, 1.0, 0.5], device="cuda")
+    args = (logits, temp, top_k, top_p)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _probabilities(*args)  # warm-up off the default stream, as capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.cuda.graph(graph):
+        out = _probabilities(*args)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= 12 * n * vocab * 4, f"capture peak {peak / 2**20:.1f} MiB"  # 12 float32 [N, V] buffers
+    logits.copy_(logits.flip(-1))
+    graph.replay()
+    assert torch.equal(out, _probabilities(*args))
+    ref, mass_before = sorted_probabilities(*args, dtype=torch.float64)
+    differ = (out > 0) != (ref > 0)
+    assert ((mass_before[differ] - top_p.double()[:, None].expand_as(differ)[differ]).abs() < 1e-5).all()
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-4)
