@@ -106,11 +106,13 @@ def test_op_dispatches_to_split_kv_by_the_rule(monkeypatch):
 
 def test_rule_from_host_known_sizes():
     h100 = 132
-    # batch-1 decode, Llama-1B (8 KV heads), 8k context: 8 programs -> ceil(2 * 132 / 8) = 33, capped at 32
-    assert sk.choose_num_splits(1, 8, 8192, h100) == 32
-    assert sk.choose_num_splits(8, 8, 8192, h100) == 4  # 64 programs -> want 5 -> power of two below: 4
-    assert sk.choose_num_splits(40, 8, 8192, h100) == 1  # batch-8 verify: 320 programs fill the GPU
-    assert sk.choose_num_splits(1, 8, 2048, h100) == 8  # at least 256 keys per split: 2048 / 256
+    # batch-1 decode, Llama-1B (8 KV heads), 8k context: 8 programs -> ceil(4 * 132 / 8) = 66, capped at 64
+    assert sk.choose_num_splits(1, 8, 8192, h100) == 64
+    assert sk.choose_num_splits(8, 8, 8192, h100) == 8  # 64 programs -> want 9 -> nearest power of two: 8
+    assert sk.choose_num_splits(5, 8, 8192, h100) == 16  # batch-1 verify: 40 programs -> want 14 -> 16
+    assert sk.choose_num_splits(40, 8, 8192, h100) == 2  # batch-8 verify: 320 programs -> want 2
+    assert sk.choose_num_splits(80, 8, 8192, h100) == 1  # 640 programs fill the GPU
+    assert sk.choose_num_splits(1, 8, 2048, h100) == 16  # at least 128 keys per split: 2048 / 128
     assert sk.choose_num_splits(1, 8, 512, h100) == 1  # short contexts never split
     assert sk.choose_num_splits(1, 8, 8192, None) == 1  # no SM count (CPU, interpreter): never split
     assert sk.choose_num_splits(0, 8, 8192, h100) == 1
@@ -119,7 +121,7 @@ def test_rule_from_host_known_sizes():
         assert s & (s - 1) == 0 and s <= sk.DEFAULT_SPLIT_KV_RULE.max_splits
     assert sk.choose_num_splits(1, 8, 8192, h100, sk.SplitKVRule(max_splits=8)) == 8
     with pytest.raises(ValueError, match="max_programs_per_sm.*target_programs_per_sm"):
-        sk.SplitKVRule(max_programs_per_sm=4.0)
+        sk.SplitKVRule(max_programs_per_sm=5.0)
     with pytest.raises(ValueError, match="max_splits = 0 must be >= 1"):
         sk.SplitKVRule(max_splits=0)
 

@@ -28,14 +28,15 @@ from draftgraph.models.attention.backends import triton_interpreting
 
 @dataclass(frozen=True)
 class SplitKVRule:
-    """When to split and into how many parts; from host-known sizes only (the lead calibrates these on an
-    H100 with scripts/bench_decode_attention.py, which prints the sweep)."""
+    """When to split and into how many parts; from host-known sizes only. Calibrated on an H100 (132 SMs) with
+    scripts/bench_decode_attention.py at 8k context (docs/benchmarks.md): the best S brought the grid to
+    about 4 programs per SM (512-640) at batch 1 and 8, decode and verify."""
 
     min_context: int = 1024  # longest context a row can see (block-table width * block size) below which: never
-    max_programs_per_sm: float = 1.0  # unsplit programs (T * KV heads) at or above this many per SM: never
-    target_programs_per_sm: float = 2.0  # aim for T * KV heads * S near this many per SM
-    min_keys_per_split: int = 256  # no more splits than max_context / this
-    max_splits: int = 32
+    max_programs_per_sm: float = 4.0  # unsplit programs (T * KV heads) at or above this many per SM: never
+    target_programs_per_sm: float = 4.0  # aim for T * KV heads * S near this many per SM
+    min_keys_per_split: int = 128  # no more splits than max_context / this
+    max_splits: int = 64
 
     def __post_init__(self):
         for name in ("min_context", "min_keys_per_split", "max_splits"):
@@ -62,10 +63,13 @@ def choose_num_splits(
     if programs >= rule.max_programs_per_sm * sm_count:
         return 1
     want = math.ceil(rule.target_programs_per_sm * sm_count / programs)
-    splits = min(want, max_context // rule.min_keys_per_split, rule.max_splits)
+    cap = min(max_context // rule.min_keys_per_split, rule.max_splits)
+    splits = min(want, cap)
     if splits < 2:
         return 1
-    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+    below = 1 << (splits.bit_length() - 1)  # powers of two: few kernel variants compile
+    above = 2 * below
+    return above if above <= cap and splits * splits > below * above else below  # the nearer on a log scale
 
 
 @functools.cache
