@@ -1,0 +1,283 @@
+"""End to end on the 1B-shaped pair with real acceptance (models/builtin.py LLAMA_1B_ACCEPTANCE: Llama-3.2-1B's
+shape, bf16, random seeded weights, the 14 upper layers' residual branches scaled so that the drafter, the
+target's first 2 layers with its embedding, norm and head, accepts about 2.5 of K = 4 drafts), greedy.
+
+(a) generate(): tokens/s of plain decoding (the engine without a drafter) and of speculative decoding at
+    batch 1, 8 and 32, `--new-tokens` after a `--prompt-len`-token prompt, mean accepted drafts per step,
+    speedup; and whether the speculative tokens equal the plain ones.
+(b) transformers' own static-cache torch.compile decoding of the same target (generation_config
+    cache_implementation "static", forward compiled with mode "reduce-overhead", fullgraph) at batch 1,
+    next to ours.
+(c) The steady-state step (engine.step(), wall ms, median) at `--step-batches` after `--context` cached
+    tokens, against its bandwidth floor: the bytes read once per step (plain: target layers + LM head +
+    KV; spec: that + K x (drafter layers + LM head + drafter KV)) over the measured copy bandwidth. Unlike
+    bench_full.py's step floor this counts the target's LM head.
+Wall times: synchronize + perf_counter around whole generate() calls, medians of `--runs` after a warm-up.
+Correctness: leading greedy tokens equal between our plain and speculative runs and transformers' generate
+(asserted in float32, i.e. `--tiny`; bf16 may differ by rounding, so only counted there).
+
+Usage: python scripts/bench_e2e.py            (CUDA, the 1B pair)
+       python scripts/bench_e2e.py --tiny     (smoke test: the tiny pair in float32, CPU or CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+import draftgraph as dg
+from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, TINY_ACCEPTANCE, acceptance_pair
+from scripts.bench_piecewise import copy_bandwidth, layer_bytes, target_layer_bytes
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    if device.type == "cuda":
+        return copy_bandwidth()
+    src = torch.empty(1 << 27, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def timed_runs(fn, device, runs: int) -> tuple[float, object]:
+    """Median seconds of `runs` calls of fn after one warm-up call, and the last call's result."""
+    out = fn()
+    times = []
+    for _ in range(runs):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def leading_matches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """Tokens equal before the first difference, summed over requests; and the tokens compared."""
+    same = 0
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        same += n
+    return same, sum(len(x) for x in a)
+
+
+def build_engines(target, drafter, args, device) -> dict:
+    """The plain and the speculative engine, each sized for every batch it will run; prints ready times."""
+    all_b = sorted(set(args.batches) | set(args.step_batches))
+    base = dict(
+        max_num_seqs=max(all_b),
+        max_num_batched_tokens=max(max(all_b) * (args.k + 1), 2048),
+        max_model_len=max(args.prompt_len + args.new_tokens, args.context + step_tokens(args.steps, args.k))
+        + 2 * args.k,
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests of max_model_len
+        progress=False,
+    )
+    engines = {}
+    for name, d in (("plain", None), ("spec", drafter)):
+        extra = {"num_speculative_tokens": args.k} if d is not None else {}
+        if device.type == "cuda":
+            rows = (1, args.k + 1) if d is not None else (1,)
+            extra["capture_sizes"] = tuple(sorted({b * q for b in all_b for q in rows}))
+            extra["full_capture_sizes"] = tuple(all_b)
+        t0 = time.perf_counter()
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra))
+        e = engines[name]
+        print(f"{name}: mode {e.config.mode.value}, ready in {time.perf_counter() - t0:.1f} s  {e.warm_up_report}")
+    return engines
+
+
+def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:
+    """transformers' static-cache decoding with its forward compiled (mode reduce-overhead, fullgraph) as
+    transformers' docs describe; generate's own auto-compile is turned off so the forward compiles once per
+    shape. Returns the median seconds of a whole generate() (prefill included) and the tokens."""
+    hf.generation_config.cache_implementation = "static"
+    hf.generation_config.disable_compile = True  # the compiled forward below is the one compile
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)  # no eos: all run
+    t0 = time.perf_counter()
+    for _ in range(2):  # compile (prefill and decode shapes), then record the CUDA graphs
+        hf.generate(ids, **kw)
+    sync(device)
+    print(f"transformers static cache + torch.compile: ready in {time.perf_counter() - t0:.1f} s")
+    sec, out = timed_runs(lambda: hf.generate(ids, **kw), device, runs)
+    return sec, out[0, ids.shape[1] :].tolist()
+
+
+def step_tokens(steps: int, k: int) -> int:
+    """max_tokens for steady_step_ms: no request finishes in the timed steps even if every draft is accepted."""
+    return (steps + 4) * (k + 1)
+
+
+def steady_step_ms(engine, b: int, ctx: int, vocab: int, steps: int) -> tuple[float, float]:
+    """Median wall ms of engine.step() over `steps` uniform decode steps of b requests after ctx-token
+    prompts (each step ends with its device-to-host copy); mean accepted drafts per step (0 when plain)."""
+    g = torch.Generator().manual_seed(b)
+    for _ in range(b):
+        prompt = torch.randint(0, vocab, (ctx,), generator=g).tolist()
+        params = dg.SamplingParams(max_tokens=step_tokens(steps, engine.k), temperature=0.0, ignore_eos=True)
+        engine.add_request(prompt, params)
+    sched = engine.scheduler
+    engine.reset_stats()
+    while sched.waiting or any(r.prefilling for r in sched.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    before = engine.stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    after = engine.stats()
+    verify = after["verify_steps"] - before["verify_steps"]
+    acc = (after["accepted_tokens"] - before["accepted_tokens"]) / verify if verify else 0.0
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times), acc
+
+
+def versions(device) -> str:
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    triton = ""
+    if device.type == "cuda":
+        import triton as tr
+
+        triton = f"  triton {tr.__version__}"
+    return f"{where}  torch {torch.__version__}  transformers {transformers.__version__}{triton}"
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="the tiny pair in float32, small sizes: a smoke test")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batches", default=None, help="generate() batch sizes (default 1,8,32; tiny: 1,4)")
+    ap.add_argument("--step-batches", default=None, help="step batch sizes (default 1,8,32,128; tiny: 1,4)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 24)")
+    ap.add_argument("--context", type=int, default=None, help="cached tokens in (c) (default 512; tiny: 32)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per batch size in (c)")
+    ap.add_argument("--runs", type=int, default=None, help="timed generate() runs (default 3; tiny: 1)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache compiled decoding")
+    args = ap.parse_args()
+    tiny = args.tiny
+    args.batches = [int(x) for x in (args.batches or ("1,4" if tiny else "1,8,32")).split(",")]
+    args.step_batches = [int(x) for x in (args.step_batches or ("1,4" if tiny else "1,8,32,128")).split(",")]
+    args.prompt_len = args.prompt_len or (16 if tiny else 128)
+    args.new_tokens = args.new_tokens or (24 if tiny else 256)
+    args.context = args.context or (32 if tiny else 512)
+    args.runs = args.runs or (1 if tiny else 3)
+    return args
+
+
+def main():
+    args = parse_args()
+    device = torch.device(args.device)
+    spec, dtype = (TINY_ACCEPTANCE, torch.float32) if args.tiny else (LLAMA_1B_ACCEPTANCE, torch.bfloat16)
+    t0 = time.perf_counter()
+    attn = "triton" if device.type == "cuda" else "sdpa"
+    hf, target, drafter = acceptance_pair(spec, dtype=dtype, device=device, attn_impl=attn)
+    sync(device)
+    print(f"built the pair ({spec.num_layers} layers, drafter {spec.draft_layers}) in {time.perf_counter() - t0:.1f} s")
+    bw = bandwidth(device)
+    engines = build_engines(target, drafter, args, device)
+    k, n = args.k, args.new_tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, spec.vocab_size, (max(args.batches), args.prompt_len), generator=g).tolist()
+    params = dg.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    res, tokens = {}, {}
+    for b in args.batches:
+        for name, eng in engines.items():
+            sec, outs = timed_runs(lambda e=eng, ps=prompts[:b]: e.generate(ps, params), device, args.runs)
+            s = eng.stats()
+            acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+            res[name, b] = (b * n / sec, acc)
+            tokens[name, b] = [o.token_ids for o in outs]
+    hf_ref = None
+    n_ref = min(8, max(args.batches))
+    with torch.no_grad():  # transformers' eager generate (dynamic cache): the reference tokens
+        ids = torch.tensor(prompts[:n_ref], device=device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        hf_ref = out[:, args.prompt_len :].tolist()
+    hf_sec = hf_tokens = None
+    if not args.no_hf:
+        try:  # a failure in transformers' compile path is reported, and the rest still runs
+            with torch.no_grad():
+                hf_sec, hf_tokens = hf_static_compiled(hf, prompts[0], n, device, args.runs)
+        except Exception as e:
+            print(f"transformers static cache + torch.compile failed: {type(e).__name__}: {e}")
+
+    print(
+        f"\n{versions(device)}; {str(dtype).removeprefix('torch.')}, greedy, K={k}; copy bandwidth {bw / 1e9:.0f} GB/s"
+    )
+    print(f"(a) generate(): {n} new tokens after a {args.prompt_len}-token prompt, tokens/s (median of {args.runs})")
+    hdr = f"{'B':>4} | {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} | {'accepted/step':>13} | spec = plain"
+    print(hdr + "\n" + "-" * len(hdr))
+    for b in args.batches:
+        (p, _), (s_, acc) = res["plain", b], res["spec", b]
+        same, total = leading_matches(tokens["spec", b], tokens["plain", b])
+        print(f"{b:>4} | {p:>11.1f} {s_:>10.1f} {s_ / p:>7.2f} | {acc:>13.2f} | {same}/{total} tokens")
+    b_ref = max(args.batches)
+    for name in engines:
+        same, total = leading_matches(tokens[name, b_ref][:n_ref], hf_ref)
+        print(f"{name} (batch {b_ref}) = transformers' generate on {n_ref} prompts: {same}/{total} leading tokens")
+        if dtype == torch.float32:
+            assert same == total, f"{name}: {same}/{total} tokens equal transformers' in float32"
+    if hf_sec is not None:
+        hf_tps = n / hf_sec
+        print(f"\n(b) batch 1: transformers static cache + torch.compile {hf_tps:.1f} tok/s")
+        if 1 in args.batches:
+            for name in engines:
+                same, total = leading_matches([tokens[name, 1][0]], [hf_tokens])
+                print(
+                    f"    ours {name}: {res[name, 1][0]:.1f} tok/s = {res[name, 1][0] / hf_tps:.2f}x transformers' "
+                    f"({same}/{total} leading tokens equal)"
+                )
+
+    ctx = args.context
+    t_bytes, d_bytes = target_layer_bytes(target), layer_bytes(drafter)
+    head = target.head_weight.numel() * target.head_weight.element_size()
+    c = target.cfg
+    kv_layer = 2 * ctx * c.num_kv_heads * c.head_dim * target.head_weight.element_size()  # per request
+    print(
+        f"\n(c) engine.step() in steady decode after {ctx} cached tokens, wall ms (median of {args.steps}); floor: "
+        f"target layers {t_bytes / 1e6:.1f} MB + LM head {head / 1e6:.1f} MB + KV, spec adds K x (drafter layers "
+        f"{d_bytes / 1e6:.1f} MB + LM head + KV)"
+    )
+    hdr = (
+        f"{'B':>4} | {'plain ms':>8} {'floor':>6} {'x floor':>7} | {'spec ms':>8} {'floor':>6} {'x floor':>7} | "
+        f"{'accepted':>8} {'ms/token':>8}"
+    )
+    print(hdr + "\n" + "-" * len(hdr))
+    for b in args.step_batches:
+        p_ms, _ = steady_step_ms(engines["plain"], b, ctx, spec.vocab_size, args.steps)
+        s_ms, acc = steady_step_ms(engines["spec"], b, ctx, spec.vocab_size, args.steps)
+        p_floor = (t_bytes + head + c.num_layers * b * kv_layer) / bw * 1e3
+        s_floor = p_floor + k * (d_bytes + head + spec.draft_layers * b * kv_layer) / bw * 1e3
+        print(
+            f"{b:>4} | {p_ms:>8.3f} {p_floor:>6.3f} {p_ms / p_floor:>7.2f} | {s_ms:>8.3f} {s_floor:>6.3f} "
+            f"{s_ms / s_floor:>7.2f} | {acc:>8.2f} {s_ms / (1 + acc):>8.3f}"
+        )
+    print(f"\nspec engine forwards by artifact (last call): {engines['spec'].stats()['dispatch']}")
+
+
+if __name__ == "__main__":
+    main()
