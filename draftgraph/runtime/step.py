@@ -93,6 +93,7 @@ class StepRunner:
         tc = target.cfg
         self.target_cache = PagedKVCache(KVCacheSpec.for_model(tc, tc.num_layers, nb, bs), self.device)
         self.target_meta = MetadataBuilder(max_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device)
+        self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs EAGLE-3 reads
         if drafter is not None:
             self.draft_cache = PagedKVCache(
                 KVCacheSpec.for_model(drafter.cfg, drafter.num_kv_layers, nb, bs), self.device
@@ -104,7 +105,7 @@ class StepRunner:
             self.drafter_fn,
             self.target_cache.layers,
             self.draft_cache.layers if drafter is not None else None,
-            getattr(self, "aux_layers", ()),
+            self.aux_layers,
             compiled.whole_graphs if compiled else None,
             graph_mode=dispatcher.mode != CUDAGraphMode.NONE,
         )
@@ -236,7 +237,7 @@ class StepRunner:
         dev = self.device
         meta, positions = self.target_meta.build([], num_tokens_padded=num_tokens, num_reqs_padded=1)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        self.target_fn(ids, positions, meta, self.target_cache.layers, getattr(self, "aux_layers", ()))
+        self.target_fn(ids, positions, meta, self.target_cache.layers, self.aux_layers)
         if self.drafter is None:
             return
         for width in self.proposer.hidden_widths:
