@@ -6,7 +6,7 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     batch 1, 8 and 32, `--new-tokens` after a `--prompt-len`-token prompt, mean accepted drafts per step,
     speedup; and whether the speculative tokens equal the plain ones.
 (b) transformers' own static-cache torch.compile decoding of the same target (generation_config
-    cache_implementation "static", forward compiled with mode "reduce-overhead", fullgraph) at batch 1,
+    cache_implementation "static": generate() compiles its decoding forward, fullgraph, mode "reduce-overhead") at batch 1,
     next to ours.
 (c) The steady-state step (engine.step(), wall ms, median) at `--step-batches` after `--context` cached
     tokens, against its bandwidth floor: the bytes read once per step (plain: target layers + LM head +
@@ -103,12 +103,15 @@ def build_engines(target, drafter, args, device) -> dict:
 
 
 def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:
-    """transformers' static-cache decoding with its forward compiled (mode reduce-overhead, fullgraph) as
-    transformers' docs describe; generate's own auto-compile is turned off so the forward compiles once per
-    shape. Returns the median seconds of a whole generate() (prefill included) and the tokens."""
+    """transformers' static-cache decoding, compiled the way transformers does it itself: with a static cache,
+    generate() compiles the decoding forward (its CompileConfig: fullgraph, mode "reduce-overhead", i.e. CUDA
+    graphs) and marks each step's graph boundary. Returns the median seconds of a whole generate() (prefill
+    included) and the tokens."""
+    from transformers.generation.configuration_utils import CompileConfig
+
     hf.generation_config.cache_implementation = "static"
-    hf.generation_config.disable_compile = True  # the compiled forward below is the one compile
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    hf.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    hf.generation_config.disable_compile = False
     ids = torch.tensor([prompt], device=device)
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)  # no eos: all run
     t0 = time.perf_counter()

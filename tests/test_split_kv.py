@@ -112,8 +112,8 @@ def test_rule_from_host_known_sizes():
     assert sk.choose_num_splits(5, 8, 8192, h100) == 16  # batch-1 verify: 40 programs -> want 14 -> 16
     assert sk.choose_num_splits(40, 8, 8192, h100) == 2  # batch-8 verify: 320 programs -> want 2
     assert sk.choose_num_splits(80, 8, 8192, h100) == 1  # 640 programs fill the GPU
-    assert sk.choose_num_splits(1, 8, 2048, h100) == 16  # at least 128 keys per split: 2048 / 128
-    assert sk.choose_num_splits(1, 8, 512, h100) == 1  # short contexts never split
+    assert sk.choose_num_splits(1, 8, 512, h100) == 16  # at least 32 keys per split: 512 / 32
+    assert sk.choose_num_splits(1, 8, 128, h100) == 1  # short contexts never split
     assert sk.choose_num_splits(1, 8, 8192, None) == 1  # no SM count (CPU, interpreter): never split
     assert sk.choose_num_splits(0, 8, 8192, h100) == 1
     for t in range(1, 20):

@@ -29,13 +29,14 @@ from draftgraph.models.attention.backends import triton_interpreting
 @dataclass(frozen=True)
 class SplitKVRule:
     """When to split and into how many parts; from host-known sizes only. Calibrated on an H100 (132 SMs) with
-    scripts/bench_decode_attention.py at 8k context (docs/benchmarks.md): the best S brought the grid to
-    about 4 programs per SM (512-640) at batch 1 and 8, decode and verify."""
+    scripts/bench_decode_attention.py at 512, 1k and 8k contexts (docs/benchmarks.md): the best S brought the
+    grid to about 4 programs per SM (512-640) at batch 1 and 8, decode and verify; at 512 keys, 16 splits of
+    32 keys still beat the unsplit kernel by 2.3x at batch 1 (launch latency, not bandwidth, bounds it)."""
 
-    min_context: int = 1024  # longest context a row can see (block-table width * block size) below which: never
+    min_context: int = 256  # longest context a row can see (block-table width * block size) below which: never
     max_programs_per_sm: float = 4.0  # unsplit programs (T * KV heads) at or above this many per SM: never
     target_programs_per_sm: float = 4.0  # aim for T * KV heads * S near this many per SM
-    min_keys_per_split: int = 128  # no more splits than max_context / this
+    min_keys_per_split: int = 32  # no more splits than max_context / this
     max_splits: int = 64
 
     def __post_init__(self):
