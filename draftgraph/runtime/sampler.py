@@ -122,6 +122,17 @@ def _first_ties(ties: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """Triton kernels on CUDA (sampling_triton.py: the same algorithm, ~17 launches instead of ~370), the
+    torch-ops version elsewhere."""
+    if logits.is_cuda:
+        from draftgraph.runtime.sampling_triton import probabilities_triton  # Triton loads on first use
+
+        return probabilities_triton(logits, temperature, top_k, top_p)
+    return probabilities_torch_ops(logits, temperature, top_k, top_p)
+
+
+def probabilities_torch_ops(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """The sort-free cuts in ATen ops (any device): the CPU path and the Triton kernels' oracle."""
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
