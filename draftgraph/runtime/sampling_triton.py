@@ -34,8 +34,9 @@ from triton.language.extra import libdevice
 
 from draftgraph.models.attention.backends import triton_interpreting
 
-BITS, PASSES = 4, 8  # radix digits: PASSES * BITS = 32
-BLOCK, BLOCK_MASS = 1024, 256  # columns per step: count / write passes, mass passes (a [BLOCK_MASS, BINS] sum)
+BITS = 4  # radix digit: 32 / BITS passes per cut
+BLOCK = 1024  # columns per step of the count and write passes
+MASS_TILE = 4096  # elements of the mass passes' [columns, bins] one-hot sum per step: 256 columns at 16 bins
 MIN_CHUNK = 2048  # columns per program at least
 PROGRAMS_PER_SM = 2
 
@@ -115,38 +116,52 @@ def _pick(h, above, target, total, MASS: tl.constexpr, BINS: tl.constexpr):
 
 
 @triton.jit
-def _replay_top_k(hk_ptr, row, S, k, NPASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
-                  S_BLOCK: tl.constexpr):  # fmt: skip
-    """Prefix (uint32, upper NPASS digits) of the top-k cut, the count above it and the last pass' digit."""
-    prefix = tl.zeros((), tl.uint32)
-    above = tl.zeros((), tl.int64)
-    d = tl.zeros((), tl.int32)
-    for q in tl.static_range(NPASS):
-        h = _histogram_of(hk_ptr, row, q, S, PASSES, 1 << BITS, S_BLOCK)
-        d, above = _pick(h, above, k, 1.0, False, 1 << BITS)
-        prefix = (prefix << BITS) | d.to(tl.uint32)
-    return prefix, above, d
+def _state(st_ptr, row, q, SLOTS: tl.constexpr, MASS: tl.constexpr):
+    """(prefix of q digits, weight above it) after q picks: slot q of [N, SLOTS, 2] int32 (mass as float bits)."""
+    if q == 0:
+        prefix = tl.zeros((), tl.uint32)
+        if MASS:
+            above = tl.zeros((), tl.float32)
+        else:
+            above = tl.zeros((), tl.int32)
+    else:
+        prefix = tl.load(st_ptr + (row * SLOTS + q) * 2).to(tl.uint32, bitcast=True)
+        above = tl.load(st_ptr + (row * SLOTS + q) * 2 + 1)
+        if MASS:
+            above = above.to(tl.float32, bitcast=True)
+    return prefix, above
 
 
 @triton.jit
-def _replay_top_p(hp_ptr, row, S, top_p, total, tie_u, tie_mass, NPASS: tl.constexpr, BITS: tl.constexpr,
-                  PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
-    """Prefix of the top-p cut, the unnormalised mass above it and the last digit; the top-k cut's kept ties
+def _store_state(st_ptr, row, q, prefix, above, SLOTS: tl.constexpr):
+    tl.store(st_ptr + (row * SLOTS + q) * 2, prefix.to(tl.int32, bitcast=True))
+    tl.store(st_ptr + (row * SLOTS + q) * 2 + 1, above.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _next_top_k(hk_ptr, kst_ptr, row, S, k, Q: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
+                S_BLOCK: tl.constexpr):  # fmt: skip
+    """The top-k cut's (prefix, count above) after Q + 1 picks, from the state after Q and pass Q's counts."""
+    prefix, above = _state(kst_ptr, row, Q, PASSES + 1, False)
+    h = _histogram_of(hk_ptr, row, Q, S, PASSES, 1 << BITS, S_BLOCK)
+    d, above = _pick(h, above, k, 1.0, False, 1 << BITS)
+    return (prefix << BITS) | d.to(tl.uint32), above
+
+
+@triton.jit
+def _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, tie_u, tie_mass, Q: tl.constexpr, BITS: tl.constexpr,
+                PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
+    """The top-p cut's (prefix, unnormalised mass above) after Q + 1 picks; the top-k cut's kept ties
     (tie_mass in all) counted in the bin of tie_u."""
     BINS: tl.constexpr = 1 << BITS
     bins = tl.arange(0, BINS)
-    prefix = tl.zeros((), tl.uint32)
-    above = tl.zeros((), tl.float32)
-    d = tl.zeros((), tl.int32)
-    for q in tl.static_range(NPASS):
-        h = _histogram_of(hp_ptr, row, q, S, PASSES, BINS, S_BLOCK)
-        tie_bin = bins == ((tie_u >> (32 - BITS * (q + 1))) & (BINS - 1)).to(tl.int32)
-        if q > 0:
-            tie_bin = tie_bin & ((tie_u >> (32 - BITS * q)) == prefix)
-        h += tl.where(tie_bin, tie_mass, 0.0)
-        d, above = _pick(h, above, top_p, total, True, BINS)
-        prefix = (prefix << BITS) | d.to(tl.uint32)
-    return prefix, above, d
+    prefix, above = _state(pst_ptr, row, Q, PASSES, True)
+    h = _histogram_of(hp_ptr, row, Q, S, PASSES, BINS, S_BLOCK)
+    tie_bin = bins == ((tie_u >> (32 - BITS * (Q + 1))) & (BINS - 1)).to(tl.int32)
+    if Q > 0:
+        tie_bin = tie_bin & ((tie_u >> (32 - BITS * Q)) == prefix)
+    d, above = _pick(h + tl.where(tie_bin, tie_mass, 0.0), above, top_p, total, True, BINS)
+    return (prefix << BITS) | d.to(tl.uint32), above
 
 
 @triton.jit
@@ -158,7 +173,7 @@ def _matches(u, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr, ix_ptr, V, S, chunk,
+def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, ix_ptr, V, S, chunk,
                 PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """Pass PASS of the top-k cut: counts of digit PASS among keys matching the prefix; pass 0 also the max."""
@@ -166,7 +181,12 @@ def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr
     greedy, temp, k, top_p = _row_params(temp_ptr, topk_ptr, topp_ptr, row, V)
     work = (k < V) & ~greedy
     if tl.full((), PASS == 0, tl.int1) | work:
-        prefix, above, d = _replay_top_k(hk_ptr, row, S, k, PASS, BITS, PASSES, S_BLOCK)
+        prefix = tl.zeros((), tl.uint32)
+        if PASS > 0:
+            if work:
+                prefix, above = _next_top_k(hk_ptr, kst_ptr, row, S, k, PASS - 1, BITS, PASSES, S_BLOCK)
+                if split == 0:
+                    _store_state(kst_ptr, row, PASS, prefix, above, PASSES + 1)
         hist = tl.zeros((1 << BITS,), tl.int32)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.zeros((), tl.int32)
@@ -190,29 +210,36 @@ def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr
 
 
 @triton.jit
-def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr, row, V, S, BITS: tl.constexpr,
-               PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
-    """What every top-p / write program needs: parameters, the max, the top-k cut and its kept ties."""
+def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S, FIRST: tl.constexpr,
+               BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
+    """What every top-p / write program needs: parameters, the max, the top-k cut (the last pick made by the
+    FIRST top-p pass, which stores it; the later kernels load it) and how many ties at it are kept."""
     greedy, temp, k, top_p = _row_params(temp_ptr, topk_ptr, topp_ptr, row, V)
     sp = tl.arange(0, S_BLOCK)
     m = tl.max(tl.load(mx_ptr + row * S + sp, mask=sp < S, other=float("-inf")), axis=0)
     all_k = k >= V
-    t_k, above_k, d_k = _replay_top_k(hk_ptr, row, S, k, PASSES, BITS, PASSES, S_BLOCK)
-    t_k = tl.where(all_k, 0, t_k)  # every key >= 0: nothing excluded, no ties to add
+    if FIRST:
+        t_k, above_k = _next_top_k(hk_ptr, kst_ptr, row, S, k, PASSES - 1, BITS, PASSES, S_BLOCK)
+        if (tl.program_id(1) == 0) & ~all_k & ~greedy:
+            _store_state(kst_ptr, row, PASSES, t_k, above_k, PASSES + 1)
+    else:
+        t_k, above_k = _state(kst_ptr, row, PASSES, PASSES + 1, False)
+    t_k = tl.where(all_k, tl.zeros((), tl.uint32), t_k)  # every key >= 0: nothing excluded, no ties to add
     r_k = tl.where(all_k, 0, k - above_k)
-    return greedy, temp, k, top_p, m, all_k, t_k, r_k, d_k
+    return greedy, temp, k, top_p, m, all_k, t_k, r_k
 
 
 @triton.jit
-def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr, hc_ptr, mx_ptr, V, S, chunk,
+def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
+                V, S, chunk,
                 PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
                 BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
     """Pass PASS of the top-p cut: unnormalised masses (exp(x - max), keys above the top-k cut) of digit PASS
     among keys matching the prefix; pass 0 runs for every sampled row (its total is the top-k softmax sum)."""
     BINS: tl.constexpr = 1 << BITS
     row, split = tl.program_id(0), tl.program_id(1)
-    greedy, temp, k, top_p, m, all_k, t_k, r_k, d_k = _row_state(
-        temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr, row, V, S, BITS, PASSES, S_BLOCK
+    greedy, temp, k, top_p, m, all_k, t_k, r_k = _row_state(
+        temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S, PASS == 0, BITS, PASSES, S_BLOCK
     )
     run = ~greedy
     if PASS > 0:
@@ -222,8 +249,10 @@ def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr
         prefix = tl.zeros((), tl.uint32)
         if PASS > 0:
             total = tl.sum(_histogram_of(hp_ptr, row, 0, S, PASSES, BINS, S_BLOCK), axis=0) + tie_mass
-            prefix, above, d = _replay_top_p(hp_ptr, row, S, top_p, total, t_k, tie_mass, PASS, BITS, PASSES,
-                                             S_BLOCK)  # fmt: skip
+            prefix, above = _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, t_k, tie_mass, PASS - 1, BITS,
+                                        PASSES, S_BLOCK)  # fmt: skip
+            if split == 0:
+                _store_state(pst_ptr, row, PASS, prefix, above, PASSES)
         bins = tl.arange(0, BINS)
         acc = tl.zeros((BLOCK, BINS), tl.float32)
         counts = tl.zeros((BINS,), tl.int32)
@@ -270,15 +299,15 @@ def _tie_quota(n_in, above, tie_prob, top_p):
 
 
 @triton.jit
-def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr, hc_ptr, mx_ptr, ix_ptr, out_ptr, V, S,
-           chunk, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
+           ix_ptr, out_ptr, V, S, chunk, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
            ACCURATE: tl.constexpr):  # fmt: skip
     """The probabilities: exp(x - max) / kept mass on the kept tokens, 0 elsewhere (NaN rows when nothing is
     kept, as the softmax of all -inf); greedy rows one-hot at the first argmax."""
     BINS: tl.constexpr = 1 << BITS
     row, split = tl.program_id(0), tl.program_id(1)
-    greedy, temp, k, top_p, m, all_k, t_k, r_k, d_k = _row_state(
-        temp_ptr, topk_ptr, topp_ptr, hk_ptr, mx_ptr, row, V, S, BITS, PASSES, S_BLOCK
+    greedy, temp, k, top_p, m, all_k, t_k, r_k = _row_state(
+        temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S, False, BITS, PASSES, S_BLOCK
     )
     lo, hi = split * chunk, tl.minimum(split * chunk + chunk, V)
     if greedy:
@@ -291,6 +320,7 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr, hc_
     else:
         tie_mass = _tie_mass(t_k, r_k, m, ACCURATE)
         total = tl.sum(_histogram_of(hp_ptr, row, 0, S, PASSES, BINS, S_BLOCK), axis=0) + tie_mass
+        d_k = (t_k & (BINS - 1)).to(tl.int32)
         run_k, _ = _ties_before(hk_ptr, row, PASSES - 1, split, d_k, S, PASSES, BINS, S_BLOCK)
         kept = total
         t_p = tl.zeros((), tl.uint32)
@@ -298,8 +328,9 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr, hc_
         j = tl.zeros((), tl.int32)
         cut_p = top_p < 1.0
         if cut_p:
-            t_p, above_p, d_p = _replay_top_p(hp_ptr, row, S, top_p, total, t_k, tie_mass, PASSES, BITS, PASSES,
-                                              S_BLOCK)  # fmt: skip
+            t_p, above_p = _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, t_k, tie_mass, PASSES - 1, BITS,
+                                       PASSES, S_BLOCK)  # fmt: skip
+            d_p = (t_p & (BINS - 1)).to(tl.int32)
             run_p, n_tp = _ties_before(hc_ptr, row, 0, split, d_p, S, 1, BINS, S_BLOCK)
             n_in = tl.where(all_k | (t_p > t_k), n_tp, tl.where(t_p == t_k, r_k.to(tl.int32), 0))
             e_tp = tl.where(n_in > 0, _exp(_float_of(t_p) - m, ACCURATE), 0.0)
@@ -318,35 +349,38 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, hp_ptr, hc_
                 rank_p = run_p + tl.cumsum(tie_p.to(tl.int32), axis=0)
                 run_p += tl.sum(tie_p.to(tl.int32), axis=0)
                 keep = keep & ((u > t_p) | (tie_p & (rank_p <= j)))
-            p = tl.where(keep, _exp(x - m, ACCURATE) / kept, 0.0)
+            p = tl.where(keep, _exp(x - m, ACCURATE) / tl.where(kept > 0, kept, 1.0), 0.0)
             tl.store(out_ptr + row * V + cols, tl.where(kept > 0, p, float("nan")), mask=inb)
 
 
-def probabilities_triton(logits, temperature, top_k, top_p, splits: int | None = None, blocks=(BLOCK, BLOCK_MASS)):
-    """`sampler.probabilities_torch_ops` in 2 * PASSES + 1 kernels: probabilities [N, V] float32. splits and
-    blocks (columns per step: count / write passes, mass passes; powers of two) are for tests."""
+def probabilities_triton(logits, temperature, top_k, top_p, splits=None, blocks=None, bits=BITS):
+    """`sampler.probabilities_torch_ops` in 2 * 32 / bits + 1 kernels: probabilities [N, V] float32. splits,
+    blocks (columns per step of the count / write passes and of the mass passes) and bits (radix digit: 2, 4
+    or 8) are for tests and benchmarks."""
     n, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     s = splits or choose_splits(n, vocab, logits.device)
-    block, block_mass = blocks
+    block, block_mass = blocks or (BLOCK, min(BLOCK, MASS_TILE >> bits))
     chunk = triton.cdiv(triton.cdiv(vocab, s), block) * block  # a whole number of steps of either size
     s = triton.cdiv(vocab, chunk)
-    bins, dev = 1 << BITS, logits.device
-    hk = torch.empty(n, PASSES, s, bins, dtype=torch.int32, device=dev)
-    hp = torch.empty(n, PASSES, s, bins, dtype=torch.float32, device=dev)
+    passes, bins, dev = 32 // bits, 1 << bits, logits.device
+    hk = torch.empty(n, passes, s, bins, dtype=torch.int32, device=dev)
+    kst = torch.empty(n, passes + 1, 2, dtype=torch.int32, device=dev)  # (prefix, above) after each pick
+    pst = torch.empty(n, passes, 2, dtype=torch.int32, device=dev)
+    hp = torch.empty(n, passes, s, bins, dtype=torch.float32, device=dev)
     hc = torch.empty(n, s, bins, dtype=torch.int32, device=dev)
     mx = torch.empty(n, s, dtype=torch.float32, device=dev)
     ix = torch.empty(n, s, dtype=torch.int32, device=dev)
     out = torch.empty(n, vocab, dtype=torch.float32, device=dev)
     params = (temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32))
     grid, s_block, accurate = (n, s), triton.next_power_of_2(s), not triton_interpreting()
-    for p in range(PASSES):
-        _top_k_pass[grid](logits, logits.stride(0), *params, hk, mx, ix, vocab, s, chunk, PASS=p, BITS=BITS,
-                          PASSES=PASSES, S_BLOCK=s_block, BLOCK=block)  # fmt: skip
-    for p in range(PASSES):
-        _top_p_pass[grid](logits, logits.stride(0), *params, hk, hp, hc, mx, vocab, s, chunk, PASS=p, BITS=BITS,
-                          PASSES=PASSES, S_BLOCK=s_block, BLOCK=block_mass, ACCURATE=accurate)  # fmt: skip
-    _write[grid](logits, logits.stride(0), *params, hk, hp, hc, mx, ix, out, vocab, s, chunk, BITS=BITS,
-                 PASSES=PASSES, S_BLOCK=s_block, BLOCK=block, ACCURATE=accurate)  # fmt: skip
+    for p in range(passes):
+        _top_k_pass[grid](logits, logits.stride(0), *params, hk, kst, mx, ix, vocab, s, chunk, PASS=p, BITS=bits,
+                          PASSES=passes, S_BLOCK=s_block, BLOCK=block)  # fmt: skip
+    for p in range(passes):
+        _top_p_pass[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, vocab, s, chunk, PASS=p, BITS=bits,
+                          PASSES=passes, S_BLOCK=s_block, BLOCK=block_mass, ACCURATE=accurate)  # fmt: skip
+    _write[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, ix, out, vocab, s, chunk, BITS=bits,
+                 PASSES=passes, S_BLOCK=s_block, BLOCK=block, ACCURATE=accurate)  # fmt: skip
     return out
