@@ -108,7 +108,7 @@ def _pick(h, above, target, total, MASS: tl.constexpr, BINS: tl.constexpr):
     bins = tl.arange(0, BINS)
     suffix = tl.sum(tl.where(bins[None, :] >= bins[:, None], h[None, :], 0), axis=1)  # [BINS] W(digit >= d)
     if MASS:
-        ok = (above + suffix) / total >= target
+        ok = tl.math.div_rn(above + suffix, total) >= target
     else:
         ok = above + suffix >= target
     d = tl.max(tl.where(ok, bins, 0), axis=0)
@@ -182,7 +182,7 @@ def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
     work = (k < V) & ~greedy
     if tl.full((), PASS == 0, tl.int1) | work:
         prefix = tl.zeros((), tl.uint32)
-        if PASS > 0:
+        if PASS > 0:  # noqa: SIM102 (a compile-time test around a run-time one)
             if work:
                 prefix, above = _next_top_k(hk_ptr, kst_ptr, row, S, k, PASS - 1, BITS, PASSES, S_BLOCK)
                 if split == 0:
@@ -260,16 +260,14 @@ def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
             cols = start + tl.arange(0, BLOCK)
             inb = cols < V
             x, u = _keys(logits_ptr, row, stride, cols, inb, temp)
-            match = inb & _matches(u, prefix, PASS, BITS)
-            go = tl.full((), 1, tl.int1)
-            if PASS > 0:  # skip blocks with no key under the prefix
-                go = tl.max(match.to(tl.int32), axis=0) > 0
-            if go:
+            # keys below the top-k cut have no mass, and the top-p cut is at or above it (or nothing is kept)
+            live = inb & _matches(u, prefix, PASS, BITS) & (u >= t_k)
+            if tl.max(live.to(tl.int32), axis=0) > 0:  # else skip the block (most, with a small top-k)
                 digit = ((u >> (32 - BITS * (PASS + 1))) & (BINS - 1)).to(tl.int32)
-                w = tl.where(match & (all_k | (u > t_k)), _exp(x - m, ACCURATE), 0.0)
+                w = tl.where(live & (all_k | (u > t_k)), _exp(x - m, ACCURATE), 0.0)
                 acc += tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0)
                 if PASS == PASSES - 1:  # the tie counts at the top-p cut, for the ranks
-                    counts += tl.histogram(digit, BINS, mask=match)
+                    counts += tl.histogram(digit, BINS, mask=live)
         base = ((row * PASSES + PASS) * S + split) * BINS
         tl.store(hp_ptr + base + bins, tl.sum(acc, axis=0))
         if PASS == PASSES - 1:
@@ -300,8 +298,8 @@ def _tie_quota(n_in, above, tie_prob, top_p):
 
 @triton.jit
 def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
-           ix_ptr, out_ptr, V, S, chunk, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-           ACCURATE: tl.constexpr):  # fmt: skip
+           ix_ptr, out_ptr, V, S, chunk, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
+           BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
     """The probabilities: exp(x - max) / kept mass on the kept tokens, 0 elsewhere (NaN rows when nothing is
     kept, as the softmax of all -inf); greedy rows one-hot at the first argmax."""
     BINS: tl.constexpr = 1 << BITS
@@ -334,7 +332,7 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp
             run_p, n_tp = _ties_before(hc_ptr, row, 0, split, d_p, S, 1, BINS, S_BLOCK)
             n_in = tl.where(all_k | (t_p > t_k), n_tp, tl.where(t_p == t_k, r_k.to(tl.int32), 0))
             e_tp = tl.where(n_in > 0, _exp(_float_of(t_p) - m, ACCURATE), 0.0)
-            j = _tie_quota(n_in, above_p / total, e_tp / total, top_p)
+            j = _tie_quota(n_in, tl.math.div_rn(above_p, total), tl.math.div_rn(e_tp, total), top_p)
             kept = above_p + j.to(tl.float32) * e_tp
         for start in range(lo, hi, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -349,7 +347,7 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp
                 rank_p = run_p + tl.cumsum(tie_p.to(tl.int32), axis=0)
                 run_p += tl.sum(tie_p.to(tl.int32), axis=0)
                 keep = keep & ((u > t_p) | (tie_p & (rank_p <= j)))
-            p = tl.where(keep, _exp(x - m, ACCURATE) / tl.where(kept > 0, kept, 1.0), 0.0)
+            p = tl.where(keep, tl.math.div_rn(_exp(x - m, ACCURATE), tl.where(kept > 0, kept, 1.0)), 0.0)
             tl.store(out_ptr + row * V + cols, tl.where(kept > 0, p, float("nan")), mask=inb)
 
 
@@ -374,13 +372,14 @@ def probabilities_triton(logits, temperature, top_k, top_p, splits=None, blocks=
     ix = torch.empty(n, s, dtype=torch.int32, device=dev)
     out = torch.empty(n, vocab, dtype=torch.float32, device=dev)
     params = (temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32))
-    grid, s_block, accurate = (n, s), triton.next_power_of_2(s), not triton_interpreting()
+    grid, accurate = (n, s), not triton_interpreting()
+    sizes = dict(V=vocab, S=s, chunk=chunk, BITS=bits, PASSES=passes, S_BLOCK=triton.next_power_of_2(s))
     for p in range(passes):
-        _top_k_pass[grid](logits, logits.stride(0), *params, hk, kst, mx, ix, vocab, s, chunk, PASS=p, BITS=bits,
-                          PASSES=passes, S_BLOCK=s_block, BLOCK=block)  # fmt: skip
+        _top_k_pass[grid](logits, logits.stride(0), *params, hk, kst, mx, ix, PASS=p, BLOCK=block, **sizes)
     for p in range(passes):
-        _top_p_pass[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, vocab, s, chunk, PASS=p, BITS=bits,
-                          PASSES=passes, S_BLOCK=s_block, BLOCK=block_mass, ACCURATE=accurate)  # fmt: skip
-    _write[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, ix, out, vocab, s, chunk, BITS=bits,
-                 PASSES=passes, S_BLOCK=s_block, BLOCK=block, ACCURATE=accurate)  # fmt: skip
+        _top_p_pass[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, PASS=p, BLOCK=block_mass,
+                          ACCURATE=accurate, **sizes)  # fmt: skip
+    # enable_fp_fusion off: the tie rule's product and sum rounded apart, as torch's separate kernels do
+    _write[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, ix, out, BLOCK=block,
+                 ACCURATE=accurate, enable_fp_fusion=False, **sizes)  # fmt: skip
     return out
