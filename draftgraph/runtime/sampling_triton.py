@@ -7,13 +7,15 @@ temperature-scaled float32 logits, recomputed from the logits in every pass (rea
 offset binary u = key + 2^31 (unsigned order = float order). A threshold is the largest u with
 W(keys >= u) >= target, chosen digit by digit from the top (PASSES digits of BITS bits): pass p histograms
 the digit p of the keys whose upper digits equal the prefix chosen so far, each program writing its own
-[BINS] slice of a scratch [N, PASSES, S, BINS] (no atomics: float sums stay deterministic); the next kernel's
-programs all replay the picks from those slices (`_pick`: the largest digit whose cumulated weight from the
-top still reaches the target), so one kernel per pass and no host sync. Kernels per call: PASSES for top-k
+[BINS] slice of a scratch [N, PASSES, S, BINS] (no atomics: float sums stay deterministic). The next kernel's
+programs each make pick p from those slices and the state after pick p - 1 (`_pick`: the largest digit whose
+cumulated weight from the top still reaches the target; split 0 stores the new state, a [N, slots, 2] int32
+scratch, for the kernel after), so one kernel per pass and no host sync. Kernels per call: PASSES for top-k
 (counts, `tl.histogram`), PASSES for top-p (masses, a one-hot sum; unnormalised exp(x - max), the tokens tied
-at the top-k cut added as r_k of them at the cut's bin since only the first r_k by index are kept), one that
-writes. Pass 0 of top-k also stores each split's max and first argmax; top-k passes do nothing for rows
-whose k is off, top-p passes 1.. nothing for rows with top_p 1, and greedy rows only take the max.
+at the top-k cut added as r_k of them at the cut's bin since only the first r_k by index are kept; blocks
+with no key at or above the top-k cut are skipped), one that writes. Pass 0 of top-k also stores each split's
+max and first argmax; top-k passes do nothing for rows whose k is off, top-p passes 1.. nothing for rows
+with top_p 1, and greedy rows only take the max. Float divisions are div_rn (IEEE, as torch's).
 
 The writing kernel knows everything in closed form: the ties at a cut are kept lowest index first (their
 rank = ties in earlier splits, from the last pass's histogram, + a running cumsum), exactly r_k at the top-k
