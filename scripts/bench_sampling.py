@@ -1,8 +1,10 @@
 """Sampling probabilities (temperature, top-k, top-p) over a 128k vocabulary, each variant in a CUDA graph:
-the sort-free threshold search (runtime/sampler.py) against the former sort (tests/test_sampling.py's
-oracle). Median replay time (triton do_bench) and the memory the capture took, at N rows.
+the Triton kernels (runtime/sampling_triton.py, what `_probabilities` runs on CUDA; 4-bit digits, and 8-bit
+as a second column), the same sort-free algorithm in torch ops (`probabilities_torch_ops`) and the former sort
+(tests/test_sampling.py's oracle). Median replay time (triton do_bench) and the memory the capture took, at N
+rows; the last column is the largest difference of the Triton result from the sort's.
 
-Usage: python scripts/bench_sampling.py [--rows 1,5,32,160] [--vocab 128256]
+Usage: python scripts/bench_sampling.py [--rows 1,5,32,160] [--vocab 128256] [--top-k 50] [--top-p 0.9]
 """
 
 from __future__ import annotations
@@ -12,8 +14,16 @@ import argparse
 import torch
 import triton
 
-from draftgraph.runtime.sampler import _probabilities
+from draftgraph.runtime.sampler import probabilities_torch_ops
+from draftgraph.runtime.sampling_triton import probabilities_triton
 from tests.test_sampling import sorted_probabilities
+
+VARIANTS = {
+    "triton": probabilities_triton,
+    "triton-8bit": lambda *x: probabilities_triton(*x, bits=8),
+    "torch-ops": probabilities_torch_ops,
+    "sort": lambda *x: sorted_probabilities(*x)[0],
+}
 
 
 def graphed(fn, args):
@@ -34,21 +44,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,5,32,160")
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--top-p", type=float, default=0.9)
     args = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  vocab {args.vocab}; temperature 0.8, top-k 50, "
-          "top-p 0.9; ms per call (median, graph replay) and capture memory")  # fmt: skip
-    print(f"{'N':>5} | {'sort-free ms':>12} {'MiB':>7} | {'sort ms':>8} {'MiB':>7} | {'free/sort':>9} | max |diff|")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  vocab {args.vocab}; temperature 0.8, "
+          f"top-k {args.top_k}, top-p {args.top_p}; ms per call (median, graph replay) and capture MiB")  # fmt: skip
+    print(f"{'N':>5} | " + " | ".join(f"{name:>11} ms     MiB" for name in VARIANTS) + " | max |triton - sort|")
     for n in (int(x) for x in args.rows.split(",")):
         g = torch.Generator(device="cuda").manual_seed(n)
         logits = (torch.randn(n, args.vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
         temp = torch.full((n,), 0.8, device="cuda")
-        top_k = torch.full((n,), 50, dtype=torch.long, device="cuda")
-        top_p = torch.full((n,), 0.9, device="cuda")
-        a, t_free, m_free = graphed(_probabilities, (logits, temp, top_k, top_p))
-        b, t_sort, m_sort = graphed(lambda *x: sorted_probabilities(*x)[0], (logits, temp, top_k, top_p))
-        diff = (a - b).abs().max().item()
-        print(f"{n:>5} | {t_free:>12.3f} {m_free / 2**20:>7.1f} | {t_sort:>8.3f} {m_sort / 2**20:>7.1f} | "
-              f"{t_free / t_sort:>9.2f} | {diff:.2e}")  # fmt: skip
+        top_k = torch.full((n,), args.top_k, dtype=torch.long, device="cuda")
+        top_p = torch.full((n,), args.top_p, device="cuda")
+        outs, cells = {}, []
+        for name, fn in VARIANTS.items():
+            outs[name], ms, mem = graphed(fn, (logits, temp, top_k, top_p))
+            cells.append(f"{ms:>14.3f} {mem / 2**20:>7.1f}")
+        diff = (outs["triton"] - outs["sort"]).abs().max().item()
+        print(f"{n:>5} | " + " | ".join(cells) + f" | {diff:.2e}")
 
 
 if __name__ == "__main__":

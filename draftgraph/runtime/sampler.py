@@ -11,7 +11,8 @@ W(keys >= t) >= target, found bit by bit in exactly 32 steps (`_threshold_key`):
 (target k) and sums the top-k-renormalised probabilities for top-p (target top_p). Every step is a compare
 and a row reduction over [N, V]: fixed shapes, no host sync, capturable in a CUDA graph, [N, V] temporaries
 only, no sort workspace. Each step is 5-6 ATen kernels, ~370 per call: cheap on [N, V] but launch-bound
-at small N (a fused Triton kernel is the natural next step). The kept set is the one a STABLE descending
+at small N, so on CUDA the same algorithm runs as Triton kernels (sampling_triton.py: a radix select, 17
+launches; `probabilities_torch_ops` stays the CPU path and their oracle). The kept set is the one a STABLE descending
 sort keeps: tokens equal to a threshold are kept lowest vocabulary index first, exactly k for top-k and, for
 top-p, while the mass before them (mass above the threshold + earlier equal tokens) stays below top_p, the
 first always. Masses are float32 sums in another order than a sorted cumsum, so a token whose mass-before lies
@@ -84,8 +85,8 @@ class SamplingTensors:
 def probabilities(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Processed probabilities [N, V] float32: temperature, then top-k, then top-p (greedy rows: one-hot).
     Inside a compiled function it is one opaque op (`draftgraph::sampling_probs`): Inductor compiles the
-    code around it, and the 64 threshold steps over the vocabulary run as ATen kernels (inside CUDA graphs all
-    the same), which spares each sampled draft-loop piece a long compile of its own (64 unrolled steps)."""
+    code around it, and the threshold searches run as Triton kernels on CUDA, ATen ones elsewhere (inside CUDA
+    graphs all the same), which spares each sampled draft-loop piece a long compile of its own."""
     if torch.compiler.is_compiling():
         return torch.ops.draftgraph.sampling_probs(logits, st.temperature, st.top_k, st.top_p)
     return _probabilities(logits, st.temperature, st.top_k, st.top_p)
@@ -122,6 +123,17 @@ def _first_ties(ties: torch.Tensor) -> torch.Tensor:
 
 
 def _probabilities(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """Triton kernels on CUDA (sampling_triton.py: the same algorithm, ~17 launches instead of ~370), the
+    torch-ops version elsewhere."""
+    if logits.is_cuda:
+        from draftgraph.runtime.sampling_triton import probabilities_triton  # Triton loads on first use
+
+        return probabilities_triton(logits, temperature, top_k, top_p)
+    return probabilities_torch_ops(logits, temperature, top_k, top_p)
+
+
+def probabilities_torch_ops(logits, temperature, top_k, top_p) -> torch.Tensor:
+    """The sort-free cuts in ATen ops (any device): the CPU path and the Triton kernels' oracle."""
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
