@@ -6,8 +6,8 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     batch 1, 8 and 32, `--new-tokens` after a `--prompt-len`-token prompt, mean accepted drafts per step,
     speedup; and whether the speculative tokens equal the plain ones.
 (b) transformers' own static-cache torch.compile decoding of the same target (generation_config
-    cache_implementation "static": generate() compiles its decoding forward, fullgraph, mode "reduce-overhead") at batch 1,
-    next to ours.
+    cache_implementation "static": generate() compiles its decoding forward, fullgraph, mode
+    "reduce-overhead") at batch 1, next to ours.
 (c) The steady-state step (engine.step(), wall ms, median) at `--step-batches` after `--context` cached
     tokens, against its bandwidth floor: the bytes read once per step (plain: target layers + LM head +
     KV; spec: that + K x (drafter layers + LM head + drafter KV)) over the measured copy bandwidth. Unlike
