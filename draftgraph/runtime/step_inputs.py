@@ -36,8 +36,7 @@ class StepBuffers:
             if f.dtype not in (torch.int64, torch.float32):
                 raise ValueError(f"field {f.name!r} has dtype {f.dtype}; StepBuffers holds int64 or float32")
             offsets[f.name] = at
-            size = f.capacity * torch.empty(0, dtype=f.dtype).element_size()
-            at += -(-size // _ALIGN) * _ALIGN
+            at += -(-(f.capacity * f.dtype.itemsize) // _ALIGN) * _ALIGN
         self.nbytes = max(at, _ALIGN)
         pin = self.device.type == "cuda"
         self._host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pin)
@@ -46,7 +45,7 @@ class StepBuffers:
         self.host, self.dev = {}, {}
         for f in fields:
             start = offsets[f.name]
-            end = start + f.capacity * torch.empty(0, dtype=f.dtype).element_size()
+            end = start + f.capacity * f.dtype.itemsize
             self.host[f.name] = self._host[start:end].view(f.dtype)
             self.dev[f.name] = self._dev[start:end].view(f.dtype)
         self._np = {name: t.numpy() for name, t in self.host.items()}
