@@ -13,7 +13,7 @@ import math
 import torch
 import triton
 
-import draftgraph.models.attention.op  # noqa: F401
+import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 
 

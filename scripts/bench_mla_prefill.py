@@ -18,8 +18,8 @@ import argparse
 import torch
 import triton
 
-import draftgraph.models.attention.op  # noqa: F401  (registers the ops)
-from draftgraph.models.attention.mla import DEFAULT_COST, plan_mla
+import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
+from draftgraph.ops.mla.forms import DEFAULT_COST, plan_mla
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 
 RANK, ROPE, NOPE, HEAD_V, BLOCK = 512, 64, 128, 128, 16

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import draftgraph.models.attention.op  # noqa: F401
-from draftgraph.models.attention.backends import GraphSupport, check_device, require_graph_support
+import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
+from draftgraph.ops.backends import GraphSupport, check_device, require_graph_support
 from tests.helpers import PagedRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +158,7 @@ def test_sdpa_sliding_window_long_runs(window):
 
 def test_sdpa_chunks_through_a_mask_where_cpu_flash_is_absent(monkeypatch):
     """Other devices (and a torch without the CPU flash op) run chunks after a prefix through a mask."""
-    import draftgraph.models.attention.sdpa as sdpa
+    import draftgraph.ops.attention.sdpa as sdpa
 
     monkeypatch.setattr(sdpa, "_CPU_FLASH", None)
     shape = SHAPES["gqa4-d64-bs4"]

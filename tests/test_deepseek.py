@@ -9,12 +9,13 @@ Tolerances: logits 1e-4 absolute (summation order only); Triton against the refe
 import pytest
 import torch
 
-import draftgraph.models.attention.op  # noqa: F401
-from draftgraph.models.attention.mla import MLACost, mla_forward, plan_mla
+import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.moe import moe_experts_reference, route
-from draftgraph.models.moe_triton import align_pairs, moe_experts_triton
+from draftgraph.models.moe import route
+from draftgraph.ops.mla.forms import MLACost, mla_forward, plan_mla
+from draftgraph.ops.moe.op import moe_experts_reference
+from draftgraph.ops.moe.triton_moe import align_pairs, moe_experts_triton
 from tests.helpers import PagedRunner, tiny_deepseek_model
 
 ATOL = 1e-4
@@ -213,7 +214,7 @@ def test_auto_form_decompresses_long_requests_only():
     """The planner: shapes alone keep decode / verify absorbed (no host read); past the gate, a request
     decompresses when its saving (causal pairs) outweighs rebuilding its keys: a fresh prompt from 47 rows
     with the default per-pair and per-key costs. Each decompressed request is tiled by 64 rows."""
-    from draftgraph.models.attention.mla import DEFAULT_COST
+    from draftgraph.ops.mla.forms import DEFAULT_COST
 
     runner = PagedRunner(MLAShape(torch.float32), num_blocks=192, block_size=4)
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-import draftgraph.models.attention.triton_attention as ta
-import draftgraph.models.attention.triton_split_kv as sk
-from draftgraph.models.attention.reference import paged_attention_reference
+import draftgraph.ops.attention.triton_attention as ta
+import draftgraph.ops.attention.triton_split_kv as sk
+from draftgraph.ops.attention.reference import paged_attention_reference
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +85,7 @@ def test_split_kv_bf16():
 def test_op_dispatches_to_split_kv_by_the_rule(monkeypatch):
     """Through torch.ops.draftgraph.paged_attention: the rule (given an SM count and a low context bar)
     picks S > 1, the split kernel runs, the output equals the reference and the KV write is unchanged."""
-    import draftgraph.models.attention.op  # noqa: F401
+    import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
 
     calls = []
     real = ta.attend_split_kv

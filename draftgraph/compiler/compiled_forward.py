@@ -14,8 +14,8 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from draftgraph.compiler.piecewise import PiecewiseBackend
-from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
-from draftgraph.models.attention.op import mark_piece_boundary
+from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.ops.splitting import mark_piece_boundary
 
 
 def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) -> None:

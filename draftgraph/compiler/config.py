@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph.models.attention.backends import (
+from draftgraph.ops.backends import (
     GraphSupport,
     check_device,
     default_backend,

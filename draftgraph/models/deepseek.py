@@ -14,12 +14,13 @@ import re
 import torch
 from torch import nn
 
-from draftgraph.models.attention.metadata import AttentionMetadata
-from draftgraph.models.attention.mla import check_form
+import draftgraph.ops.mla.op  # noqa: F401  (registers torch.ops.draftgraph.mla_attention)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
 from draftgraph.models.moe import MoE
 from draftgraph.models.rope import apply_rope, apply_rope_interleaved
+from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.mla.forms import check_form
 
 
 class MLAttention(nn.Module):

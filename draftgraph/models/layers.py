@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import draftgraph.models.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
-from draftgraph.models.attention.metadata import AttentionMetadata
+import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.rope import apply_rope, cos_sin_table
+from draftgraph.ops.attention.metadata import AttentionMetadata
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
@@ -24,6 +23,7 @@ from draftgraph.models.weights import (
     read_checkpoint,
     read_target_config,
 )
+from draftgraph.ops.attention.metadata import AttentionMetadata
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from draftgraph.models.attention.op import SPLITTING_OPS
+from draftgraph.ops.splitting import SPLITTING_OPS
 
 
 def splitting_targets() -> set:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftgraph.models.attention.metadata import AttentionMetadata
+from draftgraph.ops.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
-from draftgraph.models.attention.op import mark_piece_boundary
 from draftgraph.models.drafters.base import Drafter
+from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.ops.splitting import mark_piece_boundary
 from draftgraph.runtime.sampler import SALT_DRAFT, SamplingTensors, probabilities, sample_from_probs
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs, GraphKey
-from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
 from draftgraph.runtime.dispatcher import Dispatch
 
 

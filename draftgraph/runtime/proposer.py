@@ -21,8 +21,8 @@ import torch
 
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.cuda_graphs import GraphKey, StepShapes
-from draftgraph.models.attention.metadata import META_FIELDS
 from draftgraph.models.drafters.base import Drafter
+from draftgraph.ops.attention.metadata import META_FIELDS
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, Chooser, draft_loop

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from draftgraph.models.attention.backends import triton_interpreting
+from draftgraph.ops.backends import triton_interpreting
 
 BITS = 4  # radix digit: 32 / BITS passes per cut
 BLOCK = 1024  # columns per step of the count and write passes

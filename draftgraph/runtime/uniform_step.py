@@ -21,7 +21,7 @@ import torch
 
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.cuda_graphs import GraphKey
-from draftgraph.models.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
 from draftgraph.runtime.attn_metadata import RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop

@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from draftgraph.models.attention.metadata import AttentionMetadata
 from draftgraph.models.config import ModelConfig
+from draftgraph.ops.attention.metadata import AttentionMetadata
 
 KINDS = ("eagle", "eagle3", "mtp", "draft_model")
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.models.attention.backends import triton_interpreting
+from draftgraph.ops.backends import triton_interpreting
 
 
 @triton.jit

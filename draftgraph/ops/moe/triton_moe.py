@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from draftgraph.models.attention.backends import triton_interpreting
+from draftgraph.ops.backends import triton_interpreting
 
 
 @triton.jit

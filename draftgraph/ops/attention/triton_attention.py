@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.models.attention.backends import triton_interpreting
-from draftgraph.models.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
+from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
+from draftgraph.ops.backends import triton_interpreting
 
 
 @triton.jit

@@ -172,16 +172,16 @@ def _plan(
 @functools.cache
 def _kernels(impl: str):
     if impl == "triton":
-        from draftgraph.models.attention.triton_mla import mla_latent_triton, write_rows_triton
-        from draftgraph.models.attention.triton_mla_decompressed import BLOCK_M, mla_decompressed_triton
+        from draftgraph.ops.mla.triton_absorbed import mla_latent_triton, write_rows_triton
+        from draftgraph.ops.mla.triton_decompressed import BLOCK_M, mla_decompressed_triton
 
         def write(kv_c, k_pe, latent_cache, rope_cache, slot_mapping):
             write_rows_triton(kv_c, latent_cache, slot_mapping)
             write_rows_triton(k_pe, rope_cache, slot_mapping)
 
         return write, mla_latent_triton, mla_decompressed_triton, BLOCK_M
-    from draftgraph.models.attention.mla_reference import mla_decompressed_reference, mla_latent_reference
-    from draftgraph.models.attention.reference import write_kv_reference
+    from draftgraph.ops.attention.reference import write_kv_reference
+    from draftgraph.ops.mla.reference import mla_decompressed_reference, mla_latent_reference
 
     return write_kv_reference, mla_latent_reference, mla_decompressed_reference, 64
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftgraph.models.attention.reference import write_kv_reference
+from draftgraph.ops.attention.reference import write_kv_reference
 
 # Runs of at most this many rows are batched together (decode 1, verify 1+K, a draft model's 1+K+1).
 SHORT_RUN = 16

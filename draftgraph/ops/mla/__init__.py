@@ -1,0 +1,1 @@
+"""Multi-head latent attention (DeepSeek): the custom op, its two forms, references and Triton kernels."""

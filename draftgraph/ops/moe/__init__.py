@@ -1,0 +1,1 @@
+"""Routed experts (mixture of experts): the custom op, its reference and the Triton grouped matmul."""
