@@ -174,15 +174,17 @@ def test_kernel_summary_counts_launches_by_their_launcher():
     events = [
         {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 1}},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"correlation": 2}},
-        {"cat": "kernel", "name": "triton_poi_fused_0", "args": {"correlation": 1}},
-        {"cat": "kernel", "name": "paged_attention_kernel", "args": {"correlation": 1}},
-        {"cat": "kernel", "name": "argmax_kernel", "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "triton_poi_fused_0", "ts": 100, "dur": 4, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "paged_attention_kernel", "ts": 106, "dur": 10, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "argmax_kernel", "ts": 120, "dur": 2, "args": {"correlation": 2}},
         {"cat": "cpu_op", "name": "aten::mm", "args": {}},
     ]
     s = summarize_trace(events, steps=1)
     assert (s.graph_launches, s.in_graphs, s.outside) == (1, 2, 1)
     assert s.outside_by_name == {"argmax_kernel": 1}
     assert "2 (66.7%) from 1 CUDA graph replays, 1 launched outside" in s.format()
+    assert s.kernel_us["paged_attention_kernel"] == 10 and s.span_us == 22  # 100 .. 122
+    assert "16.0 us/step over a span of 22.0 us/step (73% busy), 3 kernels/step" in s.format_time()
 
 
 def test_profile_steps_on_cpu_runs_the_steps(target):

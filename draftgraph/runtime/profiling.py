@@ -26,6 +26,23 @@ class KernelSummary:
     outside: int = 0  # kernels launched directly
     outside_by_name: Counter = field(default_factory=Counter)
     cuda: bool = True
+    kernel_us: Counter = field(default_factory=Counter)  # GPU time per kernel name, in graphs or not
+    kernel_calls: Counter = field(default_factory=Counter)
+    span_us: float = 0.0  # first kernel start to last kernel end
+
+    def format_time(self, top: int = 15) -> str:
+        """Where the GPU time goes per step: busy vs the span of kernels, top kernels by time."""
+        steps = max(self.steps, 1)
+        busy = sum(self.kernel_us.values())
+        lines = [
+            f"GPU kernel time {busy / steps:.1f} us/step over a span of {self.span_us / steps:.1f} us/step "
+            f"({100.0 * busy / max(self.span_us, 1e-9):.0f}% busy), {sum(self.kernel_calls.values()) / steps:.0f} "
+            "kernels/step"
+        ]
+        for name, us in self.kernel_us.most_common(top):
+            n = self.kernel_calls[name]
+            lines.append(f"  {us / steps:8.1f} us/step  {n / steps:5.0f} calls  {us / n:7.2f} us/call  {name[:90]}")
+        return "\n".join(lines)
 
     def format(self, top: int = 8) -> str:
         if not self.cuda:
@@ -56,14 +73,20 @@ def summarize_trace(events: list[dict], steps: int) -> KernelSummary:
                 launcher[corr] = e.get("name", "")
             if e.get("name", "").startswith(_GRAPH_LAUNCH):
                 out.graph_launches += 1
+    first, last = float("inf"), 0.0
     for e in events:
         if e.get("cat") != "kernel":
             continue
+        name, ts, dur = e.get("name", "?"), float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+        out.kernel_us[name] += dur
+        out.kernel_calls[name] += 1
+        first, last = min(first, ts), max(last, ts + dur)
         if launcher.get(e.get("args", {}).get("correlation"), "").startswith(_GRAPH_LAUNCH):
             out.in_graphs += 1
         else:
             out.outside += 1
-            out.outside_by_name[e.get("name", "?")] += 1
+            out.outside_by_name[name] += 1
+    out.span_us = max(last - first, 0.0)
     return out
 
 
