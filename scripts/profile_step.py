@@ -23,7 +23,7 @@ from draftgraph.runtime.profiling import profile_steps
 from scripts.bench_piecewise import build_pair, copy_bandwidth
 
 
-def engine(target, drafter, b, k, ctx):
+def engine(target, drafter, b, k, ctx, inductor_options=None):
     cfg = dg.CompileConfig(
         mode="FULL",
         num_speculative_tokens=k if drafter is not None else 0,
@@ -34,6 +34,7 @@ def engine(target, drafter, b, k, ctx):
         gpu_memory_utilization=0.0,
         progress=False,
         full_capture_sizes=(b,),
+        inductor_options=inductor_options,
     )
     return dg.compile_model(target, drafter, cfg)
 

@@ -56,7 +56,9 @@ def build_compiled(
     shared = PieceCache()
 
     def backend(name):
-        return PiecewiseBackend(name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared)
+        return PiecewiseBackend(
+            name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared, rc.inductor_options
+        )
 
     ct = CompiledTarget(target, backend("target"))
     cd = CompiledDrafter(drafter, backend("drafter")) if drafter is not None else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.compiler.inductor_options import resolve_inductor_options
 from draftgraph.ops.backends import (
     GraphSupport,
     check_device,
@@ -90,6 +91,9 @@ class CompileConfig:
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
     progress: bool = True  # progress bars for compile and capture
+    # Inductor settings for every piece: None = draftgraph's measured defaults (compiler/inductor_options.py),
+    # () = Inductor's own, or (key, value) pairs of torch._inductor.config.
+    inductor_options: tuple[tuple[str, object], ...] | None = None
 
     def __post_init__(self):
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
@@ -165,6 +169,7 @@ class ResolvedConfig:
     compile_sizes: tuple[int, ...] = ()  # token counts with a per-size Inductor compile (opt-in)
     gpu_memory_utilization: float = 0.0  # > 0: the KV cache is sized from measured CUDA memory
     mode_reason: str = ""  # why mode "auto" became `mode` ("" when the mode was given)
+    inductor_options: tuple[tuple[str, object], ...] = ()  # patched into torch._inductor.config for every compile
 
     @property
     def lookahead(self) -> int:
@@ -266,6 +271,7 @@ def resolve(
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
         gpu_memory_utilization=util,
         mode_reason=reason,
+        inductor_options=resolve_inductor_options(config.inductor_options),
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "

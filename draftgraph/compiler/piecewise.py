@@ -23,6 +23,7 @@ from torch import fx
 from tqdm import tqdm
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.inductor_options import inductor_patch
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
@@ -61,6 +62,7 @@ class PiecewiseBackend:
         cache_dir: str | None = None,
         compile_sizes: tuple[int, ...] = (),
         shared: PieceCache | None = None,
+        inductor_options: tuple[tuple[str, object], ...] = (),
     ):
         if compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={compile_backend!r} is unknown; choose 'inductor' or 'eager'")
@@ -68,6 +70,7 @@ class PiecewiseBackend:
         self.compile_sizes = tuple(sorted(compile_sizes))  # per-size Inductor compiles (opt-in)
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
         self.shared = shared if shared is not None else PieceCache()
+        self.inductor_options = inductor_options
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
         # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
@@ -134,14 +137,19 @@ class PiecewiseBackend:
 
         per_size = {}
         if graphable:
-            with torch._guards.tracing(None), torch._subclasses.fake_tensor.unset_fake_temporarily():
+            with (
+                torch._guards.tracing(None),
+                torch._subclasses.fake_tensor.unset_fake_temporarily(),
+                inductor_patch(self.inductor_options),
+            ):
                 for size in self.compile_sizes:
                     per_size[size] = standalone_compile(
                         gm, concrete_inputs(fakes, token, size), dynamic_shapes="from_example_inputs"
                     )
                     self.ctx.counters.inductor_compiles += 1
                     bar.update(1)
-        dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
+        with inductor_patch(self.inductor_options):
+            dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
         self.ctx.counters.inductor_compiles += 1
         bar.update(1)
         return CompiledPiece(per_size, dynamic, multi)

@@ -1,0 +1,60 @@
+"""Inductor settings every piece is compiled with: draftgraph's measured defaults, or a user's own.
+
+Decode runs one to a few hundred rows per matmul and norm, where Inductor's general defaults cost kernels:
+- `split_reductions`: a norm over one row (hidden 2048) is split into a partial-sum kernel and a finishing
+  kernel to occupy more SMs; at decode sizes the second launch costs more than it saves.
+- `keep_addmm_fused_for_half_dtypes`: keeps `x + h @ W` as one bf16 cuBLAS addmm, which first copies the
+  residual into the output (a memcpy node per residual add); unfused, the add joins the following norm's
+  pointwise kernel.
+Measured with scripts/bench_inductor_options.py (docs/benchmarks.md). Keys this torch does not have are
+dropped from the defaults (torch 2.11-2.13 differ); a user's unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("split_reductions", False),
+    ("keep_addmm_fused_for_half_dtypes", False),
+)
+
+
+def _has(key: str) -> bool:
+    import torch._inductor.config as inductor_config
+
+    obj = inductor_config
+    for part in key.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def resolve_inductor_options(given) -> tuple[tuple[str, object], ...]:
+    """None -> the defaults this torch knows; a tuple of (key, value) pairs -> checked, as given."""
+    if given is None:
+        return tuple((k, v) for k, v in DEFAULT_INDUCTOR_OPTIONS if _has(k))
+    pairs = tuple(tuple(p) for p in given)
+    bad = [p for p in pairs if len(p) != 2 or not isinstance(p[0], str)]
+    if bad:
+        raise ValueError(
+            f"inductor_options={given!r}: each entry must be a (key, value) pair, e.g. (('split_reductions', False),)"
+        )
+    unknown = [k for k, _ in pairs if not _has(k)]
+    if unknown:
+        raise ValueError(
+            f"inductor_options names {unknown}, which torch._inductor.config of this torch does not have; check the "
+            "spelling against torch._inductor.config (dotted keys for sub-configs, e.g. 'triton.max_tiles'), or "
+            "pass None for draftgraph's defaults"
+        )
+    return pairs
+
+
+def inductor_patch(options: tuple[tuple[str, object], ...]):
+    """A context under which Inductor compiles with `options` (nothing when empty)."""
+    if not options:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(dict(options))
