@@ -37,9 +37,30 @@ def _config(args, **over):
         capture=args.capture,
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
+        inductor_options=_inductor_options(args.inductor_option),
     )
     fields.update(over)
     return dg.CompileConfig(**fields)
+
+
+def _inductor_options(given: list[str] | None):
+    """--inductor-option KEY=VALUE pairs (VALUE a Python literal), or None for draftgraph's defaults."""
+    if not given:
+        return None
+    import ast
+
+    pairs = []
+    for item in given:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(
+                f"draftgraph: error: --inductor-option {item!r} must be KEY=VALUE, e.g. split_reductions=False"
+            )
+        try:
+            pairs.append((key.strip(), ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            pairs.append((key.strip(), value.strip()))  # a bare word is a string
+    return tuple(pairs)
 
 
 def _models(args):

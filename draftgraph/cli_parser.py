@@ -83,6 +83,14 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         choices=["inductor", "eager"],
         help="inductor (default), or eager: split pieces run as plain FX, for debugging",
     )
+    p.add_argument(
+        "--inductor-option",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a torch._inductor.config setting for every compile, e.g. triton.autotune_pointwise=False; "
+        "repeatable; any given replaces draftgraph's defaults (VALUE is a Python literal)",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
     p.add_argument(
         "--capture",

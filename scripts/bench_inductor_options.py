@@ -4,10 +4,11 @@ For each variant of `CompileConfig.inductor_options`, plain decode and the K = 4
 size: median wall ms of engine.step(), the floor ratio, and from a profiler pass the kernels per step and
 the GPU busy share (kernel time over the span of kernels).
 
-Variants: "inductor" = Inductor's own defaults (()), "no-split" = split_reductions off, "default" =
-draftgraph's defaults (compiler/inductor_options.py), "combo" = the defaults plus combo_kernels.
+Variants: "default" = draftgraph's defaults (compiler/inductor_options.py), "no-split" = split_reductions off,
+"combo" = combo_kernels on (independent pointwise kernels launched as one), "no-autotune" = one config per
+pointwise kernel (no first-call benchmarking: faster cold start).
 
-Usage: python scripts/bench_inductor_options.py [--sizes 1,32] [--variants inductor,no-split,default,combo]
+Usage: python scripts/bench_inductor_options.py [--sizes 1,32] [--variants default,no-split,combo,no-autotune]
 """
 
 from __future__ import annotations
@@ -21,26 +22,17 @@ from scripts.bench_piecewise import build_pair, copy_bandwidth, layer_bytes, tar
 from scripts.profile_step import engine, profile
 
 VARIANTS = {
-    "inductor": (),
-    "no-split": (("split_reductions", False),),
     "default": None,
-    "combo": "default+combo",
+    "no-split": (("split_reductions", False),),
+    "combo": (("combo_kernels", True),),
+    "no-autotune": (("triton.autotune_pointwise", False),),
 }
-
-
-def options(name):
-    v = VARIANTS[name]
-    if v == "default+combo":
-        from draftgraph.compiler.inductor_options import resolve_inductor_options
-
-        return (*resolve_inductor_options(None), ("combo_kernels", True))
-    return v
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,32")
-    ap.add_argument("--variants", default="inductor,no-split,default,combo")
+    ap.add_argument("--variants", default="default,no-split,combo,no-autotune")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
     args = ap.parse_args()
@@ -56,7 +48,7 @@ def main():
     for name in args.variants.split(","):
         for kind, d in (("plain", None), ("spec", drafter)):
             for b in sizes:
-                eng = engine(target, d, b, k, ctx, options(name))
+                eng = engine(target, d, b, k, ctx, VARIANTS[name])
                 ms, _ = step_time(eng, b, k, ctx)
                 kv = 2 * b * ctx * target.cfg.num_kv_heads * target.cfg.head_dim * 2
                 floor = (t_bytes + target.cfg.num_layers * kv) / bw * 1e3

@@ -1,23 +1,16 @@
 """Inductor settings every piece is compiled with: draftgraph's measured defaults, or a user's own.
 
-Decode runs one to a few hundred rows per matmul and norm, where Inductor's general defaults cost kernels:
-- `split_reductions`: a norm over one row (hidden 2048) is split into a partial-sum kernel and a finishing
-  kernel to occupy more SMs; at decode sizes the second launch costs more than it saves.
-- `keep_addmm_fused_for_half_dtypes`: keeps `x + h @ W` as one bf16 cuBLAS addmm, which first copies the
-  residual into the output (a memcpy node per residual add); unfused, the add joins the following norm's
-  pointwise kernel.
-Measured with scripts/bench_inductor_options.py (docs/benchmarks.md). Keys this torch does not have are
-dropped from the defaults (torch 2.11-2.13 differ); a user's unknown key is an error.
+The defaults are what scripts/bench_inductor_options.py found to pay on an H100 (docs/benchmarks.md): so far
+none of the candidates did (turning off `split_reductions` made the 1B-shaped pair's decode step 13-20 % slower
+even though it saves a kernel per norm), so Inductor's own settings stand. Keys this torch does not have are
+dropped from the defaults (torch 2.11-2.13 differ); a user's unknown key is an error naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = (
-    ("split_reductions", False),
-    ("keep_addmm_fused_for_half_dtypes", False),
-)
+DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = ()
 
 
 def _has(key: str) -> bool:
