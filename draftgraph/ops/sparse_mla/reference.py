@@ -52,12 +52,12 @@ def write_rows_reference(src: torch.Tensor, cache: torch.Tensor, slot_mapping: t
     if src.shape[0] == 0:
         return
     valid = slot_mapping >= 0  # [T]
-    first = torch.argmax(valid.int())  # the first valid row, 0 when none is
-    any_valid = valid[first]
-    fill_slot = torch.where(any_valid, slot_mapping[first], 0)
-    fill_row = torch.where(any_valid, src[first].to(cache.dtype), flat[0])
-    slots = torch.where(valid, slot_mapping, fill_slot)
+    first = torch.argmax(valid.int()).view(1)  # the first valid row, 0 when none is (a tensor index: no sync)
+    any_valid = valid[first]  # [1]
+    fill_slot = torch.where(any_valid, slot_mapping[first], 0)  # [1]
     shape = (-1,) + (1,) * (src.dim() - 1)
+    fill_row = torch.where(any_valid.view(shape), src[first].to(cache.dtype), flat[:1])  # [1, ...]
+    slots = torch.where(valid, slot_mapping, fill_slot)
     rows = torch.where(valid.view(shape), src.to(cache.dtype), fill_row)
     flat.index_copy_(0, slots, rows)
 
