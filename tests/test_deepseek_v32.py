@@ -147,14 +147,8 @@ def copy_v32_mtp(target):
     attention and experts are silent, so it repeats the target's prediction: real, partial acceptance."""
     cfg, h = target.cfg, target.cfg.hidden_size
     p = f"model.layers.{cfg.num_layers}."
-    gen = torch.Generator().manual_seed(7)
-    w = deepseek_layer_weights(p, cfg, gen, quiet=True)
-    i, sa = cfg.indexer, p + "self_attn.indexer."
-    w[sa + "wq_b.weight"] = torch.randn(i.num_heads * i.head_dim, cfg.mla.q_lora_rank, generator=gen) * 0.2
-    w[sa + "wk.weight"] = torch.randn(i.head_dim, h, generator=gen) * 0.2
-    w[sa + "k_norm.weight"] = torch.ones(i.head_dim)
-    w[sa + "k_norm.bias"] = torch.randn(i.head_dim, generator=gen) * 0.1
-    w[sa + "weights_proj.weight"] = torch.randn(i.num_heads, h, generator=gen) * 0.2
+    w = deepseek_layer_weights(p, cfg, torch.Generator().manual_seed(7), quiet=True, std=0.2)
+    assert p + "self_attn.indexer.wq_b.weight" in w
     w.update({p + n: torch.ones(h) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
     w[p + "eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
     return load_drafter(module_from_state_dict(w), target, kind="mtp")
