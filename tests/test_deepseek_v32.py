@@ -100,13 +100,12 @@ def hf_greedy(hf, prompts, params):
     return outs
 
 
-def generate(target, drafter=None, mode="NONE", k=0, requests=8):
-    """`requests` ragged requests through 4 sequence slots (continuous batching), eager compile backend."""
+def generate(target, drafter=None, mode="NONE", k=0, requests=8, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72)):
+    """`requests` ragged requests through 4 sequence slots (continuous batching)."""
     prompts, params, arrivals = ragged(requests)
     cfg = dg.CompileConfig(
-        mode=mode, num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, compile_backend="eager",
-        capture_sizes=(1, 2, 4, 8, 16, 32, 64, 72) if mode != "NONE" else (), progress=False,
-        gpu_memory_utilization=0.0,
+        mode=mode, num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, compile_backend=backend,
+        capture_sizes=sizes if mode != "NONE" else (), progress=False, gpu_memory_utilization=0.0,
     )  # fmt: skip
     eng = dg.compile_model(target, drafter, cfg)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
@@ -130,6 +129,16 @@ def test_greedy_equals_transformers_generate_compiled(target, reference, mode):
     # 3 layers, one splitting op each (sparse_mla_attention; the indexer stays inside its piece) -> 4 pieces,
     # plus the input checks' piece: as many as V3's dense MLA
     assert eng.compiled.counters.traces["target"] == 1 and eng.compiled.counters.pieces == 5
+
+
+def test_indexer_inside_inductor_pieces(target, reference):
+    """Inductor compiles the pieces with the indexer op inside (it mutates the index-key cache in place):
+    the same tokens; one compile per unique piece with kernels (the input-checks piece has none)."""
+    out, eng = generate(target, mode="PIECEWISE", backend="inductor", sizes=(4, 72))
+    assert out == reference
+    c = eng.compiled.counters
+    assert c.pieces == 5 and c.inductor_compiles == c.unique_pieces - 1 == 4
+    assert all(kv[2].any() for kv in eng.runner.target_cache.layers)  # index keys written by the compiled pieces
 
 
 def test_dense_mla_on_the_same_weights_gives_other_tokens(hf, target, reference):
