@@ -233,6 +233,12 @@ def cmd_inspect(args) -> int:
     )
     if args.target:
         target, drafter = args.target, args.drafter
+    elif args.family == "deepseek_v32":
+        from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_deepseek_v32_hf(args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "mtp", target)
     else:
         target, _ = builtin_pair(BuiltinSpec(family=args.family, seed=args.seed))
         drafter = builtin_drafter(args.drafter_kind or "eagle", target)

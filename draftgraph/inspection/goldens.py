@@ -1,4 +1,5 @@
-"""Golden inspections of the built-in tiny model pairs: every target family x drafter kind x mode.
+"""Golden inspections of the built-in tiny model pairs: every target family x drafter kind x mode, and
+DeepSeek-V3.2 (sparse MLA, models/builtin_deepseek.py) with its MTP drafter in each mode.
 
 `python scripts/refresh_goldens.py` rewrites tests/golden/; tests/test_goldens.py compares fresh
 inspections against it.
@@ -15,7 +16,7 @@ REFRESH = "python scripts/refresh_goldens.py"
 
 
 def cases() -> list[tuple[str, str, str]]:
-    return [(f, k, m) for f in FAMILIES for k in KINDS for m in MODES]
+    return [(f, k, m) for f in FAMILIES for k in KINDS for m in MODES] + [("deepseek_v32", "mtp", m) for m in MODES]
 
 
 def case_name(family: str, kind: str, mode: str) -> str:
@@ -27,19 +28,25 @@ def inspect_case(family: str, kind: str, mode: str, out_dir: str) -> dict:
     from draftgraph.inspection.inspect import inspect_model
     from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_pair
 
-    spec = BuiltinSpec(
-        family=family,
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        draft_layers=1,
-        max_position_embeddings=256,
-    )
-    target, _ = builtin_pair(spec)
+    if family == "deepseek_v32":
+        from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_deepseek_v32_hf())
+    else:
+        spec = BuiltinSpec(
+            family=family,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            draft_layers=1,
+            max_position_embeddings=256,
+        )
+        target, _ = builtin_pair(spec)
     drafter = builtin_drafter(kind, target)
     config = dg.CompileConfig(
         mode=mode,

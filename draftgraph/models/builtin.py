@@ -225,9 +225,9 @@ def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: in
 
 
 def deepseek_layer_weights(prefix: str, cfg, gen, quiet: bool = False, std: float = 0.05) -> dict:
-    """A random DeepSeek-V3 layer (MLA, and MoE with one module per expert, the hub's layout) under its
-    transformers names at `prefix`. `quiet`: the attention and expert outputs are zero, so the layer passes
-    its input through (a drafter that repeats the target's prediction)."""
+    """A random DeepSeek-V3 layer (MLA, and MoE with one module per expert, the hub's layout; V3.2: with its
+    indexer) under its transformers names at `prefix`. `quiet`: the attention and expert outputs are zero, so
+    the layer passes its input through (a drafter that repeats the target's prediction)."""
     a, m, h = cfg.mla, cfg.moe, cfg.hidden_size
 
     def r(*shape):
@@ -250,6 +250,13 @@ def deepseek_layer_weights(prefix: str, cfg, gen, quiet: bool = False, std: floa
         w[sa + "q_b_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, a.q_lora_rank)
     else:
         w[sa + "q_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, h)
+    if cfg.indexer is not None:  # DeepSeek-V3.2: the lightning indexer (models/deepseek_v32.py)
+        i, ix = cfg.indexer, sa + "indexer."
+        w[ix + "wq_b.weight"] = r(i.num_heads * i.head_dim, a.q_lora_rank)
+        w[ix + "wk.weight"] = r(i.head_dim, h)
+        w[ix + "k_norm.weight"] = torch.ones(i.head_dim)
+        w[ix + "k_norm.bias"] = torch.zeros(i.head_dim)
+        w[ix + "weights_proj.weight"] = r(i.num_heads, h)
     experts = [(f"mlp.experts.{e}.", m.moe_intermediate_size) for e in range(m.num_experts)]
     if m.n_shared_experts:
         experts.append(("mlp.shared_experts.", m.moe_intermediate_size * m.n_shared_experts))

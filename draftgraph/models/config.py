@@ -1,4 +1,4 @@
-"""ModelConfig: the one description of a decoder (Llama family, DeepSeek-V3) that our modules are built from.
+"""ModelConfig: the one description of a decoder (Llama family, DeepSeek-V3 / V3.2) that our modules are built from.
 
 Built from a transformers config object (or a config.json dict) by `ModelConfig.from_hf`, so the rest
 of the package never reads transformers attributes directly. Frozen: derived values are properties.
@@ -22,6 +22,7 @@ FAMILIES = {
     "qwen3": {"qk_norm": True, "qkv_bias": None},
     "mistral": {"qk_norm": False, "qkv_bias": False},
     "deepseek_v3": {"qk_norm": False, "qkv_bias": None},  # MLA + MoE: see MLAConfig, MoEConfig
+    "deepseek_v32": {"qk_norm": False, "qkv_bias": None},  # V3 + the sparse attention indexer: IndexerConfig
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -84,8 +85,12 @@ class MoEConfig:
     routed_scaling_factor: float
     norm_topk_prob: bool
     first_k_dense_replace: int  # layers below this index keep a dense MLP
+    mlp_layer_types: tuple[str, ...] = ()  # V3.2: "dense" / "sparse" per layer (overrides first_k_dense_replace)
 
     def __post_init__(self):
+        bad = sorted(set(self.mlp_layer_types) - {"dense", "sparse"})
+        if bad:
+            raise ValueError(f"mlp_layer_types holds {bad}; allowed: 'dense', 'sparse' (one per layer)")
         if self.num_experts % self.n_group:
             raise ValueError(
                 f"n_routed_experts={self.num_experts} is not a multiple of n_group={self.n_group}; "
@@ -96,6 +101,29 @@ class MoEConfig:
         if self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} exceeds the experts in the {self.topk_group} chosen groups"
+            )
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): per token, `num_heads` queries of
+    `head_dim` from the MLA query latent, one key of `head_dim` (LayerNorm), non-interleaved RoPE on the first
+    `rope_dim` dims; MLA then attends to the `topk` best-scoring visible tokens only."""
+
+    num_heads: int  # index_n_heads
+    head_dim: int  # index_head_dim
+    topk: int  # index_topk
+    rope_dim: int  # qk_rope_head_dim: the RoPE part of each indexer query and key
+
+    def __post_init__(self):
+        sizes = (("index_n_heads", self.num_heads), ("index_head_dim", self.head_dim), ("index_topk", self.topk))
+        for key, value in sizes:
+            if value < 1:
+                raise ValueError(f"{key}={value} must be at least 1; fix it in the checkpoint's config.json")
+        if self.rope_dim > self.head_dim:
+            raise ValueError(
+                f"index_head_dim={self.head_dim} is smaller than qk_rope_head_dim={self.rope_dim}; the indexer "
+                "applies RoPE to its first qk_rope_head_dim dims, so index_head_dim must be at least that"
             )
 
 
@@ -126,6 +154,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAConfig | None = None  # DeepSeek: latent attention (then head_dim is the RoPE part's width)
     moe: MoEConfig | None = None
+    indexer: IndexerConfig | None = None  # DeepSeek-V3.2: sparse MLA over the indexer's top-k tokens
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -141,14 +170,19 @@ class ModelConfig:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and layer >= self.moe.first_k_dense_replace
+        if self.moe is None:
+            return False
+        if layer < len(self.moe.mlp_layer_types):  # past them (an MTP layer): a MoE layer, as in V3
+            return self.moe.mlp_layer_types[layer] == "sparse"
+        return layer >= self.moe.first_k_dense_replace
 
     @property
     def kv_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
         """What the paged cache holds per token and layer: K and V [Hkv, D] each, or MLA's latent [r] and
-        RoPE key [d_rope]."""
+        RoPE key [d_rope], plus with the V3.2 indexer its key [index_head_dim] (one slot addresses all)."""
         if self.mla is not None:
-            return ((self.mla.kv_lora_rank,), (self.mla.qk_rope_head_dim,))
+            index = ((self.indexer.head_dim,),) if self.indexer is not None else ()
+            return ((self.mla.kv_lora_rank,), (self.mla.qk_rope_head_dim,), *index)
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
     @property
@@ -187,10 +221,12 @@ class ModelConfig:
         if dtype is None:
             dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
         rope = rope_from_hf(get)
-        mla = moe = None
-        if model_type == "deepseek_v3":
+        mla = moe = indexer = None
+        if model_type in ("deepseek_v3", "deepseek_v32"):
             mla, moe = _deepseek_parts(get, rope)
             head_dim = mla.qk_rope_head_dim  # the RoPE table's width
+        if model_type == "deepseek_v32":
+            indexer = _indexer_part(get, mla)
         return cls(
             model_type=model_type,
             vocab_size=get("vocab_size"),
@@ -214,6 +250,7 @@ class ModelConfig:
             eos_token_ids=_as_tuple(get("eos_token_id", None)),
             mla=mla,
             moe=moe,
+            indexer=indexer,
         )
 
     @classmethod
@@ -253,8 +290,23 @@ def _deepseek_parts(get, rope: RopeConfig) -> tuple[MLAConfig, MoEConfig]:
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(get("norm_topk_prob", True)),
         first_k_dense_replace=get("first_k_dense_replace", 0) or 0,
+        mlp_layer_types=tuple(get("mlp_layer_types", ()) or ()),
     )
     return mla, moe
+
+
+def _indexer_part(get, mla: MLAConfig) -> IndexerConfig:
+    if not mla.q_lora_rank:
+        raise ValueError(
+            "q_lora_rank=0 with model_type 'deepseek_v32': the indexer's queries come from the MLA query latent "
+            "(q_a_proj), so DeepSeek-V3.2 needs q_lora_rank > 0"
+        )
+    return IndexerConfig(
+        num_heads=get("index_n_heads", 64),
+        head_dim=get("index_head_dim", 128),
+        topk=get("index_topk", 2048),
+        rope_dim=mla.qk_rope_head_dim,
+    )
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

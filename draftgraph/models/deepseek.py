@@ -43,14 +43,22 @@ class MLAttention(nn.Module):
         self.attn_impl = attn_impl
         self.form = "auto"  # which MLA form runs for which rows (attention/mla.py); set_mla_form
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+    def project(self, x, cos, sin):
+        """q_nope [T, H, dn], q_pe [T, H, dr] (RoPE'd), the latent c [T, r], k_pe [T, dr] (RoPE'd), and the
+        normed query latent [T, q_lora_rank] (None without q LoRA; V3.2's indexer reads it)."""
         a, t, h = self.a, x.shape[0], self.num_heads
-        q = self.q_b(self.q_a_norm(self.q_a(x))) if a.q_lora_rank else self.q_proj(x)
+        q_resid = self.q_a_norm(self.q_a(x)) if a.q_lora_rank else None
+        q = self.q_b(q_resid) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(t, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c = self.kv_a_norm(c)
         q_pe = self.rope(q_pe, cos, sin)
         k_pe = self.rope(k_pe.view(t, 1, a.qk_rope_head_dim), cos, sin).view(t, a.qk_rope_head_dim)
+        return q_nope, q_pe, c, k_pe, q_resid
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, ...]):
+        a, t, h = self.a, x.shape[0], self.num_heads
+        q_nope, q_pe, c, k_pe, _ = self.project(x, cos, sin)
         out = torch.ops.draftgraph.mla_attention(
             q_nope,
             q_pe.contiguous(),
@@ -83,10 +91,10 @@ def set_mla_form(model: nn.Module, form: str) -> int:
 class DeepseekLayer(nn.Module):
     """Pre-norm block: h = x + mla(norm(x)); out = h + ffn(norm(h)), ffn a MoE or a dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, attention: type[nn.Module] = MLAttention):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLAttention(cfg, attn_impl)
+        self.attn = attention(cfg, attn_impl)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, attn_impl) if cfg.is_moe_layer(layer) else MLP(cfg)
 

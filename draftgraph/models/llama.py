@@ -1,5 +1,5 @@
-"""Causal LM over the flat token layout: the Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) and DeepSeek-V3
-(MLA + MoE layers, models/deepseek.py).
+"""Causal LM over the flat token layout: the Llama family (Llama 2/3, Qwen2, Qwen3, Mistral), DeepSeek-V3
+(MLA + MoE layers, models/deepseek.py) and DeepSeek-V3.2 (sparse MLA with its indexer, models/deepseek_v32.py).
 
 forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hidden states [T, H]
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
@@ -30,6 +30,10 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
     """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer."""
+    if cfg.indexer is not None:
+        from draftgraph.models.deepseek_v32 import make_v32_layer
+
+        return make_v32_layer(cfg, layer, attn_impl)
     if cfg.mla is not None:
         from draftgraph.models.deepseek import DeepseekLayer
 
@@ -39,6 +43,10 @@ def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
 
 def layer_converter(cfg: ModelConfig):
     """transformers layer names -> ours, for this config's family."""
+    if cfg.indexer is not None:
+        from draftgraph.models.deepseek_v32 import convert_deepseek_v32_layer
+
+        return convert_deepseek_v32_layer
     if cfg.mla is not None:
         from draftgraph.models.deepseek import convert_deepseek_layer
 

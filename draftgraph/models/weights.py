@@ -182,11 +182,22 @@ def assign_weights(module: nn.Module, weights: dict[str, torch.Tensor], what: st
                 f"{what}: {name} has shape {list(got)} in the checkpoint but the config implies {list(want)}; "
                 "check hidden_size, num_attention_heads, num_key_value_heads, head_dim and vocab_size"
             )
+    fp32 = _kept_in_fp32(module)
     state = {}
     for k in persistent:
         t = weights[k]
-        state[k] = t.to(dtype) if t.is_floating_point() else t
+        state[k] = t.to(torch.float32 if k in fp32 else dtype) if t.is_floating_point() else t
     module.load_state_dict(state, strict=False, assign=True)
+
+
+def _kept_in_fp32(module: nn.Module) -> set[str]:
+    """Parameters a module lists in `keep_fp32_params` stay float32 whatever the model's dtype (transformers'
+    `_keep_in_fp32_modules`, e.g. DeepSeek-V3.2's indexer.weights_proj)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules()
+        for name in getattr(sub, "keep_fp32_params", ())
+    }
 
 
 def _non_persistent(module: nn.Module) -> set[str]:

@@ -50,6 +50,23 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 
 
+# Op families whose implementations support more (or less) than the attention table says, per name. Sparse
+# MLA and its indexer (ops/sparse_mla/): every name runs the PyTorch reference for now (no SDPA form, Triton
+# kernels to come), and that reference reads nothing back to the host (shapes from T, topk and the
+# block-table width), so it sits inside FULL graphs of any batch, mixed ones included.
+_SPARSE_WHY = "the PyTorch reference runs for every name (Triton kernels to come); it never reads back to the host"
+FAMILY_BACKENDS: dict[str, dict[str, AttentionBackend]] = {
+    "sparse_mla": {
+        name: AttentionBackend(name, GraphSupport.ALWAYS, BACKENDS[name].devices, _SPARSE_WHY) for name in BACKENDS
+    },
+}
+
+
+def family_backend(family: str, name: str) -> AttentionBackend:
+    """What implementation `name` supports for op family `family` (the attention table where not overridden)."""
+    return FAMILY_BACKENDS.get(family, {}).get(name) or get_backend(name)
+
+
 def get_backend(name: str) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(

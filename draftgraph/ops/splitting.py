@@ -10,8 +10,15 @@ import torch
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers draftgraph::paged_attention)
 import draftgraph.ops.mla.op  # noqa: F401  (registers draftgraph::mla_attention)
+import draftgraph.ops.sparse_mla.op  # noqa: F401  (registers draftgraph::sparse_mla_attention and indexer_topk)
 
-SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention", "draftgraph::piece_boundary"]
+# indexer_topk is deliberately absent: it stays inside the piece before sparse_mla_attention (sparse_mla/op.py).
+SPLITTING_OPS: list[str] = [
+    "draftgraph::paged_attention",
+    "draftgraph::mla_attention",
+    "draftgraph::sparse_mla_attention",
+    "draftgraph::piece_boundary",
+]
 
 
 @torch.library.custom_op("draftgraph::piece_boundary", mutates_args=("tensors",))
