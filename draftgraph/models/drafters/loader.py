@@ -107,7 +107,7 @@ def truncated_draft_model(target: CausalLM, num_layers: int) -> DraftModelDrafte
     (shared tensors, no copies). Agrees with the target often enough for real acceptance in demos."""
     if not 1 <= num_layers <= target.cfg.num_layers:
         raise ValueError(f"num_layers={num_layers} must lie in [1, {target.cfg.num_layers}] for this target")
-    cfg = target.cfg.replace(num_layers=num_layers, sliding_windows=target.cfg.sliding_windows[:num_layers])
+    cfg = target.cfg.first_layers(num_layers)
     with torch.device("meta"):
         draft = CausalLM(cfg, target.layers[0].attn.attn_impl)
     draft.embed_tokens = target.embed_tokens
