@@ -9,9 +9,15 @@ from __future__ import annotations
 import torch
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers draftgraph::paged_attention)
+import draftgraph.ops.linear_attention.op  # noqa: F401  (registers draftgraph::gated_delta_net)
 import draftgraph.ops.mla.op  # noqa: F401  (registers draftgraph::mla_attention)
 
-SPLITTING_OPS: list[str] = ["draftgraph::paged_attention", "draftgraph::mla_attention", "draftgraph::piece_boundary"]
+SPLITTING_OPS: list[str] = [
+    "draftgraph::paged_attention",
+    "draftgraph::mla_attention",
+    "draftgraph::gated_delta_net",
+    "draftgraph::piece_boundary",
+]
 
 
 @torch.library.custom_op("draftgraph::piece_boundary", mutates_args=("tensors",))
