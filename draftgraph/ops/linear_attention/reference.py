@@ -32,20 +32,20 @@ def recurrent_step(s, q, k, v, g, beta):
     return s, torch.einsum("nhkv,nhk->nhv", s, q)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, h0):
+def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk: int = CHUNK):
     """The gated delta rule over padded runs, by chunks (the UT transform inside each chunk, a scan over chunks).
     q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; h0 [B, H, Dk, Dv]; all float32, q scaled. Padding
     tokens must have g = beta = 0 (they leave the state unchanged). Returns (o [B, T, H, Dv], final state)."""
     b, t, h, dk = k.shape
-    pad = (CHUNK - t % CHUNK) % CHUNK
+    pad = (chunk - t % chunk) % chunk
     q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))  # [B, H, Tp, D]
     g, beta = (F.pad(x.transpose(1, 2), (0, pad)) for x in (g, beta))  # [B, H, Tp]
-    n = (t + pad) // CHUNK
-    q, k, v = (x.reshape(b, h, n, CHUNK, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, CHUNK), beta.reshape(b, h, n, CHUNK)
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     cum = g.cumsum(-1)  # [B, H, N, C]: log decay from the chunk start
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, N, C, C]
     ut = (k_beta @ k.transpose(-1, -2)) * decay  # I + strictly lower part: solved as unitriangular
     u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
@@ -60,7 +60,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0):
         v_new = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q_dec[:, :, i] @ s + intra[:, :, i] @ v_new
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, h, n * CHUNK, -1)[:, :, :t].transpose(1, 2)
+    out = out.reshape(b, h, n * chunk, -1)[:, :, :t].transpose(1, 2)
     return out, s
 
 
@@ -123,7 +123,8 @@ def gated_delta_net_reference(
             buf = val.new_zeros(b + 1, head_len, *val.shape[1:])
             buf[bi, ti] = torch.where(head.view(-1, *[1] * (val.dim() - 1)), val, 0)
             padded.append(buf[:b])
-        o_head, s = chunk_gated_delta_rule(*padded, h0)
+        chunk = min(CHUNK, 1 << (head_len - 1).bit_length())  # short heads (decode batches): a small chunk
+        o_head, s = chunk_gated_delta_rule(*padded, h0, chunk)
         out = torch.where(head[:, None, None], o_head[run, off.clamp(0, head_len - 1)], out.float())
 
     # The tail: the last min(n, L) tokens of each run, one at a time, keeping every state.
