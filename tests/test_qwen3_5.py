@@ -188,3 +188,16 @@ def test_checkpoint_directory(dense, tmp_path):
     hf.save_pretrained(tmp_path / "q")
     target = CausalLM.from_pretrained(str(tmp_path / "q"))
     assert run(target, k=0)[0] == d.ref
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_mtp_drafter_is_lossless(dense, k):
+    """The MTP head in its checkpoint layout (`mtp.*`, random weights): one gated-attention layer, the target's
+    embedding and head, paged KV only; tokens equal the target's alone at every K."""
+    from draftgraph.models.builtin import builtin_drafter
+
+    _, d = dense
+    drafter = builtin_drafter("mtp", d.target)
+    assert type(drafter).__name__ == "Qwen3_5MTPDrafter" and type(drafter.block.attn).__name__ == "GatedAttention"
+    out, eng = run(d.target, drafter, k=k)
+    assert out == d.ref and eng.stats()["verify_steps"] > 0
