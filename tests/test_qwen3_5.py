@@ -201,3 +201,15 @@ def test_mtp_drafter_is_lossless(dense, k):
     assert type(drafter).__name__ == "Qwen3_5MTPDrafter" and type(drafter.block.attn).__name__ == "GatedAttention"
     out, eng = run(d.target, drafter, k=k)
     assert out == d.ref and eng.stats()["verify_steps"] > 0
+
+
+def test_preemption_restarts_the_state(dense):
+    """A cache too small for all four running requests: preempted ones recompute from position 0 (a zero
+    state, a new first block mapped to their row) and the tokens stay transformers'."""
+    _, d = dense
+    prompts, params = prompts_and_params()
+    cfg = dg.CompileConfig(num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                           num_kv_blocks=34, progress=False)  # fmt: skip
+    eng = dg.compile_model(d.target, truncated_draft_model(d.target, 2), cfg)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == d.ref
+    assert eng.stats()["preemptions"] > 0
