@@ -208,6 +208,10 @@ def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: in
         w["lm_head.weight"] = torch.randn(draft_vocab, h, generator=gen) * 0.05
         w["d2t"] = torch.arange(draft_vocab) * 2 - torch.arange(draft_vocab)  # draft id i -> target id 2i
         w["t2d"] = torch.arange(vocab) % 2 == 0
+    elif kind == "mtp" and cfg.hybrid is not None:  # Qwen3.5's head in its checkpoint layout
+        from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
+
+        w = random_mtp_weights(cfg, gen)
     elif kind == "mtp":
         p = f"model.layers.{cfg.num_layers}."
         w = deepseek_layer_weights(p, cfg, gen) if cfg.mla is not None else _random_layer(p, cfg, gen)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from draftgraph.models.hybrid_config import HYBRID_TYPES, WRAPPER_TYPES, HybridConfig, hybrid_from_hf
+
 # model_type -> the behaviour switches that family implies (transformers' own defaults).
 FAMILIES = {
     "llama": {"qk_norm": False, "qkv_bias": None},
@@ -23,6 +25,8 @@ FAMILIES = {
     "mistral": {"qk_norm": False, "qkv_bias": False},
     "deepseek_v3": {"qk_norm": False, "qkv_bias": None},  # MLA + MoE: see MLAConfig, MoEConfig
     "deepseek_v32": {"qk_norm": False, "qkv_bias": None},  # V3 + the sparse attention indexer: IndexerConfig
+    "qwen3_5_text": {"qk_norm": True, "qkv_bias": None},  # Gated DeltaNet + gated attention: see HybridConfig
+    "qwen3_5_moe_text": {"qk_norm": True, "qkv_bias": None},
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -155,6 +159,7 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek: latent attention (then head_dim is the RoPE part's width)
     moe: MoEConfig | None = None
     indexer: IndexerConfig | None = None  # DeepSeek-V3.2: sparse MLA over the indexer's top-k tokens
+    hybrid: HybridConfig | None = None  # Qwen3.5: linear-attention layers, partial RoPE, output gate, Qwen MoE
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -186,6 +191,16 @@ class ModelConfig:
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
     @property
+    def rotary_dim(self) -> int:
+        """Width of the RoPE table: the rotated dims of each head (all of head_dim unless partial)."""
+        return self.hybrid.rotary_dim if self.hybrid is not None else self.head_dim
+
+    def first_layers(self, n: int) -> ModelConfig:
+        """This config cut to its first n layers (a truncated draft model)."""
+        hybrid = self.hybrid.first_layers(n) if self.hybrid is not None else None
+        return self.replace(num_layers=n, sliding_windows=self.sliding_windows[:n], hybrid=hybrid)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -204,6 +219,13 @@ class ModelConfig:
         """Build from a transformers PretrainedConfig or a config.json dict."""
         get = _getter(hf_config)
         model_type = get("model_type", "llama")
+        if model_type in WRAPPER_TYPES and get("text_config", None) is not None:  # the text part of Qwen3.5
+            text = get("text_config")
+            if isinstance(text, dict):  # config.json: the wrapper's eos and the text model_type when absent
+                text = {"model_type": f"{model_type}_text", "eos_token_id": get("eos_token_id", None), **text}
+            if dtype is None:
+                dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
+            return cls.from_hf(text, dtype=dtype)
         if model_type not in FAMILIES:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}. "
@@ -217,11 +239,16 @@ class ModelConfig:
         qkv_bias = family["qkv_bias"]
         if qkv_bias is None:
             qkv_bias = bool(get("attention_bias", False))
-        o_bias = bool(get("attention_bias", False)) if model_type in ("llama", "qwen3") else False
+        o_bias = bool(get("attention_bias", False)) if model_type in ("llama", "qwen3", *HYBRID_TYPES) else False
         if dtype is None:
             dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
         rope = rope_from_hf(get)
-        mla = moe = indexer = None
+        mla = moe = indexer = hybrid = None
+        intermediate = get("intermediate_size")
+        if model_type in HYBRID_TYPES:
+            hybrid = hybrid_from_hf(get, head_dim, num_layers)
+            if hybrid.moe is not None and intermediate is None:  # every layer is MoE: no dense MLP
+                intermediate = hybrid.moe.shared_expert_intermediate_size
         if model_type in ("deepseek_v3", "deepseek_v32"):
             mla, moe = _deepseek_parts(get, rope)
             head_dim = mla.qk_rope_head_dim  # the RoPE table's width
@@ -231,7 +258,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=get("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=get("intermediate_size"),
+            intermediate_size=intermediate,
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=get("num_key_value_heads") or num_heads,
@@ -251,6 +278,7 @@ class ModelConfig:
             mla=mla,
             moe=moe,
             indexer=indexer,
+            hybrid=hybrid,
         )
 
     @classmethod

@@ -13,14 +13,20 @@ from draftgraph.ops.attention.metadata import AttentionMetadata
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * w, the product in x's dtype (Llama); `zero_centered`: x / rms(x) * (1 + w) in float32,
+    then cast (Qwen3.5, whose w is stored around 0)."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -106,5 +112,5 @@ def rope_lookup(table: torch.Tensor, positions: torch.Tensor):
 
 def materialize(module: nn.Module, cfg: ModelConfig, device) -> nn.Module:
     """Finish a module whose weights were assigned on the meta device: RoPE table, device, eval."""
-    module.rope_table = cos_sin_table(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+    module.rope_table = cos_sin_table(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings)
     return module.to(device).eval().requires_grad_(False)

@@ -38,6 +38,10 @@ def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
         from draftgraph.models.deepseek import DeepseekLayer
 
         return DeepseekLayer(cfg, layer, attn_impl)
+    if cfg.hybrid is not None:
+        from draftgraph.models.qwen3_5 import Qwen3_5Layer
+
+        return Qwen3_5Layer(cfg, layer, attn_impl)
     return DecoderLayer(cfg, layer, attn_impl)
 
 
@@ -51,7 +55,16 @@ def layer_converter(cfg: ModelConfig):
         from draftgraph.models.deepseek import convert_deepseek_layer
 
         return convert_deepseek_layer
+    if cfg.hybrid is not None:
+        from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer
+
+        return convert_qwen3_5_layer
     return convert_layer
+
+
+def final_norm(cfg: ModelConfig) -> nn.Module:
+    """The final RMSNorm: Qwen3.5's is zero-centred (x * (1 + w))."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.hybrid is not None)
 
 
 class CausalLM(nn.Module):
@@ -62,9 +75,9 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = final_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.rotary_dim), persistent=False)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -106,6 +119,10 @@ class CausalLM(nn.Module):
     ) -> CausalLM:
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`)."""
         state = dict(state)
+        if cfg.hybrid is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
+            from draftgraph.models.qwen3_5_weights import normalize_keys
+
+            state = normalize_keys(state)
         ours: dict[str, torch.Tensor] = {}
         for i in layer_indices(state, "model.layers."):
             if i >= cfg.num_layers:  # an MTP layer stored after the decoder (DeepSeek layout): not ours

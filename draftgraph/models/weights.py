@@ -118,8 +118,11 @@ def read_target_config(path: str) -> dict:
     """config.json of a target checkpoint, checked for the keys every target needs."""
     config = read_config(path)
     file = os.path.join(path, "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # Qwen3.5's wrapper
     for key in REQUIRED_KEYS:
-        value = config.get(key)
+        if key == "intermediate_size" and text.get("moe_intermediate_size") is not None:
+            continue  # every layer a MoE (qwen3_5_moe): no dense intermediate size
+        value = text.get(key)
         if value is None:
             raise CheckpointError(f"{file} has no {key!r}; a target's config.json needs {list(REQUIRED_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

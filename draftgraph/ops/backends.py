@@ -67,6 +67,38 @@ def family_backend(family: str, name: str) -> AttentionBackend:
     return FAMILY_BACKENDS.get(family, {}).get(name) or get_backend(name)
 
 
+# Gated DeltaNet (ops/linear_attention) implementations. Every attention setting runs the reference until
+# Triton kernels land ("triton" then maps to them): it reads nothing back to the host, so it may sit inside
+# any CUDA graph, at the price of plain tensor code (a padded [requests, tokens] layout for prefill heads).
+LINEAR_ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "reference": AttentionBackend(
+        name="reference",
+        graph_support=GraphSupport.ALWAYS,
+        devices=("cpu", "cuda"),
+        why="every loop bound comes from tensor shapes and it never reads a value back to the host",
+    ),
+}
+
+
+def linear_attention_impl(attention: str) -> str:
+    """The Gated DeltaNet implementation an attention setting picks."""
+    get_backend(attention)
+    return "reference"
+
+
+def check_linear_attention(name: str, device_type: str) -> None:
+    backend = LINEAR_ATTENTION_BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(
+            f"linear attention implementation {name!r} is unknown; choose one of {sorted(LINEAR_ATTENTION_BACKENDS)}"
+        )
+    if device_type not in backend.devices:
+        raise ValueError(
+            f"linear attention implementation {name!r} runs on {list(backend.devices)}, not {device_type!r}; "
+            "use 'reference' there"
+        )
+
+
 def get_backend(name: str) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers draftgraph::paged_attention)
+import draftgraph.ops.linear_attention.op  # noqa: F401  (registers draftgraph::gated_delta_net)
 import draftgraph.ops.mla.op  # noqa: F401  (registers draftgraph::mla_attention)
 import draftgraph.ops.sparse_mla.op  # noqa: F401  (registers draftgraph::sparse_mla_attention and indexer_topk)
 
@@ -17,6 +18,7 @@ SPLITTING_OPS: list[str] = [
     "draftgraph::paged_attention",
     "draftgraph::mla_attention",
     "draftgraph::sparse_mla_attention",
+    "draftgraph::gated_delta_net",
     "draftgraph::piece_boundary",
 ]
 

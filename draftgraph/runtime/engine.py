@@ -16,6 +16,7 @@ from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import Scheduler
+from draftgraph.runtime.state_cache import attach_state_caches
 from draftgraph.runtime.step import RunnerShape, StepRunner
 from draftgraph.runtime.step_writes import StepWrites
 from draftgraph.runtime.streaming import StreamDelta, stream_requests
@@ -54,6 +55,8 @@ class Engine:
             rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens, graphs=rc.graphs_enabled
         )
         self.runner = StepRunner(target, drafter, shape, rc.device, dispatcher, self.shapes, compiled)
+        # Linear-attention layers (Qwen3.5): their per-request state rings; admitted requests get their rows.
+        self.states = attach_state_caches(self.runner, rc.max_num_seqs, self.k)
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
         )
@@ -130,6 +133,8 @@ class Engine:
         self._stats["preemptions"] += batch.num_preempted
         if batch.empty:
             return []
+        if self.states is not None:
+            self.states.admit(batch.prefills)
         t0 = time.perf_counter()
         result = self.runner.run(batch)
         self._stats["seconds"] += time.perf_counter() - t0

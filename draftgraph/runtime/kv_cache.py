@@ -20,6 +20,8 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype = torch.float32
     entries: tuple[tuple[int, ...], ...] = ()  # () = ((num_kv_heads, head_dim),) * 2
+    # Layers without paged KV (Qwen3.5's Gated DeltaNet): their entry holds runtime/state_cache.py's tensors.
+    linear_layers: tuple[int, ...] = ()
 
     @property
     def entry_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -34,12 +36,16 @@ class KVCacheSpec:
     @classmethod
     def for_model(cls, cfg, num_layers: int, num_blocks: int, block_size: int) -> KVCacheSpec:
         """The cache of a model with ModelConfig `cfg` and `num_layers` layers that hold KV."""
-        return cls(num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.kv_entry_shapes)
+        linear = tuple(i for i in cfg.hybrid.linear_layers if i < num_layers) if cfg.hybrid is not None else ()
+        return cls(
+            num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.kv_entry_shapes, linear
+        )
 
     @property
     def bytes_per_block(self) -> int:
         per_token = sum(math.prod(e) for e in self.entry_shapes)
-        return self.num_layers * self.block_size * per_token * torch.finfo(self.dtype).bits // 8
+        layers = self.num_layers - len(self.linear_layers)  # linear layers keep no paged KV
+        return layers * self.block_size * per_token * torch.finfo(self.dtype).bits // 8
 
 
 class PagedKVCache:
@@ -48,25 +54,32 @@ class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, device: torch.device | str):
         self.device = device
         self.layers: list[tuple[torch.Tensor, ...]] = []
+        self.state = None  # runtime/state_cache.py's StateCache for linear_layers, once attached
         self._allocate(spec)
 
     def _allocate(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         shapes = [(spec.num_blocks, spec.block_size, *e) for e in spec.entry_shapes]
-        self.layers[:] = [  # in place: whoever holds `layers` sees the new tensors
-            tuple(torch.zeros(s, dtype=spec.dtype, device=self.device) for s in shapes) for _ in range(spec.num_layers)
-        ]
+
+        def entry(i: int) -> tuple[torch.Tensor, ...]:
+            if i in spec.linear_layers:
+                return self.state.layer(i) if self.state is not None else ()
+            return tuple(torch.zeros(s, dtype=spec.dtype, device=self.device) for s in shapes)
+
+        self.layers[:] = [entry(i) for i in range(spec.num_layers)]  # in place: holders of `layers` see them
         # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
         # cache is resized after measuring graph memory (runtime/memory.py) re-uses its traces.
         from torch._dynamo.decorators import maybe_mark_dynamic  # here: torch._dynamo costs ~1 s to import
 
-        for kv in self.layers:
-            for t in kv:
+        for i, kv in enumerate(self.layers):
+            for t in kv if i not in spec.linear_layers else ():
                 maybe_mark_dynamic(t, 0)
 
     def resize(self, num_blocks: int) -> None:
         """Reallocate every layer with `num_blocks` blocks (contents dropped; the old tensors go first)."""
         self.layers[:] = []
+        if self.state is not None:
+            self.state.resize_blocks(num_blocks)
         self._allocate(replace(self.spec, num_blocks=num_blocks))
 
 

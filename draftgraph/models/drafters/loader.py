@@ -21,6 +21,8 @@ from draftgraph.models.weights import read_checkpoint, read_config, read_target_
 def detect_kind(config: dict, keys) -> str:
     """The drafter kind a checkpoint holds, from its key names (and config for MTP)."""
     keys = [k.removeprefix("model.") for k in keys]
+    if "mtp.fc.weight" in keys:  # Qwen3.5's head (drafters/qwen3_5_mtp.py)
+        return "mtp"
     if "d2t" in keys or any(k.startswith("midlayer.") for k in keys):
         return "eagle3"
     if any(k.endswith("eh_proj.weight") for k in keys):
@@ -70,6 +72,10 @@ def load_drafter(
         draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
+    if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
+        from draftgraph.models.drafters.qwen3_5_mtp import Qwen3_5MTPDrafter
+
+        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype)
     if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
         return MTPDrafter.from_state_dict(target.cfg.replace(dtype=dtype), state, target, device, attn_impl)
     cfg = drafter_config(config, target.cfg, dtype)
@@ -107,7 +113,7 @@ def truncated_draft_model(target: CausalLM, num_layers: int) -> DraftModelDrafte
     (shared tensors, no copies). Agrees with the target often enough for real acceptance in demos."""
     if not 1 <= num_layers <= target.cfg.num_layers:
         raise ValueError(f"num_layers={num_layers} must lie in [1, {target.cfg.num_layers}] for this target")
-    cfg = target.cfg.replace(num_layers=num_layers, sliding_windows=target.cfg.sliding_windows[:num_layers])
+    cfg = target.cfg.first_layers(num_layers)
     with torch.device("meta"):
         draft = CausalLM(cfg, target.layers[0].attn.attn_impl)
     draft.embed_tokens = target.embed_tokens
