@@ -13,7 +13,7 @@ from draftgraph.ops.sampling.triton_argmax import ArgmaxRule, argmax_triton, cho
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (columns per stage-1 program, columns per step): one stage; two stages with steps inside chunks; chunk not a
 # multiple of the step; chunks smaller than a step (more programs than lanes per row)
-SPLITS = [(None, 1024), (100, 32), (37, 16), (60, 64)]
+SPLITS = [(None, None), (100, 32), (37, 16), (60, 64)]
 
 
 def check(logits: torch.Tensor, chunk, block) -> torch.Tensor:
@@ -55,7 +55,7 @@ def test_half_precision_inputs(dtype):
     x = (torch.randint(-20, 20, (4, 3000), generator=g) * 0.1 + torch.randn(4, 3000, generator=g) * 1e-4).to(dtype)
     assert (x == x.max(-1, keepdim=True).values).sum(-1).min() > 1  # ties do occur
     check(x, 257, 64)
-    check(x, None, 1024)
+    check(x, None, None)
 
 
 def test_infinities_and_nan():
@@ -78,7 +78,7 @@ def test_strided_views_and_no_rows():
     check(base[::2, 5:-3], 100, 32)  # row stride 2400, rows start mid-row
     check(base[:, :40].t(), 3, 8)  # column stride 1200 (a transposed view)
     check(torch.empty(0, 1000), 100, 32)  # N = 0: nothing launched
-    check(torch.empty(0, 1000), None, 1024)
+    check(torch.empty(0, 1000), None, None)
 
 
 def test_bad_inputs_are_named():
@@ -151,3 +151,11 @@ def test_cuda_vocabulary_128k_in_a_graph(dtype):
     x.copy_(torch.randn(5, vocab, device="cuda").to(dtype))
     graph.replay()
     assert torch.equal(out, x.argmax(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the op inside an Inductor graph")
+def test_cuda_greedy_argmax_under_inductor():
+    x = torch.randn(2, 5, 128256, device="cuda").bfloat16()
+    x[..., 90000] = x[..., 9] = 50.0
+    fn = torch.compile(lambda logits: greedy_argmax(logits.float() * 0.5), fullgraph=True)
+    assert torch.equal(fn(x), x.argmax(-1)) and fn(x).eq(9).all()

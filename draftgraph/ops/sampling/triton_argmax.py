@@ -27,7 +27,8 @@ import triton.language as tl
 
 from draftgraph.ops.sampling.op import SUPPORTED_DTYPES
 
-BLOCK = 1024  # columns per step of a stage-1 program (4 warps: 8 per thread, 16-byte loads for 16-bit types)
+STEP_BYTES = 8192  # bytes a stage-1 program loads per step at most (a program's loads are not overlapped
+# across steps, so the bytes in flight per SM are programs per SM x this): 2048 float32 / 4096 16-bit columns
 STAGE2_BLOCK = 1024  # partials per step of a stage-2 program
 NONE_INDEX = 2**31 - 1  # the index of a lane that saw no column: larger than any real one, so never chosen
 _NONE = tl.constexpr(NONE_INDEX)
@@ -139,11 +140,12 @@ def _stage2(val_ptr, idx_ptr, out_ptr, S, BLOCK: tl.constexpr):
 
 
 def argmax_triton(
-    logits: torch.Tensor, chunk: int | None = None, block: int = BLOCK, rule: ArgmaxRule | None = None
+    logits: torch.Tensor, chunk: int | None = None, block: int | None = None, rule: ArgmaxRule | None = None
 ) -> torch.Tensor:
     """logits [N, V] (float32 / bfloat16 / float16, any strides) -> [N] int64, the first index of each row's
-    maximum (NaN above all). `chunk` (columns per stage-1 program) and `block` (columns per step) override the
-    rule: tests use small ones to put chunk and step boundaries inside short rows."""
+    maximum (NaN above all). `chunk` (columns per stage-1 program) and `block` (columns per step: by default
+    STEP_BYTES' worth, or the chunk rounded up to a power of two if smaller) override the rule: tests use small
+    ones to put chunk and step boundaries inside short rows."""
     if logits.dim() != 2:
         raise ValueError(f"argmax_rows takes logits [N, V]; got shape {tuple(logits.shape)}: reshape to 2 dims")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -161,17 +163,20 @@ def argmax_triton(
         raise ValueError("argmax_rows: logits has 0 columns, so rows have no argmax (as torch.argmax refuses)")
     if chunk is None:
         chunk = choose_chunk(rows, vocab, device_sm_count(logits.device), rule)
+    if block is None:
+        block = min(STEP_BYTES // logits.element_size(), triton.next_power_of_2(chunk))
     if chunk < 1 or block < 1 or block & (block - 1):
         raise ValueError(f"argmax_rows needs chunk >= 1 and a power-of-two block; got chunk {chunk}, block {block}")
     splits = triton.cdiv(vocab, chunk)
+    warps = min(8, max(1, block // 256))  # 8+ columns per thread: 16-byte loads of 16-bit types
     if splits == 1:
         _stage1[(rows, 1)](logits, logits.stride(0), logits.stride(1), vocab, vocab, out, out, out, 1,
-                           ONE_STAGE=True, BLOCK=block, num_warps=4)  # fmt: skip
+                           ONE_STAGE=True, BLOCK=block, num_warps=warps)  # fmt: skip
         return out
     values = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _stage1[(rows, splits)](logits, logits.stride(0), logits.stride(1), vocab, chunk, values, indices, out, splits,
-                            ONE_STAGE=False, BLOCK=block, num_warps=4)  # fmt: skip
+                            ONE_STAGE=False, BLOCK=block, num_warps=warps)  # fmt: skip
     _stage2[(rows,)](values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(splits)),
                      num_warps=4)  # fmt: skip
     return out
