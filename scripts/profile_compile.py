@@ -1,5 +1,6 @@
 """Where a cold compile's time goes: the 1B-shaped pair (bench_piecewise.py) in FULL_AND_PIECEWISE, K = 4, up
 to 32 requests, from empty Inductor / Triton caches (set them in the environment), under cProfile.
+`--builtin`: the built-in pair instead, configured as `draftgraph generate --device cuda` configures it.
 
 Prints each unique piece's compile seconds and the functions with the most cumulative time.
 Usage: TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python scripts/profile_compile.py
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
 import time
 
 import torch
@@ -18,11 +20,17 @@ from scripts.bench_piecewise import build_pair
 
 
 def main():
-    target, drafter = build_pair()
-    config = dg.CompileConfig(
-        mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=32, max_num_batched_tokens=512,
-        max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0,
-    )  # fmt: skip
+    if "--builtin" in sys.argv:
+        from draftgraph.models.builtin import builtin_pair
+
+        target, drafter = builtin_pair(device="cuda", attn_impl="triton")
+        config = dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0)
+    else:
+        target, drafter = build_pair()
+        config = dg.CompileConfig(
+            mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=32, max_num_batched_tokens=512,
+            max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0,
+        )  # fmt: skip
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -32,7 +40,7 @@ def main():
     print(f"ready in {time.perf_counter() - t0:.1f} s: {engine.warm_up_report}")
     for key, s in sorted(engine.compiled.counters.piece_compile_seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {s:6.2f} s  {key}")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(60)
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 

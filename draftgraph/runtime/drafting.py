@@ -24,6 +24,7 @@ import torch
 
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
+from draftgraph.ops.sampling.op import greedy_argmax
 from draftgraph.ops.splitting import mark_piece_boundary
 from draftgraph.runtime.sampler import SALT_DRAFT, SamplingTensors, probabilities, sample_from_probs
 
@@ -60,7 +61,7 @@ class Chooser:
     def __call__(self, logit_h, rows, pred_pos, step: int, sampling: dict | None, slots, draft_probs):
         drafter = self.drafter
         logits = drafter.compute_logits(logit_h, rows)
-        greedy_ids = logits.argmax(-1)
+        greedy_ids = greedy_argmax(logits)
         if sampling is None:  # every request greedy (host-known): no probability work at all
             return drafter.to_target_ids(greedy_ids)
         st = SamplingTensors(**sampling, greedy_rows=())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.ops.sampling.op import greedy_argmax
 from draftgraph.runtime.sampler import (
     SALT_ACCEPT,
     SALT_TARGET,
@@ -30,7 +31,7 @@ def rejection_sample(
     """Returns (tokens [B, K+1], num_accepted [B]); row b emits tokens[b, : num_accepted[b] + 1]."""
     b, k1, vocab = target_logits.shape
     k = k1 - 1
-    target_argmax = target_logits.argmax(-1)  # [B, K+1]
+    target_argmax = greedy_argmax(target_logits)  # [B, K+1]
     greedy_match = (draft_ids == target_argmax[:, :k]).long()
     greedy_accepted = greedy_match.cumprod(-1).sum(-1)  # [B]
     if st.all_greedy:

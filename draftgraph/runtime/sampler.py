@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.ops.sampling.op import greedy_argmax
+
 _MASK = 0xFFFFFFFF
 
 # Purposes get distinct noise streams so no two decisions share a uniform.
@@ -157,7 +159,7 @@ def probabilities_torch_ops(logits, temperature, top_k, top_p) -> torch.Tensor:
     keep_tie = ties & ((rank == 1) | (mass_above + (rank - 1) * tie_prob < top_p[:, None]))
     keep = torch.where(top_p[:, None] < 1.0, above | keep_tie, in_k)
     probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(probs).scatter_(-1, greedy_argmax(logits)[:, None], 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
@@ -183,7 +185,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 
 def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int = SALT_TARGET):
     """Token ids [N] for logits [N, V]: argmax for greedy rows, a draw from the processed distribution else."""
-    greedy_ids = logits.argmax(-1)
+    greedy_ids = greedy_argmax(logits)  # on CUDA the split Triton argmax (ops/sampling)
     if st.all_greedy:
         return greedy_ids
     sampled = sample_from_probs(probabilities(logits, st), st.seeds, positions, salt)
