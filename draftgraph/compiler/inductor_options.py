@@ -1,12 +1,12 @@
 """Inductor settings every piece is compiled with: draftgraph's measured defaults, or a user's own.
 
-Defaults, from scripts/bench_inductor_options.py and a cold `draftgraph generate --device cuda` on an H100
-(docs/benchmarks.md, session 7):
-- `triton.autotune_pointwise=False`: one launch config per pointwise kernel instead of benchmarking several
-  at first call. The built-in pair became ready in 41.0 s instead of 55.5 s from empty caches; the 1B-shaped
-  pair's B=1 step moved within run-to-run noise (plain +6 %, speculative -2 %).
-Tried and left out: `split_reductions=False` (one kernel per norm instead of two, yet the B=1 step 13-20 %
-slower) and `combo_kernels=True` (fewer launches, step time inconclusive: -13 % speculative, +23 % plain).
+Measured on an H100 with scripts/bench_inductor_options.py, bench_step.py and a cold `draftgraph generate
+--device cuda` (docs/benchmarks.md, session 7), none of the candidates paid, so the defaults are Inductor's own:
+- `triton.autotune_pointwise=False` (one launch config per pointwise kernel, no first-call benchmarking): the
+  built-in pair ready in 41.0 s instead of 55.5 s from empty caches, but the 1B-shaped pair's B=1 decode step
+  6-12 % slower. Step time wins; a user who wants the faster start passes it (--inductor-option).
+- `split_reductions=False` (one kernel per norm instead of two): B=1 step 13-20 % slower.
+- `combo_kernels=True` (fewer launches): step time inconclusive (-13 % speculative, +23 % plain).
 Keys this torch does not have are dropped from the defaults (torch 2.11-2.13 differ); a user's unknown key
 is an error naming it.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = (("triton.autotune_pointwise", False),)
+DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = ()
 
 
 def _has(key: str) -> bool:
