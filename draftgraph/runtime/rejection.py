@@ -45,16 +45,22 @@ def rejection_sample(
     accept = (u * q_draft <= p_draft).long()  # u <= p/q without dividing by a zero q
     accepted = accept.cumprod(-1).sum(-1)  # [B]
 
-    residual = (p[:, :k] - q).clamp_min(0)  # [B, K, V]
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :k])
-    recover_from = torch.cat([residual, p[:, k:]], dim=1)  # position K: the bonus draw from p
-    recovered = sample_from_probs(
-        recover_from.reshape(b * k1, vocab), st.seeds.repeat_interleave(k1), positions.reshape(-1), SALT_TARGET
-    ).view(b, k1)
+    # The emitted token at row `accepted` (the first rejection, or K: the bonus) is the only draw kept, so only
+    # that row's distribution is built: [B, V] instead of [B, K+1, V] (graph memory of the sampled step). Its
+    # noise is keyed by (seed, position) as before, so the tokens are the same as drawing at every row.
+    rows = accepted[:, None, None].expand(b, 1, vocab)
+    p_row = p.gather(1, rows)[:, 0]  # [B, V]
+    if k:
+        q_row = q.gather(1, rows.clamp_max(k - 1))[:, 0]
+        residual = (p_row - q_row).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
+        p_row = torch.where((accepted == k)[:, None], p_row, residual)  # row K: the bonus draw from p
+    row_pos = positions.gather(1, accepted[:, None])[:, 0]
+    recovered = sample_from_probs(p_row, st.seeds, row_pos, SALT_TARGET)  # [B]
     idx = torch.arange(k1, device=target_logits.device)[None, :]
     padded_drafts = torch.cat([draft_ids, draft_ids[:, :1]], dim=1)
-    sampled_tokens = torch.where(idx < accepted[:, None], padded_drafts, recovered)
+    sampled_tokens = torch.where(idx < accepted[:, None], padded_drafts, recovered[:, None])
 
     greedy = st.temperature <= 0
     tokens = torch.where(greedy[:, None], target_argmax, sampled_tokens)
