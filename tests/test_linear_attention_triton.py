@@ -3,7 +3,8 @@ PyTorch reference on the same inputs and state rings: decode and verify of 1 + K
 offsets (every ring entry compared, so every per-position state), padding requests, padding tokens and
 draft-loop padding rows, long runs token by token, and the chunked path's plumbing (plan, head, final state
 at the right ring entry, tail) with the reference's chunked rule standing in for fla (fla itself runs only
-on the GPU: tests/gpu/test_qwen3_5_cuda.py). Tolerance: 2e-5 (float32 in a different order)."""
+on the GPU: tests/gpu/test_qwen3_5_cuda.py). On a CUDA machine the same tests run the kernels natively.
+Tolerance: 2e-5 (float32 in a different order)."""
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ C = 2 * HK * DK + HV * DV
 K = 3
 RING, ROWS = K + 1, 6  # a target's ring; rows 0..4 for requests, row 5 scratch
 TOL = dict(atol=2e-5, rtol=2e-5)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def batch(runs, num_tokens, draft_rows=False):
@@ -35,7 +37,7 @@ def batch(runs, num_tokens, draft_rows=False):
         req += [r] * n
         kv_len += list(range(p0 + 1, p0 + n + 1))
     pad = num_tokens - len(req)
-    i32 = dict(dtype=torch.int32)
+    i32 = dict(dtype=torch.int32, device=DEV)
     return torch.tensor(qsl, **i32), torch.tensor(req + [0] * pad, **i32), torch.tensor(kv_len + [0] * pad, **i32)
 
 
@@ -47,14 +49,14 @@ def inputs(num_tokens, seed, ring=RING):
     # Random rings: every entry is some earlier step's state, so any ring offset reads a distinct one.
     conv = torch.randn(ROWS, ring + W - 2, C, generator=g)
     ssm = torch.randn(ROWS, ring, HV, DK, DV, generator=g) * 0.3
-    return x, decay, beta, w, conv, ssm
+    return tuple(a.to(DEV) for a in (x, decay, beta, w, conv, ssm))
 
 
 def both(runs, num_tokens, rows, seed=0, draft_rows=False, ring=RING, **kw):
     """The reference and the kernels from the same inputs: (outputs, conv rings, state rings) of each."""
     x, decay, beta, w, conv, ssm = inputs(num_tokens, seed, ring)
     meta = batch(runs, num_tokens, draft_rows)
-    rows = torch.tensor(rows)
+    rows = torch.tensor(rows, device=DEV)
     res = []
     for fn in (gated_delta_net_reference, lambda *a: gated_delta_net_triton(*a, **kw)):
         c, s = conv.clone(), ssm.clone()
@@ -150,13 +152,13 @@ def test_plan_is_made_once_per_forward_and_only_when_shapes_allow():
 
 def test_op_dispatches_to_the_kernels():
     assert linear_attention_impl("triton") == "triton" and linear_attention_impl("sdpa") == "reference"
-    check_linear_attention("triton", "cpu")  # under the interpreter
+    check_linear_attention("triton", DEV)  # on the CPU: under the interpreter
     with pytest.raises(ValueError, match="'fast' is unknown; choose one of"):
         check_linear_attention("fast", "cpu")
     x, decay, beta, w, conv, ssm = inputs(6, 1)
     meta = batch([(3, 4), (0, 2)], 6)
     args = (x, decay, beta, w)
-    rows = torch.tensor([1, 0])
+    rows = torch.tensor([1, 0], device=DEV)
     ref = gated_delta_net_reference(*args, conv.clone(), ssm.clone(), rows, *meta)
     got = torch.ops.draftgraph.gated_delta_net(*args, conv, ssm, rows, *meta, "triton")
     torch.testing.assert_close(got, ref, **TOL)
