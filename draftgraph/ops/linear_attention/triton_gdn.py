@@ -89,9 +89,9 @@ def _recurrent_kernel(
         ch = pid * CH + tl.arange(0, CH_PAD)
         chm = (tl.arange(0, CH_PAD) < CH) & (ch < C)
         for j in tl.static_range(LC):
-            o = n - LC + j
-            oc = tl.maximum(o, 0)
-            ok = (ch * 0 + o) >= 0  # as a vector: the interpreter masks with tensors only
+            w_off = n - LC + j  # the written input's offset in the run (names unique: `o` is the loop's output)
+            oc = tl.maximum(w_off, 0)
+            ok = (ch * 0 + w_off) >= 0  # as a vector: the interpreter masks with tensors only
             xv = tl.load(x_ptr + (start + oc).to(tl.int64) * stride_x + ch, mask=chm & ok, other=0.0)
             dst = conv_ring_ptr + row * stride_cr_r + ((p0 + oc) % LC) * stride_cr_p + ch
             tl.store(dst, xv.to(conv_ring_ptr.dtype.element_ty), mask=chm & ok)
