@@ -53,8 +53,12 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = GatedRMSNorm(la.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(la.value_dim, cfg.hidden_size, bias=False)
-        self.attn_impl = attn_impl  # the attention setting; the op's implementation follows from it
-        self.impl = linear_attention_impl(attn_impl)
+        self.attn_impl = attn_impl  # the attention setting (api.set_kernel_impl may change it)
+
+    @property
+    def impl(self) -> str:
+        """The op's implementation, following the attention setting."""
+        return linear_attention_impl(self.attn_impl)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: tuple[torch.Tensor, ...]):
         la, t = self.la, x.shape[0]

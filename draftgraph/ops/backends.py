@@ -67,9 +67,15 @@ def family_backend(family: str, name: str) -> AttentionBackend:
     return FAMILY_BACKENDS.get(family, {}).get(name) or get_backend(name)
 
 
-# Gated DeltaNet (ops/linear_attention) implementations. Every attention setting runs the reference until
-# Triton kernels land ("triton" then maps to them): it reads nothing back to the host, so it may sit inside
-# any CUDA graph, at the price of plain tensor code (a padded [requests, tokens] layout for prefill heads).
+# Gated DeltaNet (ops/linear_attention) implementations, by the path each batch takes:
+# - "reference": plain tensor code (a padded [requests, tokens] layout for prefill heads); every loop bound
+#   comes from shapes and nothing is read back, so any batch may sit inside any CUDA graph.
+# - "triton": decode / verify / draft runs (and every run while a graph is being captured) take the Triton
+#   kernels, whose grids come from the token and request counts and the head layout, with no host read: any
+#   batch may sit inside any CUDA graph. Outside captures, a batch whose shapes allow a run of
+#   CHUNK_MIN_RUN tokens (prefill chunks: PIECEWISE / NONE / mixed batches, which run between graph pieces)
+#   reads its run lengths back once per forward and sends long runs' heads to fla-core's chunked kernel
+#   where it is installed (ops/linear_attention/chunked.py).
 LINEAR_ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "reference": AttentionBackend(
         name="reference",
@@ -77,13 +83,21 @@ LINEAR_ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
         devices=("cpu", "cuda"),
         why="every loop bound comes from tensor shapes and it never reads a value back to the host",
     ),
+    "triton": AttentionBackend(
+        name="triton",
+        graph_support=GraphSupport.ALWAYS,
+        devices=("cuda",),
+        why="inside a capture every run takes the Triton kernels (grids from token / request counts, no host "
+        "read); only long runs outside captures (between graph pieces) read their lengths back for fla",
+    ),
 }
 
 
 def linear_attention_impl(attention: str) -> str:
-    """The Gated DeltaNet implementation an attention setting picks."""
+    """The Gated DeltaNet implementation an attention setting picks: the Triton kernels for "triton" (CUDA,
+    or the interpreter), the reference for "sdpa" and "reference"."""
     get_backend(attention)
-    return "reference"
+    return "triton" if attention == "triton" else "reference"
 
 
 def check_linear_attention(name: str, device_type: str) -> None:
@@ -92,11 +106,12 @@ def check_linear_attention(name: str, device_type: str) -> None:
         raise ValueError(
             f"linear attention implementation {name!r} is unknown; choose one of {sorted(LINEAR_ATTENTION_BACKENDS)}"
         )
-    if device_type not in backend.devices:
-        raise ValueError(
-            f"linear attention implementation {name!r} runs on {list(backend.devices)}, not {device_type!r}; "
-            "use 'reference' there"
-        )
+    if device_type in backend.devices or (name == "triton" and device_type == "cpu" and triton_interpreting()):
+        return
+    raise ValueError(
+        f"linear attention implementation {name!r} runs on {list(backend.devices)}, not {device_type!r}; "
+        "use 'reference' there (or set TRITON_INTERPRET=1 to interpret the Triton kernels on the CPU)"
+    )
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -36,6 +36,10 @@ request writes between the one a later forward starts from and that forward: L =
 its K - 1 later steps up to n+a+K; the next round reads n+a), and Lc = L + W - 2 for the conv inputs (the
 W - 1 inputs before the next start). runtime/state_cache.py sizes the rings and maps requests to rows. The
 memory price: L full states per request and layer instead of one (as vLLM's per-position slots).
+
+Implementations (ops/backends.py LINEAR_ATTENTION_BACKENDS): "reference" (reference.py) and "triton"
+(triton_gdn.py: a conv kernel and a recurrent kernel; chunked.py: fla-core's chunked kernel for long runs'
+heads outside graph captures).
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ def gated_delta_net(
     """See the module docstring. `impl`: an implementation of ops/backends.py's LINEAR_ATTENTION_BACKENDS."""
     check_linear_attention(impl, x.device.type)
     args = (x, g, beta, conv_weight, conv_states, ssm_states, req_rows, query_start_loc, token_req, token_kv_len)
+    if impl == "triton":
+        from draftgraph.ops.linear_attention.triton_gdn import gated_delta_net_triton
+
+        return gated_delta_net_triton(*args)
     return gated_delta_net_reference(*args)
 
 
