@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
 from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
 from draftgraph.ops.backends import triton_interpreting
 
@@ -84,47 +85,23 @@ def _paged_attention_kernel(
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    q = tl.load(
-        q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [GROUP_PAD, D_PAD]
-    if DOT_F32:
-        q = q.to(tl.float32)
-
+    q = load_group_q(q_ptr, t, kv_head, stride_qt, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, DOT_F32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-
     start = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
     lo = (start // BLOCK_N) * BLOCK_N
-    for n0 in range(lo, kv_len, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        valid = (n < kv_len) & (n >= start)
-        block = tl.load(block_tables_ptr + req * stride_bt + n // PAGE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_key_range(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, lo, kv_len, start,
+        stride_cb, stride_cs, stride_ch, stride_bt, scale, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PRECISION, DOT_F32,
+    )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0 (padding) -> zeros
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
+        mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :],
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
 from draftgraph.ops.backends import triton_interpreting
 
 
@@ -139,41 +140,20 @@ def _split_kv_kernel(
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         g_mask = g < GROUP
-        d_mask = d < HEAD_DIM
         heads = kv_head * GROUP + g
-        q = tl.load(
-            q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [GROUP_PAD, D_PAD]
-        if DOT_F32:
-            q = q.to(tl.float32)
+        q = load_group_q(q_ptr, t, kv_head, stride_qt, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, DOT_F32)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-        for n0 in range(c0, c1, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = (n < c1) & (n >= start)
-            block = tl.load(block_tables_ptr + req * stride_bt + n // PAGE, mask=valid, other=0).to(tl.int64)
-            row = block * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch  # [BLOCK_N]
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D_PAD]
-            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = attend_key_range(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, c0, c1, start,
+            stride_cb, stride_cs, stride_ch, stride_bt, scale, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PRECISION, DOT_F32,
+        )  # fmt: skip
         # every non-empty chunk holds a visible key (chunk 0 starts at or before `start`), so m_i is finite
         idx = (t * num_heads + heads).to(tl.int64) * NUM_SPLITS + split  # [GROUP_PAD]
         tl.store(m_ptr + idx, m_i, mask=g_mask)
         tl.store(l_ptr + idx, l_i, mask=g_mask)
-        tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & (d < HEAD_DIM)[None, :])
 
 
 @triton.jit
