@@ -179,6 +179,28 @@ def _select_kernel(
             seen += tl.sum(tie.to(tl.int32), axis=0)
 
 
+def score_rows(index_q, index_w, index_k_cache, block_tables, token_req, token_kv_len, scale, topk, scores, splits):
+    """The scoring kernel: scores[t, p] for p < token_kv_len[t] of rows with token_kv_len > topk."""
+    num_tokens, num_heads, head_dim = index_q.shape
+    dot_f32 = triton_interpreting() and index_q.dtype != torch.float32  # the interpreter's bf16 dot is wrong
+    _score_kernel[(num_tokens, splits)](
+        index_q, index_w, index_k_cache, scores, block_tables, token_req, token_kv_len, index_q.stride(0),
+        index_q.stride(1), index_w.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
+        block_tables.stride(0), scores.stride(0), scale, topk, splits,
+        HI=num_heads, HI_PAD=max(16, triton.next_power_of_2(num_heads)), DI=head_dim,
+        DI_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=index_k_cache.shape[1], BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if index_q.dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32, num_warps=4,
+    )  # fmt: skip
+
+
+def select_rows(scores, token_kv_len, topk, out):
+    """The select kernel: out[t] = the top-k positions of scores[t, :token_kv_len[t]], -1 padded."""
+    block = min(SELECT_BLOCK, max(16, triton.next_power_of_2(max(scores.shape[1], topk))))
+    _select_kernel[(out.shape[0],)](
+        scores, out, token_kv_len, scores.stride(0), out.stride(0), topk, BITS=BITS, BLOCK=block, num_warps=8
+    )
+
+
 def indexer_topk_triton(
     index_q, index_k, index_w, index_k_cache, slot_mapping, block_tables, token_req, token_kv_len, scale, topk,
     splits: int | None = None, score_budget: int = SCORE_BUDGET,
@@ -188,54 +210,20 @@ def indexer_topk_triton(
     if not index_k_cache.is_contiguous():
         raise ValueError("indexer_topk (triton) needs a contiguous index-key cache [blocks, block_size, Di]")
     write_rows_triton(index_k, index_k_cache, slot_mapping)
-    num_tokens, num_heads, head_dim = index_q.shape
+    num_tokens = index_q.shape[0]
     out = torch.empty(num_tokens, topk, dtype=torch.int32, device=index_q.device)
     if num_tokens == 0:
         return out
-    if index_q.stride(-1) != 1:
-        index_q = index_q.contiguous()
-    page = index_k_cache.shape[1]
-    span = block_tables.shape[1] * page
+    index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
+    index_w = index_w if index_w.stride(-1) == 1 else index_w.contiguous()
+    span = block_tables.shape[1] * index_k_cache.shape[1]
     rows = max(1, min(num_tokens, score_budget // max(span, 1)))
     scores = torch.empty(rows, max(span, 1), dtype=torch.float32, device=index_q.device)
     s = splits or choose_score_splits(rows, span, index_q.device)
-    dot_f32 = triton_interpreting() and index_q.dtype != torch.float32  # the interpreter's bf16 dot is wrong
-    precision = "ieee" if index_q.dtype == torch.float32 or dot_f32 else "tf32"
-    select_block = min(SELECT_BLOCK, max(16, triton.next_power_of_2(max(span, topk))))
     for t0 in range(0, num_tokens, rows):
         t1 = min(num_tokens, t0 + rows)
         req, kv_len = token_req[t0:t1], token_kv_len[t0:t1]
         if span:
-            _score_kernel[(t1 - t0, s)](
-                index_q[t0:t1],
-                index_w[t0:t1],
-                index_k_cache,
-                scores,
-                block_tables,
-                req,
-                kv_len,
-                index_q.stride(0),
-                index_q.stride(1),
-                index_w.stride(0),
-                index_k_cache.stride(0),
-                index_k_cache.stride(1),
-                block_tables.stride(0),
-                scores.stride(0),
-                scale,
-                topk,
-                s,
-                HI=num_heads,
-                HI_PAD=max(16, triton.next_power_of_2(num_heads)),
-                DI=head_dim,
-                DI_PAD=max(16, triton.next_power_of_2(head_dim)),
-                PAGE=page,
-                BLOCK_N=BLOCK_N,
-                PRECISION=precision,
-                DOT_F32=dot_f32,
-                num_warps=4,
-            )
-        _select_kernel[(t1 - t0,)](
-            scores, out[t0:t1], kv_len, scores.stride(0), out.stride(0), topk, BITS=BITS, BLOCK=select_block,
-            num_warps=8,
-        )  # fmt: skip
+            score_rows(index_q[t0:t1], index_w[t0:t1], index_k_cache, block_tables, req, kv_len, scale, topk, scores, s)
+        select_rows(scores, kv_len, topk, out[t0:t1])
     return out
