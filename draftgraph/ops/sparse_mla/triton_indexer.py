@@ -150,7 +150,7 @@ def _select_kernel(
         prefix = tl.zeros((), tl.uint32)  # the threshold's digits chosen so far
         above = tl.zeros((), tl.int32)  # keys above every key matching the prefix
         for p in tl.static_range(PASSES):
-            shift: tl.constexpr = 32 - BITS * (p + 1)
+            shift = 32 - BITS * (p + 1)
             hist = tl.zeros((BINS,), tl.int32)
             for start in range(0, n, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
@@ -183,13 +183,15 @@ def score_rows(index_q, index_w, index_k_cache, block_tables, token_req, token_k
     """The scoring kernel: scores[t, p] for p < token_kv_len[t] of rows with token_kv_len > topk."""
     num_tokens, num_heads, head_dim = index_q.shape
     dot_f32 = triton_interpreting() and index_q.dtype != torch.float32  # the interpreter's bf16 dot is wrong
+    fp32 = index_q.dtype == torch.float32  # an IEEE float32 dot: half the tile, twice the warps (no spills)
     _score_kernel[(num_tokens, splits)](
         index_q, index_w, index_k_cache, scores, block_tables, token_req, token_kv_len, index_q.stride(0),
         index_q.stride(1), index_w.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
         block_tables.stride(0), scores.stride(0), scale, topk, splits,
         HI=num_heads, HI_PAD=max(16, triton.next_power_of_2(num_heads)), DI=head_dim,
-        DI_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=index_k_cache.shape[1], BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if index_q.dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32, num_warps=4,
+        DI_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=index_k_cache.shape[1],
+        BLOCK_N=BLOCK_N // 2 if fp32 else BLOCK_N, PRECISION="ieee" if fp32 or dot_f32 else "tf32", DOT_F32=dot_f32,
+        num_warps=8 if fp32 else 4,
     )  # fmt: skip
 
 
