@@ -51,13 +51,20 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 
 # Op families whose implementations support more (or less) than the attention table says, per name. Sparse
-# MLA and its indexer (ops/sparse_mla/): every name runs the PyTorch reference for now (no SDPA form, Triton
-# kernels to come), and that reference reads nothing back to the host (shapes from T, topk and the
-# block-table width), so it sits inside FULL graphs of any batch, mixed ones included.
-_SPARSE_WHY = "the PyTorch reference runs for every name (Triton kernels to come); it never reads back to the host"
+# MLA and its indexer (ops/sparse_mla/): "triton" runs the Triton kernels, the other names the PyTorch
+# reference (no SDPA form). Neither reads anything back to the host (shapes from T, topk, the block-table
+# width and the SM count), so both sit inside FULL graphs of any batch, mixed ones included.
+_SPARSE_WHY = "the PyTorch reference runs for this name; it never reads back to the host"
 FAMILY_BACKENDS: dict[str, dict[str, AttentionBackend]] = {
     "sparse_mla": {
-        name: AttentionBackend(name, GraphSupport.ALWAYS, BACKENDS[name].devices, _SPARSE_WHY) for name in BACKENDS
+        **{name: AttentionBackend(name, GraphSupport.ALWAYS, BACKENDS[name].devices, _SPARSE_WHY) for name in BACKENDS},
+        "triton": AttentionBackend(
+            "triton",
+            GraphSupport.ALWAYS,
+            ("cuda",),
+            "its launch grids depend only on the token count, topk, the block-table width and the SM count, and it "
+            "never syncs with the host",
+        ),
     },
 }
 

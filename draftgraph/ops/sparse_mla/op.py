@@ -13,8 +13,9 @@ Where they sit in the compiled graph:
   indexer out of graphs only because its prefill path plans on the host. Inductor calls the op in place on
   the index-key cache (no copy of the cache: a mutating custom op on a graph input).
 
-Implementations by name (ops/backends.py, family "sparse_mla"): every name runs the PyTorch reference today;
-`_kernels` is where the Triton kernels plug in. Registering the ops is this module's one import-time action.
+Implementations by name (ops/backends.py, family "sparse_mla"): "triton" runs the Triton kernels
+(triton_indexer.py, triton_sparse_mla.py), every other name the PyTorch reference; both read nothing back to
+the host. Registering the ops is this module's one import-time action.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from draftgraph.ops.backends import check_device, family_backend
 
 @functools.cache
 def _kernels(impl: str):
-    """(indexer_topk, sparse_mla) implementations for `impl`: the references until kernels land."""
+    """(indexer_topk, sparse_mla) implementations for `impl`: the Triton kernels for "triton" (CUDA, or CPU
+    tensors under TRITON_INTERPRET=1), the references for every other name."""
+    if impl == "triton":
+        from draftgraph.ops.sparse_mla.triton_indexer import indexer_topk_triton
+        from draftgraph.ops.sparse_mla.triton_sparse_mla import sparse_mla_triton
+
+        return indexer_topk_triton, sparse_mla_triton
     from draftgraph.ops.sparse_mla.reference import indexer_topk_reference, sparse_mla_reference
 
     return indexer_topk_reference, sparse_mla_reference
