@@ -50,10 +50,18 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 
 
-# Op families whose implementations support more (or less) than the attention table says, per name. Sparse
-# MLA and its indexer (ops/sparse_mla/): "triton" runs the Triton kernels, the other names the PyTorch
-# reference (no SDPA form). Neither reads anything back to the host (shapes from T, topk, the block-table
-# width and the SM count), so both sit inside FULL graphs of any batch, mixed ones included.
+# Op families whose implementations differ from the attention table, per name: what each name runs for that
+# family, on which devices, and how far inside CUDA graphs. A family not listed follows the attention table.
+# - sparse_mla (sparse MLA and its indexer, ops/sparse_mla/): "triton" runs the Triton kernels, the other
+#   names the PyTorch reference (no SDPA form). Neither reads anything back to the host (shapes from T, topk,
+#   the block-table width and the SM count), so both sit inside FULL graphs of any batch, mixed ones included.
+# - linear_attention (Gated DeltaNet, ops/linear_attention/), by the path each batch takes: "reference" is
+#   plain tensor code (a padded [requests, tokens] layout for prefill heads) whose loop bounds come from
+#   shapes; "triton" runs decode / verify / draft runs (and every run while a graph is being captured) in
+#   Triton kernels whose grids come from the token and request counts and the head layout, with no host read.
+#   Outside captures, a batch whose shapes allow a run of CHUNK_MIN_RUN tokens (prefill chunks: PIECEWISE /
+#   NONE / mixed batches, between graph pieces) reads its run lengths back once per forward and sends long
+#   runs' heads to fla-core's chunked kernel where it is installed (ops/linear_attention/chunked.py).
 _SPARSE_WHY = "the PyTorch reference runs for this name; it never reads back to the host"
 FAMILY_BACKENDS: dict[str, dict[str, AttentionBackend]] = {
     "sparse_mla": {
@@ -66,38 +74,45 @@ FAMILY_BACKENDS: dict[str, dict[str, AttentionBackend]] = {
             "never syncs with the host",
         ),
     },
+    "linear_attention": {
+        "reference": AttentionBackend(
+            "reference",
+            GraphSupport.ALWAYS,
+            ("cpu", "cuda"),
+            "every loop bound comes from tensor shapes and it never reads a value back to the host",
+        ),
+        "triton": AttentionBackend(
+            "triton",
+            GraphSupport.ALWAYS,
+            ("cuda",),
+            "inside a capture every run takes the Triton kernels (grids from token / request counts, no host "
+            "read); only long runs outside captures (between graph pieces) read their lengths back for fla",
+        ),
+    },
 }
 
 
 def family_backend(family: str, name: str) -> AttentionBackend:
-    """What implementation `name` supports for op family `family` (the attention table where not overridden)."""
-    return FAMILY_BACKENDS.get(family, {}).get(name) or get_backend(name)
+    """What implementation `name` supports for op family `family` (the attention table for other families)."""
+    table = FAMILY_BACKENDS.get(family)
+    if table is None:
+        return get_backend(name)
+    if name not in table:
+        raise ValueError(
+            f"{family.replace('_', ' ')} implementation {name!r} is unknown; choose one of {sorted(table)}"
+        )
+    return table[name]
 
 
-# Gated DeltaNet (ops/linear_attention) implementations, by the path each batch takes:
-# - "reference": plain tensor code (a padded [requests, tokens] layout for prefill heads); every loop bound
-#   comes from shapes and nothing is read back, so any batch may sit inside any CUDA graph.
-# - "triton": decode / verify / draft runs (and every run while a graph is being captured) take the Triton
-#   kernels, whose grids come from the token and request counts and the head layout, with no host read: any
-#   batch may sit inside any CUDA graph. Outside captures, a batch whose shapes allow a run of
-#   CHUNK_MIN_RUN tokens (prefill chunks: PIECEWISE / NONE / mixed batches, which run between graph pieces)
-#   reads its run lengths back once per forward and sends long runs' heads to fla-core's chunked kernel
-#   where it is installed (ops/linear_attention/chunked.py).
-LINEAR_ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
-    "reference": AttentionBackend(
-        name="reference",
-        graph_support=GraphSupport.ALWAYS,
-        devices=("cpu", "cuda"),
-        why="every loop bound comes from tensor shapes and it never reads a value back to the host",
-    ),
-    "triton": AttentionBackend(
-        name="triton",
-        graph_support=GraphSupport.ALWAYS,
-        devices=("cuda",),
-        why="inside a capture every run takes the Triton kernels (grids from token / request counts, no host "
-        "read); only long runs outside captures (between graph pieces) read their lengths back for fla",
-    ),
-}
+def check_family_device(family: str, name: str, device_type: str) -> None:
+    """Refuse `name` of `family` on a device it does not run on (the Triton interpreter runs it on the CPU)."""
+    backend = family_backend(family, name)
+    if device_type in backend.devices or (name == "triton" and device_type == "cpu" and triton_interpreting()):
+        return
+    raise ValueError(
+        f"{family.replace('_', ' ')} implementation {name!r} runs on {list(backend.devices)}, not {device_type!r}; "
+        "use 'reference' there (or set TRITON_INTERPRET=1 to interpret the Triton kernels on the CPU)"
+    )
 
 
 def linear_attention_impl(attention: str) -> str:
@@ -108,17 +123,7 @@ def linear_attention_impl(attention: str) -> str:
 
 
 def check_linear_attention(name: str, device_type: str) -> None:
-    backend = LINEAR_ATTENTION_BACKENDS.get(name)
-    if backend is None:
-        raise ValueError(
-            f"linear attention implementation {name!r} is unknown; choose one of {sorted(LINEAR_ATTENTION_BACKENDS)}"
-        )
-    if device_type in backend.devices or (name == "triton" and device_type == "cpu" and triton_interpreting()):
-        return
-    raise ValueError(
-        f"linear attention implementation {name!r} runs on {list(backend.devices)}, not {device_type!r}; "
-        "use 'reference' there (or set TRITON_INTERPRET=1 to interpret the Triton kernels on the CPU)"
-    )
+    check_family_device("linear_attention", name, device_type)
 
 
 def get_backend(name: str) -> AttentionBackend:
