@@ -239,6 +239,12 @@ def cmd_inspect(args) -> int:
 
         target = CausalLM.from_hf(builtin_deepseek_v32_hf(args.seed))
         drafter = builtin_drafter(args.drafter_kind or "mtp", target)
+    elif args.family == "qwen3_5":
+        from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_qwen3_5_hf(args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "mtp", target)
     else:
         target, _ = builtin_pair(BuiltinSpec(family=args.family, seed=args.seed))
         drafter = builtin_drafter(args.drafter_kind or "eagle", target)

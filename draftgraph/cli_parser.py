@@ -171,8 +171,9 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
     p.add_argument(
         "--family",
         default="llama",
-        choices=["llama", "qwen2", "qwen3", "mistral", "deepseek_v32"],
-        help="built-in target family (without --target; deepseek_v32: sparse MLA, with its MTP drafter)",
+        choices=["llama", "qwen2", "qwen3", "mistral", "deepseek_v32", "qwen3_5"],
+        help="built-in target family (without --target; deepseek_v32: sparse MLA, qwen3_5: Gated DeltaNet hybrid, "
+        "each with its MTP drafter)",
     )
     p.set_defaults(func=commands["inspect"])
     p = sub.add_parser("graph-diff", help="compare two inspections; exit 0 equal, 1 different, 2 error")

@@ -1,5 +1,6 @@
 """Golden inspections of the built-in tiny model pairs: every target family x drafter kind x mode, and
-DeepSeek-V3.2 (sparse MLA, models/builtin_deepseek.py) with its MTP drafter in each mode.
+DeepSeek-V3.2 (sparse MLA, models/builtin_deepseek.py) and Qwen3.5 (Gated DeltaNet, models/builtin_qwen3_5.py)
+with their MTP drafters in each mode.
 
 `python scripts/refresh_goldens.py` rewrites tests/golden/; tests/test_goldens.py compares fresh
 inspections against it.
@@ -16,7 +17,8 @@ REFRESH = "python scripts/refresh_goldens.py"
 
 
 def cases() -> list[tuple[str, str, str]]:
-    return [(f, k, m) for f in FAMILIES for k in KINDS for m in MODES] + [("deepseek_v32", "mtp", m) for m in MODES]
+    own_mtp = [(f, "mtp", m) for f in ("deepseek_v32", "qwen3_5") for m in MODES]
+    return [(f, k, m) for f in FAMILIES for k in KINDS for m in MODES] + own_mtp
 
 
 def case_name(family: str, kind: str, mode: str) -> str:
@@ -33,6 +35,11 @@ def inspect_case(family: str, kind: str, mode: str, out_dir: str) -> dict:
         from draftgraph.models.llama import CausalLM
 
         target = CausalLM.from_hf(builtin_deepseek_v32_hf())
+    elif family == "qwen3_5":
+        from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_qwen3_5_hf())
     else:
         spec = BuiltinSpec(
             family=family,
