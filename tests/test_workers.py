@@ -71,6 +71,8 @@ def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
         while engine.has_unfinished():
             done.update({o.request_id: o.token_ids for o in engine.step()})
         assert [done[i] for i in ids] == want
+        streamed = [t for d in engine.stream(PROMPTS[:1], PARAMS) for t in d.token_ids]  # a round trip per step
+        assert streamed == want[0]
         # a rank killed between steps of running requests: the next call names it, the other rank exits
         engine.add_request(PROMPTS[0], PARAMS)
         engine.step()
