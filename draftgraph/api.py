@@ -69,8 +69,27 @@ def compile_model(
 
     `tokenizer`: a transformers tokenizer, a directory holding one, False for none, or None (default): the
     one saved beside a target checkpoint, if any. With one, `generate` takes text prompts and outputs carry
-    `.text` (runtime/text.py)."""
+    `.text` (runtime/text.py).
+
+    With `config.tensor_parallel_size` N > 1 it starts N worker processes, one per device, and returns a
+    `ParallelEngine` (workers/driver.py) with the Engine's API that drives them all."""
     config = config or CompileConfig()
+    if config.tensor_parallel_size > 1:
+        from draftgraph.workers.driver import start_workers
+
+        return start_workers(target, drafter, config, artifacts, strict_artifacts, tokenizer)
+    return build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer)
+
+
+def build_engine(
+    target: Any,
+    drafter: Any,
+    config: CompileConfig,
+    artifacts: str | None = None,
+    strict_artifacts: bool = False,
+    tokenizer: Any = None,
+) -> Engine:
+    """One process's engine (compile_model's work on one device; each worker rank's, workers/worker.py)."""
     tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
     check_checkpoints(target, drafter)

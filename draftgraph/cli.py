@@ -38,6 +38,8 @@ def _config(args, **over):
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
+        tensor_parallel_size=getattr(args, "tp", 1),
+        draft_tensor_parallel_size=getattr(args, "draft_tp", None),
     )
     fields.update(over)
     return dg.CompileConfig(**fields)
@@ -99,6 +101,8 @@ def cmd_generate(args) -> int:
         stop_token_ids=stops,
         seed=args.seed,
     )
+    if args.profile and config.tensor_parallel_size > 1:
+        raise ValueError(f"--profile reads one process's engine; it runs with --tp 1 only, not --tp {args.tp}")
     for name in ("num_prompts", "prompt_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
@@ -120,7 +124,7 @@ def cmd_generate(args) -> int:
         print_report(engine.stats())
         return 0
     gen = torch.Generator().manual_seed(args.seed)
-    vocab = engine.target.cfg.vocab_size
+    vocab = engine.vocab_size
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
     prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     outputs = engine.generate(prompts, params, progress=True)

@@ -146,6 +146,18 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             "--top-k", type=int, default=0, help="keep the k likeliest tokens, >= 1; 0 or -1 = off (default 0)"
         )
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default 1)")
+        p.add_argument(
+            "--tp",
+            type=int,
+            default=1,
+            help="tensor parallel size: ranks the target runs on, one worker process per device (default 1)",
+        )
+        p.add_argument(
+            "--draft-tp",
+            type=int,
+            default=None,
+            help="the drafter's tensor parallel size: the target's (--tp) or 1, replicated (default: --tp)",
+        )
         p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
         add_text_arguments(p)
         p.add_argument(

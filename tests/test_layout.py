@@ -1,5 +1,5 @@
-"""Imports flow one way (DESIGN.md): ops <- models <- passes <- compiler <- runtime <- api / cli. A stage never
-imports a later one, at module level or inside a function."""
+"""Imports flow one way (DESIGN.md): ops <- models <- passes <- compiler <- runtime <- api / cli / workers. A stage
+never imports a later one, at module level or inside a function."""
 
 import ast
 from pathlib import Path
@@ -11,7 +11,8 @@ import draftgraph
 ROOT = Path(draftgraph.__file__).parent
 ORDER = ["ops", "models", "passes", "compiler", "runtime"]
 LATER = {
-    stage: [*ORDER[i + 1 :], "api", "cli", "cli_parser", "preflight", "inspection"] for i, stage in enumerate(ORDER)
+    stage: [*ORDER[i + 1 :], "api", "cli", "cli_parser", "preflight", "inspection", "workers"]
+    for i, stage in enumerate(ORDER)
 }
 
 

@@ -69,6 +69,9 @@ class CompileConfig:
     gpu_memory_utilization: float | None = None
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
     seed: int = 0  # seeds requests that give none
+    # Ranks the target is split over (> 1: compile_model starts one worker process per device, workers/).
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int | None = None  # the target's, or 1 (replicated); None = the target's
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
     # Token counts that get an Inductor compile of their own (specialised to the size) beside the one
@@ -141,6 +144,7 @@ class CompileConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = auto)")
+        check_parallel(self.tensor_parallel_size, self.draft_tensor_parallel_size)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, ...); e.g. 16")
 
@@ -170,6 +174,8 @@ class ResolvedConfig:
     gpu_memory_utilization: float = 0.0  # > 0: the KV cache is sized from measured CUDA memory
     mode_reason: str = ""  # why mode "auto" became `mode` ("" when the mode was given)
     inductor_options: tuple[tuple[str, object], ...] = ()  # patched into torch._inductor.config for every compile
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1  # the target's or 1
 
     @property
     def lookahead(self) -> int:
@@ -272,6 +278,8 @@ def resolve(
         gpu_memory_utilization=util,
         mode_reason=reason,
         inductor_options=resolve_inductor_options(config.inductor_options),
+        tensor_parallel_size=config.tensor_parallel_size,
+        draft_tensor_parallel_size=config.draft_tensor_parallel_size or config.tensor_parallel_size,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -302,6 +310,17 @@ def auto_mode(device: torch.device, artifact_mode: str | None = None) -> tuple[C
             "a CUDA device: FULL graphs for uniform batches, PIECEWISE for the rest",
         )
     return CUDAGraphMode.NONE, f"no CUDA graphs on {device.type}, where compiling would only add start-up time"
+
+
+def check_parallel(tp: int, draft_tp: int | None) -> None:
+    """The target's TP is at least 1; the drafter's is the target's (sharded alike) or 1 (replicated)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp} must be at least 1 (1 = one device, no worker processes)")
+    if draft_tp is not None and draft_tp not in (1, tp):
+        raise ValueError(
+            f"draft_tensor_parallel_size={draft_tp} with tensor_parallel_size={tp}: the drafter is either split "
+            f"like the target or replicated on every rank; allowed: {sorted({1, tp})} (None = the target's)"
+        )
 
 
 def check_speculative(config: CompileConfig) -> None:

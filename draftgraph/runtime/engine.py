@@ -93,6 +93,10 @@ class Engine:
         first one it emits unless SamplingParams.ignore_eos."""
         return tuple(self.target.cfg.eos_token_ids)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text when the engine has a tokenizer, or token ids); returns its request id."""
         params = params or SamplingParams()

@@ -1,0 +1,3 @@
+"""Several ranks: compile_model with tensor_parallel_size N > 1 starts N worker processes (worker.py), each
+building its own engine on its device, and returns a driver (driver.py) that sends every call to all of them.
+Sources cross the process boundary as paths (sources.py). Sits beside api.py: it calls api.build_engine."""

@@ -1,0 +1,97 @@
+"""Several ranks on the CPU (gloo): compile_model with tensor_parallel_size 2 starts two worker processes,
+each with the full models (replicated until the layers are sharded), and its driver's answers equal the
+one-process engine's; a bad draft TP fails before anything starts; a rank that dies or raises stops them all."""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+import draftgraph as dg
+from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target, builtin_pair
+from draftgraph.workers.driver import WorkerError
+
+SPEC = BuiltinSpec(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    draft_layers=1,
+    max_position_embeddings=256,
+)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+PARAMS = dg.SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def config(**over) -> dg.CompileConfig:
+    fields = dict(mode="NONE", device="cpu", num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64)
+    return dg.CompileConfig(**{**fields, "max_model_len": 128, **over})
+
+
+def wait_gone(proc, timeout_s: float) -> bool:
+    proc.join(timeout_s)
+    return not proc.is_alive()
+
+
+def test_bad_tensor_parallel_sizes_fail_before_anything_starts():
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=3 with tensor_parallel_size=4.*\[1, 4\]"):
+        config(tensor_parallel_size=4, draft_tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be at least 1"):
+        config(tensor_parallel_size=0)
+    assert config(tensor_parallel_size=2, draft_tensor_parallel_size=1).draft_tensor_parallel_size == 1
+    from draftgraph.cli import main
+
+    assert main(["generate", "--device", "cpu", "--tp", "2", "--draft-tp", "3"]) == 2
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
+    target, drafter = builtin_pair(SPEC)
+    one = dg.compile_model(target, drafter, config())
+    want = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
+    want_steps = one.stats()["steps"]
+    engine = dg.compile_model(target, drafter, config(tensor_parallel_size=2))
+    try:
+        assert engine.config.tensor_parallel_size == 2 and engine.config.draft_tensor_parallel_size == 2
+        assert engine.k == 2 and engine.vocab_size == SPEC.vocab_size
+        got = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+        assert got == want
+        stats = engine.stats()  # checks that both ranks took the same steps
+        assert stats["steps"] == want_steps and stats["tensor_parallel_size"] == 2
+        assert stats["verify_steps"] > 0
+        # add_request / step drive every rank alike
+        ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.token_ids for o in engine.step()})
+        assert [done[i] for i in ids] == want
+        streamed = [t for d in engine.stream(PROMPTS[:1], PARAMS) for t in d.token_ids]  # a round trip per step
+        assert streamed == want[0]
+        # a rank killed between steps of running requests: the next call names it, the other rank exits
+        engine.add_request(PROMPTS[0], PARAMS)
+        engine.step()
+        os.kill(engine.pids[1], signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
+            engine.step()  # the request has tokens left: a step on both ranks
+        assert time.perf_counter() - t0 < 10.0
+        assert wait_gone(engine.procs[0], 10.0), "rank 0 still runs after rank 1 died"
+        with pytest.raises(RuntimeError, match="closed"):
+            engine.stats()
+        assert not multiprocessing.active_children()
+    finally:
+        engine.close()
+
+
+def test_a_rank_that_raises_while_building_surfaces_its_error():
+    # A transformers object crosses as a save_pretrained directory; its 256 positions are checked in each rank.
+    hf = builtin_hf_target(SPEC)
+    with pytest.raises(WorkerError, match=r"worker rank \d of 2 failed during ready: ValueError: max_model_len=512"):
+        dg.compile_model(hf, None, config(tensor_parallel_size=2, max_model_len=512))
+    assert not multiprocessing.active_children()  # the other rank too
