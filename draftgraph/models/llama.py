@@ -20,7 +20,7 @@ from torch import nn
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
-from draftgraph.models.parallel import check_tensor_parallel, embedding, shard_config, shard_state
+from draftgraph.models.parallel import check_family, embedding, shard_config, shard_state
 from draftgraph.models.weights import (
     assign_weights,
     convert_layer,
@@ -37,7 +37,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 def make_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> nn.Module:
     """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer (the
     only one that takes a tensor-parallel `tp` for now)."""
-    check_tensor_parallel(cfg.replace(tp_size=1), tp)
+    check_family(cfg, tp)
     if cfg.indexer is not None:
         from draftgraph.models.deepseek_v32 import make_v32_layer
 

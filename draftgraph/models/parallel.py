@@ -25,8 +25,8 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
-    """Refuse a tensor-parallel size this model cannot be split by (families or sizes), naming the numbers."""
+def check_family(cfg: ModelConfig, tp: ParallelGroup) -> None:
+    """Refuse tensor parallelism for the families that do not have it yet."""
     if tp.is_single:
         return
     family = (
@@ -45,6 +45,13 @@ def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
             f"tensor parallelism (tp={tp.world_size}) is not supported yet for {cfg.model_type}: {family} "
             "tensor parallelism is planned; run it with tp=1"
         )
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
+    """Refuse a tensor-parallel size this model cannot be split by (families or sizes), naming the numbers."""
+    check_family(cfg, tp)
+    if tp.is_single:
+        return
     if cfg.tp_size != 1:
         raise ValueError(f"this ModelConfig is already one rank's share (tp_size={cfg.tp_size}); pass the full one")
     sizes = (
