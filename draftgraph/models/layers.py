@@ -8,8 +8,10 @@ from torch import nn
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.parallel import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -31,14 +33,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """QKV projection (fused), optional q/k RMSNorm, RoPE, paged attention, output projection."""
+    """QKV projection (fused), optional q/k RMSNorm, RoPE, paged attention, output projection.
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, in_features: int | None = None):
+    Under tensor parallelism `cfg` is one rank's share (models/parallel.py): the local heads, and `o` is
+    row-parallel over `tp` (its sum over ranks inside)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        attn_impl: str,
+        in_features: int | None = None,
+        tp: ParallelGroup = SINGLE,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv = nn.Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -72,13 +84,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matmul."""
+    """SwiGLU with the gate and up projections fused into one matmul (under tensor parallelism: this rank's
+    gate and up columns, `down` row-parallel over `tp`)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.inter = intermediate_size or cfg.intermediate_size  # DeepSeek's shared experts pass their own
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
-        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):
         gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
@@ -91,12 +104,14 @@ class DecoderLayer(nn.Module):
     `input_norm=False` drops the first norm (EAGLE-1's layer 0 feeds fc's output straight in).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, input_norm: bool = True):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, attn_impl: str, input_norm: bool = True, tp: ParallelGroup = SINGLE
+    ):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
-        self.attn = Attention(cfg, layer, attn_impl)
+        self.attn = Attention(cfg, layer, attn_impl, tp=tp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp=tp)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)

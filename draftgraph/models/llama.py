@@ -4,6 +4,10 @@
 forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hidden states [T, H]
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
 separate call on chosen rows only, so a decode step never materializes [T, vocab].
+
+Tensor parallelism (Llama family; models/parallel.py): `tp` (a ParallelGroup) on the constructors; each
+rank builds its share from the full weights, and compute_logits all-gathers the vocabulary so every rank
+returns the full logits.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
+from draftgraph.models.parallel import check_family, embedding, shard_config, shard_state
 from draftgraph.models.weights import (
     assign_weights,
     convert_layer,
@@ -24,12 +29,15 @@ from draftgraph.models.weights import (
     read_target_config,
 )
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
-    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer."""
+def make_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> nn.Module:
+    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer (the
+    only one that takes a tensor-parallel `tp` for now)."""
+    check_family(cfg, tp)
     if cfg.indexer is not None:
         from draftgraph.models.deepseek_v32 import make_v32_layer
 
@@ -42,7 +50,7 @@ def make_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> nn.Module:
         from draftgraph.models.qwen3_5 import Qwen3_5Layer
 
         return Qwen3_5Layer(cfg, layer, attn_impl)
-    return DecoderLayer(cfg, layer, attn_impl)
+    return DecoderLayer(cfg, layer, attn_impl, tp=tp)
 
 
 def layer_converter(cfg: ModelConfig):
@@ -68,15 +76,25 @@ def final_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured)."""
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured).
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str = "reference"):
+    With a tensor-parallel `tp`, `cfg` is this rank's share (parallel.shard_config) and the embedding and LM
+    head hold this rank's vocabulary rows."""
+
+    def __init__(self, cfg: ModelConfig, attn_impl: str = "reference", tp: ParallelGroup = SINGLE):
         super().__init__()
+        if cfg.tp_size != tp.world_size:
+            raise ValueError(
+                f"cfg.tp_size={cfg.tp_size} but tp.world_size={tp.world_size}: build the model from "
+                "parallel.shard_config(full_cfg, tp), or through from_state_dict / from_pretrained / from_hf"
+            )
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl) for i in range(cfg.num_layers))
+        self.tp = tp
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl, tp) for i in range(cfg.num_layers))
         self.norm = final_norm(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        local_vocab = cfg.vocab_size // tp.world_size
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, local_vocab, bias=False)
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.rotary_dim), persistent=False)
 
     @property
@@ -102,10 +120,11 @@ class CausalLM(nn.Module):
         return self.norm(h), [outs[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [N, vocab] for hidden rows `indices` (all rows when None)."""
+        """Logits [N, vocab] for hidden rows `indices` (all rows when None); the full vocabulary on every
+        tensor-parallel rank (local rows' logits, then all_gather_last)."""
         if indices is not None:
             hidden = hidden[indices]
-        return hidden @ self.head_weight.t()
+        return self.tp.all_gather_last(hidden @ self.head_weight.t())
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -116,9 +135,13 @@ class CausalLM(nn.Module):
         state: dict[str, torch.Tensor],
         device="cpu",
         attn_impl: str = "reference",
+        tp: ParallelGroup = SINGLE,
     ) -> CausalLM:
-        """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`)."""
-        state = dict(state)
+        """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`) and the full
+        model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied)."""
+        local_cfg = shard_config(cfg, tp)  # refuses families and sizes tp cannot split
+        state = shard_state(dict(state), tp)
+        cfg = local_cfg
         if cfg.hybrid is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
             from draftgraph.models.qwen3_5_weights import normalize_keys
 
@@ -141,20 +164,27 @@ class CausalLM(nn.Module):
             ours.pop("lm_head.weight", None)
         ours.update(state)  # anything left over is reported as unexpected by assign_weights
         with torch.device("meta"):
-            model = cls(cfg, attn_impl)
+            model = cls(cfg, attn_impl, tp)
         assign_weights(model, ours, f"{cfg.model_type} target", cfg.dtype)
         return materialize(model, cfg, device)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=None, device="cpu", attn_impl="reference") -> CausalLM:
+    def from_pretrained(
+        cls, path: str, dtype=None, device="cpu", attn_impl="reference", tp: ParallelGroup = SINGLE
+    ) -> CausalLM:
+        """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads the whole tensors (all of
+        the checkpoint, for now) and keeps copies of its slices only."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
-        return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl)
+        return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
 
     @classmethod
-    def from_hf(cls, hf_model: Any, dtype=None, device=None, attn_impl="reference") -> CausalLM:
-        """From a transformers *ForCausalLM object in memory (weights copied by reference when possible)."""
+    def from_hf(
+        cls, hf_model: Any, dtype=None, device=None, attn_impl="reference", tp: ParallelGroup = SINGLE
+    ) -> CausalLM:
+        """From a transformers *ForCausalLM object in memory (weights copied by reference when possible; with
+        a tensor-parallel `tp`, copies of this rank's slices)."""
         param = next(hf_model.parameters())
         cfg = ModelConfig.from_hf(hf_model.config, dtype=dtype or param.dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, model_generation_eos(hf_model)))
-        return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl)
+        return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl, tp)

@@ -31,10 +31,11 @@ def check_pair(draft: CausalLM, target: CausalLM) -> None:
         raise mismatch(
             "vocab_size", draft.cfg.vocab_size, target.cfg.vocab_size, "a draft model must share the target's tokenizer"
         )
-    if tuple(draft.head_weight.shape)[0] != target.cfg.vocab_size:
+    rows = draft.head_weight.shape[0] * draft.tp.world_size  # a tensor-parallel head holds V / tp rows
+    if rows != target.cfg.vocab_size:
         raise mismatch(
             "LM head rows (head layout)",
-            draft.head_weight.shape[0],
+            rows,
             target.cfg.vocab_size,
             "a draft model must predict over the target's vocabulary",
         )

@@ -1,0 +1,161 @@
+"""Tensor parallelism for the Llama family: per-rank configs, parallel layers and checkpoint slicing.
+
+With a `ParallelGroup` of world size W, rank r holds:
+- attention: query heads [r*Hq/W, (r+1)*Hq/W) and KV heads [r*Hkv/W, (r+1)*Hkv/W) (whole heads, whole GQA
+  groups), so q/k norms, RoPE and paged attention run on local heads unchanged and the KV cache holds only
+  the local KV heads; the fused QKV projection is column-parallel per part (q, k and v each cut by heads);
+- the MLP: columns [r*I/W, (r+1)*I/W) of both gate and up (matching halves), rows of down;
+- the output and down projections are row-parallel: a local matmul, `all_reduce`, then the bias once;
+- the embedding: vocabulary rows [r*V/W, (r+1)*V/W) (ids outside the range look up zeros; `all_reduce`);
+- the LM head: the same vocabulary rows; local logits, then `all_gather_last` gives every rank the full
+  [N, V] logits, so sampling (and its greedy tokens) is identical on every rank.
+
+The per-rank `ModelConfig` (`shard_config`) says num_heads, num_kv_heads and intermediate_size per rank and
+`tp_size = W`; `kv_entry_shapes` and the KV cache's sizing follow from it. vocab_size stays the full
+vocabulary (what the logits have). DeepSeek (MLA, MoE, V3.2) and Qwen3.5 (hybrid) are refused for W > 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftgraph.models.config import ModelConfig
+from draftgraph.ops.collectives.op import ParallelGroup
+
+
+def check_family(cfg: ModelConfig, tp: ParallelGroup) -> None:
+    """Refuse tensor parallelism for the families that do not have it yet."""
+    if tp.is_single:
+        return
+    family = (
+        "DeepSeek-V3.2 (sparse MLA)"
+        if cfg.indexer is not None
+        else "DeepSeek-V3 (MLA)"
+        if cfg.mla is not None
+        else "MoE"
+        if cfg.moe is not None
+        else "Qwen3.5 (hybrid linear attention)"
+        if cfg.hybrid is not None
+        else None
+    )
+    if family is not None:
+        raise ValueError(
+            f"tensor parallelism (tp={tp.world_size}) is not supported yet for {cfg.model_type}: {family} "
+            "tensor parallelism is planned; run it with tp=1"
+        )
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
+    """Refuse a tensor-parallel size this model cannot be split by (families or sizes), naming the numbers."""
+    check_family(cfg, tp)
+    if tp.is_single:
+        return
+    if cfg.tp_size != 1:
+        raise ValueError(f"this ModelConfig is already one rank's share (tp_size={cfg.tp_size}); pass the full one")
+    sizes = (
+        ("num_attention_heads", cfg.num_heads),
+        ("num_key_value_heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    )
+    bad = [f"{name}={n}" for name, n in sizes if n % tp.world_size]
+    if bad:
+        fits = [w for w in range(1, cfg.num_kv_heads + 1) if all(n % w == 0 for _, n in sizes)]
+        raise ValueError(
+            f"tensor-parallel size {tp.world_size} does not divide {', '.join(bad)} of {cfg.model_type}; "
+            f"each rank needs whole heads and equal shares: use a tp that divides them all (here: {fits})"
+        )
+
+
+def shard_config(cfg: ModelConfig, tp: ParallelGroup) -> ModelConfig:
+    """One rank's config: heads, KV heads and intermediate size divided by the world size (checked first)."""
+    check_tensor_parallel(cfg, tp)
+    if tp.is_single:
+        return cfg
+    w = tp.world_size
+    return cfg.replace(
+        num_heads=cfg.num_heads // w,
+        num_kv_heads=cfg.num_kv_heads // w,
+        intermediate_size=cfg.intermediate_size // w,
+        tp_size=w,
+    )
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local^T) + b: input features split over ranks, the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: ParallelGroup) -> nn.Linear:
+    """A row-parallel linear over `in_features` local inputs (nn.Linear itself for one process)."""
+    if tp.is_single:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [rank*V/W, (rank+1)*V/W) of the embedding; other ids give zeros; summed over ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: ParallelGroup):
+        super().__init__()
+        self.local = vocab_size // tp.world_size
+        self.start = tp.rank * self.local
+        self.weight = nn.Parameter(torch.empty(self.local, dim))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        valid = (local >= 0) & (local < self.local)
+        out = F.embedding(torch.where(valid, local, torch.zeros_like(local)), self.weight)
+        return self.tp.all_reduce(out * valid.unsqueeze(-1).to(out.dtype))
+
+
+def embedding(vocab_size: int, dim: int, tp: ParallelGroup) -> nn.Module:
+    """The token embedding: vocabulary-parallel over several ranks, nn.Embedding for one."""
+    return nn.Embedding(vocab_size, dim) if tp.is_single else VocabParallelEmbedding(vocab_size, dim, tp)
+
+
+# transformers' Llama-family names -> how a rank slices them: rows (dim 0) or columns (dim 1) of its share.
+_ROW_SPLIT = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
+_COL_SPLIT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dim a transformers-named Llama-family tensor is split along (None: every rank holds all of it).
+    Row-parallel biases (o_proj, down_proj) are whole: RowParallelLinear adds them once after the sum."""
+    if name in _VOCAB_SPLIT or any(s in name for s in _ROW_SPLIT):
+        return 0
+    if any(name.endswith(s) for s in _COL_SPLIT):
+        return 1
+    return None
+
+
+def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
+    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed)."""
+    dim = shard_dim(name)
+    if dim is None or tp.is_single:
+        return t
+    size = t.shape[dim]
+    if size % tp.world_size:
+        raise ValueError(f"{name} has {size} entries along dim {dim}, not divisible by tp={tp.world_size}")
+    n = size // tp.world_size
+    return t.narrow(dim, tp.rank * n, n).clone()
+
+
+def shard_state(state: dict[str, torch.Tensor], tp: ParallelGroup) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers-named Llama-family state dict cut to this rank's share. q/k/v (and
+    gate/up) are cut separately before our loader fuses them, so the fused QKV holds this rank's q heads then
+    its KV heads, and gate_up its matching gate and up columns."""
+    if tp.is_single:
+        return state
+    return {name: shard_tensor(name, t, tp) for name, t in state.items()}

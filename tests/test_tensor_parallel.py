@@ -1,0 +1,184 @@
+"""Tensor parallelism on the CPU: processes on one machine over gloo, tiny float32 models.
+
+Each multi-process test spawns one process per rank (file rendezvous, bounded init and join: a dead or stuck
+peer fails the test instead of hanging it). Every rank builds the same seeded transformers model, so each can
+compare its sharded model against the single-process one itself. Tolerance: 1e-5 absolute on logits of
+magnitude ~1 (the sharded sums only change the summation order).
+"""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import draftgraph as dg
+from draftgraph.models.config import ModelConfig
+from draftgraph.models.llama import CausalLM
+from draftgraph.models.parallel import shard_config
+from draftgraph.ops.collectives.op import ParallelGroup, register_group
+from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_hf_model
+
+ATOL = 1e-5
+JOIN_TIMEOUT_S = 150  # whole spawn: imports, init, work
+INIT_TIMEOUT = datetime.timedelta(seconds=60)  # rendezvous and every collective
+SHAPE = dict(num_attention_heads=8, num_key_value_heads=4)  # divisible by 2 and 4
+MODELS = {
+    "llama3": dict(
+        family="llama",
+        attention_bias=True,  # o_proj's bias too: row-parallel biases are added once
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen3": dict(family="qwen3", tie_word_embeddings=True),  # q/k norms, tied vocab-parallel head
+}
+
+
+def _entry(rank, fn, world_size, init_file, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=INIT_TIMEOUT
+    )
+    register_group("tp", dist.group.WORLD)
+    try:
+        fn(ParallelGroup(rank, world_size, "tp"), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, tmp_path, *args):
+    """Run fn(tp, *args) on `world_size` processes; a rank's exception or exit fails the test, and so does
+    running past JOIN_TIMEOUT_S (the processes are killed)."""
+    ctx = mp.spawn(_entry, (fn, world_size, str(tmp_path / "rendezvous"), args), nprocs=world_size, join=False)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{world_size} tensor-parallel ranks ran past {JOIN_TIMEOUT_S} s")
+
+
+# ---- what each rank runs ---------------------------------------------------------------------------------
+
+
+def _check_collectives(tp: ParallelGroup):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, generator=g)
+    mine = base * (tp.rank + 1)
+    want_sum = base * sum(r + 1 for r in range(tp.world_size))
+    torch.testing.assert_close(torch.ops.draftgraph.all_reduce(mine, "tp"), want_sum)
+    want_cat = torch.cat([base * (r + 1) for r in range(tp.world_size)], dim=-1)  # [3, 5 * W]
+    torch.testing.assert_close(torch.ops.draftgraph.all_gather_last(mine, "tp"), want_cat)
+    assert torch.equal(mine, base * (tp.rank + 1))  # functional: the input is untouched
+
+    # Inside torch.compile: one opaque node each (no graph break), the fakes' shapes through AOT tracing.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    def f(x):
+        return tp.all_gather_last(tp.all_reduce(x * 2.0) + 1.0)
+
+    got = torch.compile(f, backend=backend, fullgraph=True)(mine)
+    torch.testing.assert_close(got, (want_sum * 2.0 + 1.0).repeat(1, tp.world_size))
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("draftgraph.all_reduce" in t for t in targets) == 1, targets
+    assert sum("draftgraph.all_gather_last" in t for t in targets) == 1, targets
+
+
+def _check_model(tp: ParallelGroup, name: str):
+    kw = {**SHAPE, **MODELS[name]}
+    hf = tiny_hf_model(kw.pop("family"), **kw)  # the same seeded weights on every rank
+    full, shard = CausalLM.from_hf(hf), CausalLM.from_hf(hf, tp=tp)
+    w = tp.world_size
+    assert shard.cfg.num_kv_heads == 4 // w and shard.cfg.kv_entry_shapes == ((4 // w, shard.cfg.head_dim),) * 2
+    assert shard.embed_tokens.weight.shape[0] == full.cfg.vocab_size // w
+
+    ids = torch.randint(0, full.cfg.vocab_size, (18,), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for model in (full, shard):
+        runner = PagedRunner(model.cfg)
+        assert runner.cache.layers[0][0].shape[-2] == model.cfg.num_kv_heads  # the cache holds local KV heads
+        meta, pos = runner.batch([(0, 11), (1, 7)])
+        with torch.no_grad():
+            hidden, _ = model(ids, pos, meta, runner.cache.layers)
+            logits.append(model.compute_logits(hidden))
+    assert logits[1].shape == (18, full.cfg.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=0)
+
+    # Greedy generation in NONE mode: every rank runs the same requests and picks the same tokens as one
+    # process; with a tensor-parallel draft model (draft TP = TP) too.
+    draft_kw = {**SHAPE, "num_hidden_layers": 1, **{k: v for k, v in MODELS[name].items() if k != "family"}}
+    draft_hf = tiny_hf_model(MODELS[name]["family"], seed=1, **draft_kw)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, full.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 13, 2)]
+    params = dg.SamplingParams(max_tokens=6, ignore_eos=True)
+    config = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32)
+    want = [o.token_ids for o in dg.compile_model(full, config=config).generate(prompts, params)]
+    got = [o.token_ids for o in dg.compile_model(shard, config=config).generate(prompts, params)]
+    assert got == want
+    spec = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_speculative_tokens=2)
+    eng = dg.compile_model(shard, CausalLM.from_hf(draft_hf, tp=tp), spec)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert eng.stats()["draft_tokens"] > 0
+
+
+def _run_all(tp: ParallelGroup):
+    _check_collectives(tp)
+    for name in MODELS:
+        _check_model(tp, name)
+
+
+def _peer_dies(tp: ParallelGroup):
+    if tp.rank == 1:
+        os._exit(3)  # a worker killed before the collective
+    torch.ops.draftgraph.all_reduce(torch.ones(4), "tp")
+
+
+# ---- the tests ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_equals_one_process(world_size, tmp_path):
+    spawn(_run_all, world_size, tmp_path)
+
+
+def test_dead_peer_fails_instead_of_hanging(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
+        spawn(_peer_dies, 2, tmp_path)
+    assert time.monotonic() - start < JOIN_TIMEOUT_S
+
+
+def test_one_process_ops_are_copies():
+    x = torch.randn(2, 3)
+    for op in (torch.ops.draftgraph.all_reduce, torch.ops.draftgraph.all_gather_last):
+        y = op(x, "")
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+def test_refuses_sizes_and_families_it_cannot_split():
+    tp3 = ParallelGroup(0, 3, "unregistered")  # shapes are checked before any process group is used
+    cfg = ModelConfig.from_hf(tiny_hf_model("llama", **SHAPE).config)
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8.*\[1, 2, 4\]"):
+        shard_config(cfg, tp3)
+    ds = ModelConfig.from_hf(tiny_deepseek_config())
+    with pytest.raises(ValueError, match="DeepSeek-V3 \\(MLA\\) tensor parallelism is planned"):
+        shard_config(ds, ParallelGroup(0, 2, "tp"))
+    with pytest.raises(ValueError, match="needs the group_name"):
+        ParallelGroup(0, 2)
