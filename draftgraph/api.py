@@ -18,6 +18,7 @@ from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, res
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 from draftgraph.runtime.engine import Engine
@@ -34,14 +35,20 @@ def set_kernel_impl(model: torch.nn.Module, impl: str) -> None:
             m.attn_impl = impl
 
 
-def load_target(source: Any, device, dtype, attn_impl: str) -> CausalLM:
-    """A draftgraph CausalLM from a checkpoint dir, a transformers model object or a CausalLM."""
+def load_target(source: Any, device, dtype, attn_impl: str, tp: ParallelGroup = SINGLE) -> CausalLM:
+    """A draftgraph CausalLM from a checkpoint dir, a transformers model object or a CausalLM; with a
+    tensor-parallel `tp`, this rank's share (from a checkpoint dir or a transformers object)."""
     if isinstance(source, CausalLM):
+        if tp.world_size > 1 and source.tp.world_size != tp.world_size:
+            raise ValueError(
+                f"a draftgraph CausalLM object cannot be split over tensor_parallel_size={tp.world_size} here; pass "
+                "its checkpoint directory or the transformers model instead (each rank then loads its share)"
+            )
         model = source
     elif isinstance(source, str):
-        model = CausalLM.from_pretrained(source, dtype=dtype, device=device, attn_impl=attn_impl)
+        model = CausalLM.from_pretrained(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp)
     elif isinstance(source, torch.nn.Module) and hasattr(source, "config"):
-        model = CausalLM.from_hf(source, dtype=dtype, device=device, attn_impl=attn_impl)
+        model = CausalLM.from_hf(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp)
     else:
         raise TypeError(
             f"target of type {type(source).__name__} is not supported; pass a checkpoint directory, a "
@@ -88,8 +95,10 @@ def build_engine(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
     tokenizer: Any = None,
+    tp: ParallelGroup = SINGLE,
 ) -> Engine:
-    """One process's engine (compile_model's work on one device; each worker rank's, workers/worker.py)."""
+    """One process's engine (compile_model's work on one device; each worker rank's, workers/worker.py, with
+    its tensor-parallel group `tp`)."""
     tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
     check_checkpoints(target, drafter)
@@ -98,12 +107,14 @@ def build_engine(
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
-    model = load_target(target, rc.device, rc.dtype, rc.attention)
+    model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
     draft: Drafter | None = None
     if drafter is not None:
+        draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE
         draft = load_drafter(
-            drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention, dtype=model.cfg.dtype
-        )
+            drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention, dtype=model.cfg.dtype,
+            tp=draft_tp,
+        )  # fmt: skip
         draft = draft.to(rc.device)
         set_kernel_impl(draft, rc.attention)
     check_kv_memory(rc, model.cfg, draft)  # the exact bytes, drafter included, before any compile

@@ -182,3 +182,25 @@ def test_refuses_sizes_and_families_it_cannot_split():
         shard_config(ds, ParallelGroup(0, 2, "tp"))
     with pytest.raises(ValueError, match="needs the group_name"):
         ParallelGroup(0, 2)
+
+
+def test_what_cannot_be_split_yet_is_refused_by_name():
+    """No process group is needed: the checks run while loading, before any collective."""
+    from draftgraph.api import load_target
+    from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_hf_target, module_from_state_dict
+    from draftgraph.models.drafters.loader import load_drafter
+    from draftgraph.ops.collectives.op import ParallelGroup
+
+    spec = BuiltinSpec(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                       num_kv_heads=2, head_dim=32, draft_layers=1, max_position_embeddings=256)  # fmt: skip
+    hf = builtin_hf_target(spec)
+    whole = CausalLM.from_hf(hf)
+    tp2 = ParallelGroup(0, 2, "unused")
+    with pytest.raises(ValueError, match="CausalLM object cannot be split over tensor_parallel_size=2"):
+        load_target(whole, "cpu", None, "reference", tp2)
+    share = load_target(hf, "cpu", None, "reference", tp2)
+    assert share.tp.world_size == 2 and share.cfg.num_heads == 1  # this rank's heads
+    eagle = builtin_drafter("eagle", whole)  # its weights, under the upstream names
+    state = {k: v for k, v in eagle.state_dict().items() if not k.startswith("_target")}
+    with pytest.raises(ValueError, match="eagle drafter reads the target's embedding and LM head.*planned"):
+        load_drafter(module_from_state_dict(state), share, kind="eagle")

@@ -1,16 +1,18 @@
 """Several ranks on the CPU (gloo): compile_model with tensor_parallel_size 2 starts two worker processes,
-each with the full models (replicated until the layers are sharded), and its driver's answers equal the
-one-process engine's; a bad draft TP fails before anything starts; a rank that dies or raises stops them all."""
+each loading its share of the target and of the draft model (heads and MLP split, all-reduced), and its
+driver's answers equal the one-process engine's; a bad draft TP fails before anything starts; a rank that
+dies or raises stops them all."""
 
 import multiprocessing
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
 import draftgraph as dg
-from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target, builtin_pair
+from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 from draftgraph.workers.driver import WorkerError
 
 SPEC = BuiltinSpec(
@@ -19,7 +21,7 @@ SPEC = BuiltinSpec(
     intermediate_size=128,
     num_layers=3,
     num_heads=2,
-    num_kv_heads=1,
+    num_kv_heads=2,
     head_dim=32,
     draft_layers=1,
     max_position_embeddings=256,
@@ -52,7 +54,8 @@ def test_bad_tensor_parallel_sizes_fail_before_anything_starts():
 
 
 def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
-    target, drafter = builtin_pair(SPEC)
+    # transformers objects: each rank loads its share from their save_pretrained directories
+    target, drafter = builtin_hf_target(SPEC), builtin_hf_target(replace(SPEC, num_layers=1, seed=1))
     one = dg.compile_model(target, drafter, config())
     want = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
     want_steps = one.stats()["steps"]

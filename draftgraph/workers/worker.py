@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from draftgraph.compiler.config import CompileConfig
+from draftgraph.ops.collectives.op import ParallelGroup, register_group
 from draftgraph.workers.sources import SourceRef, open_sources
 
 
@@ -43,14 +44,12 @@ def build_rank_engine(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
 ):
-    """This rank's engine. THE place where the model side gets its tensor-parallel group: today every rank
-    loads the full models (replicated) and runs compile_model's one-device path; with sharded layers, build
-    `ParallelGroup(rank, world_size, group_name)` here and pass it to the loaders (api.load_target /
-    load_drafter, through api.build_engine), the drafter's only when config.draft_tensor_parallel_size > 1."""
+    """This rank's engine: compile_model's one-device path with this rank's tensor-parallel group, so each
+    rank loads its share of the target (and of the drafter when draft_tensor_parallel_size > 1)."""
     from draftgraph.api import build_engine
 
-    del rank, world_size, group_name  # replicated for now: no rank-specific loading yet
-    return build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer=False)
+    tp = ParallelGroup(rank, world_size, group_name)
+    return build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer=False, tp=tp)
 
 
 def _step(engine) -> tuple[list, list]:
@@ -104,6 +103,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             timeout=timedelta(seconds=spec.timeout_s),
         )
         group = dist.new_group(list(range(spec.world_size)))  # the TP group (all ranks, while there is no DP)
+        register_group(group.group_name, group)  # what the collective ops find by name
         target, drafter = open_sources(spec.target, spec.drafter)
         engine = build_rank_engine(
             target, drafter, spec.config, rank, spec.world_size, group.group_name, spec.artifacts, spec.strict_artifacts

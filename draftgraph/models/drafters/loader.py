@@ -16,6 +16,7 @@ from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.weights import read_checkpoint, read_config, read_target_config
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 def detect_kind(config: dict, keys) -> str:
@@ -45,9 +46,15 @@ def load_drafter(
     attn_impl: str | None = None,
     dtype: torch.dtype | None = None,
     aux_layers: tuple[int, ...] | None = None,
+    tp: ParallelGroup = SINGLE,
 ) -> Drafter:
     """`source`: a checkpoint dir, a Drafter, a draftgraph CausalLM, a transformers model object, or any
-    module whose state_dict uses the upstream key names (EAGLE, EAGLE-3, DeepSeek MTP layer)."""
+    module whose state_dict uses the upstream key names (EAGLE, EAGLE-3, DeepSeek MTP layer).
+
+    Tensor parallelism: `tp` is the drafter's group (the target's, or one process: replicated). Draft models
+    load their share (from a checkpoint dir or a transformers object) or the whole model replicated. Heads
+    that share the target's embedding and LM head (EAGLE, EAGLE-3, MTP) are not split yet: with a target
+    split over several ranks they are refused, naming the plan."""
     device = device if device is not None else target.embed_tokens.weight.device
     attn_impl = attn_impl or target.layers[0].attn.attn_impl
     dtype = dtype or target.cfg.dtype
@@ -56,6 +63,11 @@ def load_drafter(
     if isinstance(source, Drafter):
         return source
     if isinstance(source, CausalLM):
+        if tp.world_size > 1 and source.tp.world_size != tp.world_size:
+            raise ValueError(
+                f"a draftgraph CausalLM drafter cannot be split over draft_tensor_parallel_size={tp.world_size} here; "
+                "pass its checkpoint directory or transformers model, or draft_tensor_parallel_size=1 (replicated)"
+            )
         check_draft_pair(source, target)
         return DraftModelDrafter(source)
     if isinstance(source, str):
@@ -66,10 +78,16 @@ def load_drafter(
     else:
         raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
     kind = kind or detect_kind(config, state.keys())
+    if kind != "draft_model" and target.tp.world_size > 1:
+        raise ValueError(
+            f"a {kind} drafter reads the target's embedding and LM head, which tensor parallelism splits over "
+            f"{target.tp.world_size} ranks; heads with a split target are planned, not built yet: use a draft model "
+            "(drafter kind draft_model) or tensor_parallel_size=1"
+        )
     if kind == "draft_model":
         if isinstance(source, str):
             config = read_target_config(source)  # a whole model: every key a target needs
-        draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl)
+        draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl, tp)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
     if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
