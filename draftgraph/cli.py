@@ -67,7 +67,7 @@ def _inductor_options(given: list[str] | None):
 
 def _models(args):
     """(target, drafter) from --target / --drafter, or the built-in pair."""
-    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
+    from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, builtin_pair
 
     if args.target:
         target, drafter = args.target, None if args.no_drafter else args.drafter
@@ -79,7 +79,9 @@ def _models(args):
             f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
             f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
         )
-        target, built_drafter = builtin_pair(spec)
+        # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
+        split = getattr(args, "tp", 1) > 1
+        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
 

@@ -11,6 +11,7 @@ the same structure (TINY_ACCEPTANCE), on the device directly.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,6 +92,22 @@ def builtin_hf_target(spec: BuiltinSpec = BuiltinSpec(), device=None, dtype=None
             if name.endswith(("o_proj.weight", "down_proj.weight")) and int(parts[2]) >= spec.first_late_layer:
                 p.mul_(spec.late_scale)
     return model
+
+
+def builtin_hf_pair(spec: BuiltinSpec = BuiltinSpec()):
+    """The built-in pair as transformers objects (for worker processes, which load their shares from
+    save_pretrained directories): the target, and a model of its first `draft_layers` layers holding the same
+    weights (embedding, those layers, final norm, LM head)."""
+    target = builtin_hf_target(spec)
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = spec.draft_layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = cfg.layer_types[: spec.draft_layers]
+    draft = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)  # the upper layers' keys are unexpected
+    if missing:
+        raise RuntimeError(f"the truncated draft model lacks weights for {missing}")
+    return target, draft
 
 
 def builtin_pair(spec: BuiltinSpec = BuiltinSpec(), dtype=None, device="cpu", attn_impl="reference"):
