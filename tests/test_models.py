@@ -148,3 +148,22 @@ def test_checkpoint_shape_mismatch_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.qkv\.weight has shape \[128, 64\].*implies \[192, 64\]"):
         CausalLM.from_pretrained(str(tmp_path))
+
+
+def test_builtin_hf_pair_is_the_builtin_pair_as_transformers_objects():
+    """What worker processes load (CLI --tp): the transformers draft holds the target's first layers, so it
+    computes what the in-memory truncated draft model computes."""
+    from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair
+
+    spec = BuiltinSpec(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                       num_kv_heads=1, head_dim=16, draft_layers=1, max_position_embeddings=128)  # fmt: skip
+    target, draft = builtin_hf_pair(spec)
+    assert draft.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 3
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+    with torch.no_grad():
+        got = draft(ids).logits
+        target.model.layers = torch.nn.ModuleList(target.model.layers[:1])  # the target cut to its first layer
+        target.config.num_hidden_layers = 1
+        ref = target(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
