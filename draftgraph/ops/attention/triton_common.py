@@ -1,4 +1,5 @@
-"""Triton device functions both paged-attention kernels share (triton_attention.py, triton_split_kv.py).
+"""Triton device functions the paged-attention kernels share (triton_attention.py, triton_split_kv.py; the
+split-partials merge serves sparse MLA's kernel too).
 
 `load_group_q` loads the GROUP query heads that share one KV head as a [GROUP_PAD, D_PAD] tile;
 `attend_key_range` folds the keys [lo, hi) of one request (visible from `start`) into an online softmax
@@ -85,3 +86,21 @@ def attend_key_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, D: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """One (token, head)'s output [D_PAD] (float32) from its `used` split partials at rows base + s of the
+    scratch: unnormalised acc [.., D], running max m and sum of exponentials l, merged by log-sum-exp. Splits
+    past `used` wrote nothing (their scratch is garbage); when no split saw a key every weight is 0 and the
+    output is zeros."""
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < used
+    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S_PAD]
+    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(w * l_s, 0)
+    return tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
+from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q, merge_split_partials
 from draftgraph.ops.backends import triton_interpreting
 
 
@@ -177,20 +177,10 @@ def _merge_kernel(
     h = tl.program_id(1)
     kv_len = tl.load(token_kv_len_ptr + t)
     _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
-    s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D_PAD)
-    s_mask = s < used  # splits past `used` were empty and wrote nothing (their scratch is garbage)
-    d_mask = d < HEAD_DIM
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S_PAD]
-    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
-    acc_mask = s_mask[:, None] & d_mask[None, :]
-    acc = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=acc_mask, other=0.0)  # [S_PAD, D_PAD]
-    m_max = tl.where(used > 0, tl.max(m, 0), 0.0)  # kv_len == 0: no split used, every weight exp(-inf) = 0
-    w = tl.exp(m - m_max)
-    denom = tl.sum(w * l_s, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)  # padding rows -> zeros
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD)  # padding rows -> zeros
+    d = tl.arange(0, D_PAD)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits):

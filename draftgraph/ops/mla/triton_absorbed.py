@@ -30,6 +30,68 @@ def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, stride_src, stride_slot, RO
 
 
 @triton.jit
+def load_latent_queries(
+    q_lat_ptr, q_pe_ptr, t, h, num_heads, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+    R: tl.constexpr, R_PAD: tl.constexpr, DR: tl.constexpr, DR_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Token t's absorbed queries for the heads `h` [BH]: q_lat [BH, R_PAD] and q_pe [BH, DR_PAD]."""
+    r = tl.arange(0, R_PAD)
+    d = tl.arange(0, DR_PAD)
+    h_mask = h < num_heads
+    q_lat = tl.load(
+        q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :],
+        mask=h_mask[:, None] & (r < R)[None, :],
+        other=0.0,
+    )
+    q_pe = tl.load(
+        q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph + d[None, :],
+        mask=h_mask[:, None] & (d < DR)[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe
+
+
+@triton.jit
+def fold_latent_tile(
+    q_lat, q_pe, m_i, l_i, acc, latent_ptr, rope_ptr, block, offset, valid,
+    stride_lb, stride_ls, stride_rb, stride_rs, scale,
+    R: tl.constexpr, R_PAD: tl.constexpr, DR: tl.constexpr, DR_PAD: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Fold one tile of keys (cache block and offset per key, `valid` mask) into the online softmax state:
+    scores q_lat . c + q_pe . k_pe, accumulation of p c in latent space. A tile with no valid key (sparse
+    picks of -1 only) leaves the state as it was."""
+    r = tl.arange(0, R_PAD)
+    d = tl.arange(0, DR_PAD)
+    c = tl.load(
+        latent_ptr + (block * stride_lb + offset * stride_ls)[:, None] + r[None, :],
+        mask=valid[:, None] & (r < R)[None, :],
+        other=0.0,
+    )  # [BLOCK_N, R_PAD]
+    pe = tl.load(
+        rope_ptr + (block * stride_rb + offset * stride_rs)[:, None] + d[None, :],
+        mask=valid[:, None] & (d < DR)[None, :],
+        other=0.0,
+    )  # [BLOCK_N, DR_PAD]
+    if DOT_F32:
+        c = c.to(tl.float32)
+        pe = pe.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(c).to(q_lat.dtype), input_precision=PRECISION)
+    s += tl.dot(q_pe, tl.trans(pe).to(q_pe.dtype), input_precision=PRECISION)
+    s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_kernel(
     q_lat_ptr,
     q_pe_ptr,
@@ -67,21 +129,11 @@ def _mla_kernel(
     kv_len = tl.load(token_kv_len_ptr + t)
     req = tl.load(token_req_ptr + t).to(tl.int64)
     r = tl.arange(0, R_PAD)
-    d = tl.arange(0, DR_PAD)
-    h_mask, r_mask, d_mask = h < num_heads, r < R, d < DR
-    q_lat = tl.load(
-        q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :],
-        mask=h_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )  # [BH, R_PAD]
-    q_pe = tl.load(
-        q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph + d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [BH, DR_PAD]
-    if DOT_F32:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    h_mask, r_mask = h < num_heads, r < R
+    q_lat, q_pe = load_latent_queries(
+        q_lat_ptr, q_pe_ptr, t, h, num_heads, stride_qlt, stride_qlh, stride_qpt, stride_qph, R, R_PAD, DR, DR_PAD,
+        DOT_F32,
+    )  # fmt: skip
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, R_PAD], tl.float32)
@@ -89,28 +141,10 @@ def _mla_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < kv_len
         block = tl.load(block_tables_ptr + req * stride_bt + n // PAGE, mask=valid, other=0).to(tl.int64)
-        c = tl.load(
-            latent_ptr + (block * stride_lb + (n % PAGE) * stride_ls)[:, None] + r[None, :],
-            mask=valid[:, None] & r_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, R_PAD]
-        pe = tl.load(
-            rope_ptr + (block * stride_rb + (n % PAGE) * stride_rs)[:, None] + d[None, :],
-            mask=valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, DR_PAD]
-        if DOT_F32:
-            c = c.to(tl.float32)
-            pe = pe.to(tl.float32)
-        s = tl.dot(q_lat, tl.trans(c).to(q_lat.dtype), input_precision=PRECISION)
-        s += tl.dot(q_pe, tl.trans(pe).to(q_pe.dtype), input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = fold_latent_tile(
+            q_lat, q_pe, m_i, l_i, acc, latent_ptr, rope_ptr, block, n % PAGE, valid, stride_lb, stride_ls,
+            stride_rb, stride_rs, scale, R, R_PAD, DR, DR_PAD, PRECISION, DOT_F32,
+        )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0 (padding) -> zeros
     tl.store(
         out_ptr + t * stride_ot + h[:, None] * stride_oh + r[None, :],

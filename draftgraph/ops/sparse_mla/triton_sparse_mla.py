@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.attention.triton_common import merge_split_partials
 from draftgraph.ops.attention.triton_split_kv import SplitKVRule, choose_num_splits, device_sm_count
 from draftgraph.ops.backends import triton_interpreting
-from draftgraph.ops.mla.triton_absorbed import write_rows_triton
+from draftgraph.ops.mla.triton_absorbed import fold_latent_tile, load_latent_queries, write_rows_triton
 from draftgraph.ops.sparse_mla.reference import absorb_split
 
 # Splits over the picks: at most 16 (the merge holds S x r float32 partials per head), 64 picks each at least.
@@ -90,21 +91,10 @@ def _sparse_mla_kernel(
     h_mask, r_mask = h < num_heads, r < R
     if (c0 < c1) | (split == 0):  # other empty splits write nothing: the merge skips them
         req = tl.load(token_req_ptr + t).to(tl.int64)
-        d = tl.arange(0, DR_PAD)
-        d_mask = d < DR
-        q_lat = tl.load(
-            q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :],
-            mask=h_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )  # [BH, R_PAD]
-        q_pe = tl.load(
-            q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph + d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # [BH, DR_PAD]
-        if DOT_F32:
-            q_lat = q_lat.to(tl.float32)
-            q_pe = q_pe.to(tl.float32)
+        q_lat, q_pe = load_latent_queries(
+            q_lat_ptr, q_pe_ptr, t, h, num_heads, stride_qlt, stride_qlh, stride_qpt, stride_qph, R, R_PAD, DR,
+            DR_PAD, DOT_F32,
+        )  # fmt: skip
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
         acc = tl.zeros([BH, R_PAD], tl.float32)
@@ -114,29 +104,10 @@ def _sparse_mla_kernel(
             valid = pos >= 0
             pos = tl.minimum(tl.maximum(pos, 0), span - 1)  # the reference's clamp; keeps any entry in bounds
             block = tl.load(block_tables_ptr + req * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-            c = tl.load(
-                latent_ptr + (block * stride_lb + (pos % PAGE) * stride_ls)[:, None] + r[None, :],
-                mask=valid[:, None] & r_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_N, R_PAD]
-            pe = tl.load(
-                rope_ptr + (block * stride_rb + (pos % PAGE) * stride_rs)[:, None] + d[None, :],
-                mask=valid[:, None] & d_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_N, DR_PAD]
-            if DOT_F32:
-                c = c.to(tl.float32)
-                pe = pe.to(tl.float32)
-            s = tl.dot(q_lat, tl.trans(c).to(q_lat.dtype), input_precision=PRECISION)
-            s += tl.dot(q_pe, tl.trans(pe).to(q_pe.dtype), input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of -1 entries only: no NaN
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = fold_latent_tile(
+                q_lat, q_pe, m_i, l_i, acc, latent_ptr, rope_ptr, block, pos % PAGE, valid, stride_lb, stride_ls,
+                stride_rb, stride_rs, scale, R, R_PAD, DR, DR_PAD, PRECISION, DOT_F32,
+            )  # fmt: skip
         hr_mask = h_mask[:, None] & r_mask[None, :]
         if SPLIT:
             idx = (t * num_heads + h).to(tl.int64) * NUM_SPLITS + split  # [BH]
@@ -169,17 +140,9 @@ def _merge_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     _, _, used = _chunk(tl.minimum(tl.load(token_kv_len_ptr + t), topk), 0, NUM_SPLITS, BLOCK_N)
-    s = tl.arange(0, S_PAD)
-    r = tl.arange(0, R_PAD)
-    s_mask = s < used  # splits past `used` were empty and wrote nothing (their scratch is garbage)
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S_PAD]
-    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
-    acc = tl.load(acc_ptr + (base + s)[:, None] * R + r[None, :], mask=s_mask[:, None] & (r < R)[None, :], other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # every split empty or all -1: weights 0
-    denom = tl.sum(w * l_s, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)  # nothing picked -> zeros
+    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, R, S_PAD, R_PAD)  # nothing picked -> zeros
+    r = tl.arange(0, R_PAD)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < R)
 
 
