@@ -2,8 +2,9 @@
 
 - Greedy tokens of a tiny float32 model (tests/test_qwen3_5.py's: layer types mixed, a prompt of three
   chunks, 5 prompts through 2 slots) equal transformers' generate() in NONE, PIECEWISE and
-  FULL_AND_PIECEWISE, with a truncated draft model and with the MTP head at K = 3; in FULL_AND_PIECEWISE
-  uniform batches run as one-graph steps and no forward runs without a graph.
+  FULL_AND_PIECEWISE, for the target alone, with a truncated draft model and with the MTP head at K = 3 (and
+  the MTP head at K = 1 and 5, and the MoE variant, in FULL_AND_PIECEWISE); in FULL_AND_PIECEWISE uniform
+  batches run as one-graph steps and no forward runs without a graph.
 - A prefill (runs of 300 and 700 tokens beside a verify run and a decode) at Qwen3.5's head dims: the
   kernels alone and with fla's chunked heads against the reference, outputs and every ring entry.
   fla-core must be installed for its case (the device README: pip install the wheels in .whl); float32
@@ -30,17 +31,20 @@ from draftgraph.ops.linear_attention.reference import gated_delta_net_reference
 from draftgraph.ops.linear_attention.triton_gdn import gated_delta_net_triton
 
 pytestmark = pytest.mark.gpu
-_QWEN = "transformers.models.qwen3_5.modeling_qwen3_5"
+_QWEN = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
 
 
 def _import_oracle_without_fla() -> str | None:
-    """Import transformers' Qwen3.5 module with fla hidden; a reason to skip if it was bound to fla before."""
-    if _QWEN in sys.modules:
-        return None if importlib.util.find_spec("fla") is None else f"{_QWEN} was imported with fla: run alone"
+    """Import transformers' Qwen3.5 modules (dense and MoE) with fla hidden; a reason to skip if one was bound
+    to fla before."""
+    bound = [m for m in _QWEN if m in sys.modules and importlib.util.find_spec("fla") is not None]
+    if bound:
+        return f"{bound[0]} was imported with fla: run alone"
     saved = sys.modules.get("fla", False)
     sys.modules["fla"] = None  # import fla -> ImportError: transformers keeps its PyTorch functions
     try:
-        importlib.import_module(_QWEN)
+        for module in _QWEN:
+            importlib.import_module(module)
     finally:
         if saved is False:
             del sys.modules["fla"]
@@ -64,24 +68,49 @@ def model():
     return CausalLM.from_hf(hf, device="cuda", attn_impl="triton"), ref
 
 
-@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])
-@pytest.mark.parametrize("kind", ["draft_model", "mtp"])
-def test_greedy_tokens_equal_transformers(model, mode, kind):
+def _generate_and_check(target, drafter, mode, k, ref):
+    """Greedy tokens equal `ref`; in FULL_AND_PIECEWISE uniform batches replay graphs and nothing falls back."""
     from tests.test_qwen3_5 import prompts_and_params
 
-    target, ref = model
     prompts, params = prompts_and_params()
-    cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=2, max_num_batched_tokens=32,
+    cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=k, max_num_seqs=2, max_num_batched_tokens=32,
                            device="cuda", gpu_memory_utilization=0.0, compile_backend="eager", progress=False,
                            check_addresses=True)  # fmt: skip
-    eng = dg.compile_model(target, builtin_drafter(kind, target), cfg)
+    eng = dg.compile_model(target, drafter, cfg)
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     stats = eng.stats()
-    assert stats["verify_steps"] > 0
+    if drafter is not None:
+        assert stats["verify_steps"] > 0
     if mode == "FULL_AND_PIECEWISE":
-        steps = {k: v for k, v in stats["dispatch"].items() if k.startswith("step/")}
+        steps = {key: n for key, n in stats["dispatch"].items() if key.startswith("step/")}  # one-graph steps
         assert steps and stats["fallbacks"] == 0, (stats["dispatch"], stats["fallbacks_by_key"])
-    print(f"{kind} {mode}: {stats['acceptance_histogram']} {stats['dispatch']}")
+    print(f"{mode} K={k}: {stats.get('acceptance_histogram')} {stats['dispatch']}")
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("kind", [None, "draft_model", "mtp"], ids=["target", "draft_model", "mtp"])
+def test_greedy_tokens_equal_transformers(model, mode, kind):
+    target, ref = model
+    _generate_and_check(target, kind and builtin_drafter(kind, target), mode, 3, ref)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_mtp_at_other_draft_lengths(model, k):
+    target, ref = model
+    _generate_and_check(target, builtin_drafter("mtp", target), "FULL_AND_PIECEWISE", k, ref)
+
+
+def test_moe_variant_with_mtp():
+    if _ORACLE_SKIP:
+        pytest.skip(_ORACLE_SKIP)
+    from tests.test_qwen3_5 import hf_generate, tiny_qwen3_5
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = tiny_qwen3_5(moe=True)
+    ref = hf_generate(hf)
+    target = CausalLM.from_hf(hf, device="cuda", attn_impl="triton")
+    _generate_and_check(target, None, "FULL_AND_PIECEWISE", 3, ref)
+    _generate_and_check(target, builtin_drafter("mtp", target), "FULL_AND_PIECEWISE", 3, ref)
 
 
 def _prefill_case(chunk_fn):
