@@ -13,7 +13,7 @@ step() {  # name, timeout, command...
   timeout "$t" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$? ${name} $((SECONDS - s)) s"
   grep -v "it/s\]" "$OUT/$name.log" | tail -${TAIL:-12}
 }
-step v32_sizes 60 python3 -m pytest $P tests/gpu/test_deepseek_v32_cuda.py -k sizes
+# step v32_sizes 60 python3 -m pytest $P tests/gpu/test_deepseek_v32_cuda.py -k sizes
 PYTHONPATH=$PWD:/tmp/site step qwen35_new 200 python3 -m pytest $P tests/gpu/test_qwen3_5_cuda.py -s \
   -k "target or other_draft or moe"
 PYTHONPATH=$PWD:/tmp/site TAIL=30 step bench_qwen35 300 python3 scripts/bench_qwen3_5.py
