@@ -136,7 +136,7 @@ def _prefill_case(chunk_fn):
     meta = (torch.tensor([2, 0, 1, 3], device="cuda"), torch.tensor(qsl, **i32),
             torch.tensor(req + [0] * 3, **i32), torch.tensor(kvl + [0] * 3, **i32))  # fmt: skip
     res = []
-    for fn in (gated_delta_net_reference, lambda *a: gated_delta_net_triton(*a, chunk_fn=chunk_fn)):
+    for fn in (gated_delta_net_reference, lambda *a: gated_delta_net_triton(*a, chunk_fn=chunk_fn, min_run=128)):
         cs, ss = conv.clone(), ssm.clone()
         res.append((fn(x, decay, beta, wt, cs, ss, *meta), cs[:-1], ss[:-1]))
     return res
