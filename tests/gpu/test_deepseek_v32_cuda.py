@@ -6,7 +6,8 @@
    no host sync while capturing or replaying (sync debug mode "error").
 3. Greedy tokens of the tiny float32 V3.2 model (top-8 of prompts up to 39 tokens; 16 indexer heads, so exact
    score ties ~never: tests/test_deepseek_v32.py) equal transformers' generate on CUDA in NONE, PIECEWISE and
-   FULL_AND_PIECEWISE, without a drafter and with the MTP drafter at K = 3; in FULL_AND_PIECEWISE the uniform
+   FULL_AND_PIECEWISE, without a drafter and with the MTP drafter at K = 3 (and at K = 1 and 5 in
+   FULL_AND_PIECEWISE); in FULL_AND_PIECEWISE the uniform
    steps replay the one-graph step (verify, acceptance, the fused draft loop) and nothing falls back; a steady
    uniform step waits on the device once.
 
@@ -184,11 +185,11 @@ def reference(hf):
     return outs
 
 
-def generate(target, drafter, mode, backend="eager"):
-    """8 ragged requests through 4 slots (continuous batching), K = 3 with a drafter."""
+def generate(target, drafter, mode, backend="eager", k=3):
+    """8 ragged requests through 4 slots (continuous batching), K = k with a drafter."""
     prompts, params, arrivals = ragged(8)
     cfg = dg.CompileConfig(
-        mode=mode, num_speculative_tokens=3 if drafter else 0, max_num_seqs=4, max_num_batched_tokens=64,
+        mode=mode, num_speculative_tokens=k if drafter else 0, max_num_seqs=4, max_num_batched_tokens=64,
         device="cuda", gpu_memory_utilization=0.0, capture_sizes=SIZES if mode != "NONE" else (),
         full_capture_sizes=(1, 2, 4), compile_backend=backend, progress=False, check_addresses=True,
     )  # fmt: skip
@@ -219,6 +220,17 @@ def test_greedy_equals_transformers_in_every_mode(target, reference, with_drafte
             assert any(k.startswith(f"step/q{q}/") and v > 0 for k, v in s["dispatch"].items()), s["dispatch"]
             assert any("/piecewise/" in k for k in s["dispatch"]), s["dispatch"]
         print(f"V3.2 drafter={with_drafter} {mode}: acceptance {s['acceptance_histogram']}, {s['dispatch']}")
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_mtp_at_other_draft_lengths(target, reference, k):
+    """The MTP drafter at K = 1 and 5 in FULL_AND_PIECEWISE: the same tokens, one-graph steps, no fallback."""
+    out, eng = generate(target, copy_v32_mtp(target), "FULL_AND_PIECEWISE", k=k)
+    assert out == reference
+    s = eng.stats()
+    assert s["fallbacks"] == 0, s["fallbacks_by_key"]
+    assert any(key.startswith(f"step/q{k + 1}/") and n > 0 for key, n in s["dispatch"].items()), s["dispatch"]
+    print(f"V3.2 K={k}: acceptance {s['acceptance_histogram']}, {s['dispatch']}")
 
 
 def test_steady_uniform_step_is_one_graph_and_one_wait(target):
