@@ -109,10 +109,11 @@ def build_engine(
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
+    experts_note = ""
     if not ep.is_single:  # this rank's experts only (models/expert_parallel.py), before anything compiles
         from draftgraph.models.expert_parallel import shard_experts
 
-        shard_experts(model, ep)
+        experts_note = shard_experts(model, ep)
     draft: Drafter | None = None
     if drafter is not None:
         draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE
@@ -159,8 +160,8 @@ def build_engine(
         engine.warm_up_report = engine.warm_up()
     if plan is not None:
         engine.warm_up_report = "; ".join(x for x in (engine.warm_up_report, plan.describe()) if x)
-    if artifact_note:
-        engine.warm_up_report = "; ".join(x for x in (artifact_note, engine.warm_up_report) if x)
+    if artifact_note or experts_note:
+        engine.warm_up_report = "; ".join(x for x in (experts_note, artifact_note, engine.warm_up_report) if x)
     return engine
 
 

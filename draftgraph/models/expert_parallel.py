@@ -77,11 +77,11 @@ class ExpertParallelMoE(nn.Module):
         return out + self.shared(x) if self.shared is not None else out
 
 
-def shard_experts(model: nn.Module, ep: ParallelGroup) -> int:
+def shard_experts(model: nn.Module, ep: ParallelGroup) -> str:
     """Replace every MoE layer of `model` by this rank's ExpertParallelMoE share (the full experts are dropped);
-    returns how many layers were split. Refuses a model with no DeepSeek-style MoE layer, naming it."""
+    returns what this rank holds, in words. Refuses a model with no DeepSeek-style MoE layer, naming it."""
     if ep.is_single:
-        return 0
+        return ""
     found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
     if not found:
         cfg = getattr(model, "cfg", None)
@@ -92,5 +92,10 @@ def shard_experts(model: nn.Module, ep: ParallelGroup) -> int:
         )
     for name, moe in found:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, ExpertParallelMoE(moe, ep))
-    return len(found)
+        split = ExpertParallelMoE(moe, ep)
+        setattr(model.get_submodule(parent_name), attr, split)
+    first, n, total = split.first, split.num_local, split.m.num_experts
+    return (
+        f"expert parallel: experts {first}-{first + n - 1} of {total} in each of {len(found)} MoE layers on rank "
+        f"{ep.rank} of {ep.world_size}"
+    )

@@ -180,6 +180,10 @@ class ParallelEngine:
         return results
 
     def _fail(self, rank: int, what: str, error: str | None) -> None:
+        if error is not None:  # a peer that died makes the others' collectives raise: name the dead one first
+            dead = [r for r, p in enumerate(self.procs) if r != rank and p.exitcode is not None]
+            if dead:
+                error, rank = None, dead[0]
         proc = self.procs[rank]
         proc.join(1)
         why = error.rstrip() if error else f"its process exited with code {proc.exitcode}"

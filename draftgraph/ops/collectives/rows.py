@@ -48,7 +48,8 @@ def reduce_scatter_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     ws = group.size()
     src = x.contiguous()
     out = torch.empty((src.shape[0] // ws, *src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.reduce_scatter_tensor(out, src, group=group)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    scatter(out, src, group=group)
     return out
 
 
