@@ -69,19 +69,25 @@ def test_router_spreads_least_loaded_and_sums_stats():
     assert s["per_replica"] == [one, two]
 
 
-def test_dense_replicas_equal_one_process():
-    """No expert parallelism: the replicas step independently (no dummy steps); the outputs come back in the
-    prompts' order with the driver's ids, and the tokens are one process's."""
+def test_dense_replicas_of_tensor_parallel_ranks_equal_one_process():
+    """DP 2 x TP 2 (four ranks; each replica's target and draft model split over its two), no expert
+    parallelism: the replicas step independently (no dummy steps); the outputs come back in the prompts' order
+    with the driver's ids, and the tokens are one process's."""
     target, drafter = builtin_hf_target(SPEC), builtin_hf_target(replace(SPEC, num_layers=1, seed=1))
     one = dg.compile_model(target, drafter, config())
     want = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
-    with dg.compile_model(target, drafter, config(data_parallel_size=2)) as engine:
+    with dg.compile_model(target, drafter, config(data_parallel_size=2, tensor_parallel_size=2)) as engine:
+        assert engine.world_size == 4 and engine.config.draft_tensor_parallel_size == 2
         outs = engine.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in outs] == want and [o.request_id for o in outs] == [0, 1, 2]
         s = engine.stats()
         steps = [r["steps"] for r in s["per_replica"]]
-        assert steps[0] > steps[1] and s["steps"] == sum(steps) and s["data_parallel_size"] == 2
+        assert steps[0] > steps[1] and s["steps"] == sum(steps) and s["data_parallel_size"] == 2  # TP ranks agreed
         assert s["dummy_steps"] == 0 and s["generated_tokens"] == sum(p.max_tokens for p in PARAMS)
+        streamed = {0: [], 1: []}  # add_request / step underneath: a round trip to every rank per step
+        for delta in engine.stream(PROMPTS[:2], PARAMS[:2]):
+            streamed[delta.index] += delta.token_ids
+        assert [streamed[0], streamed[1]] == want[:2]
 
 
 # ---- expert parallelism: a tiny DeepSeek-V3 with its MTP layer in one checkpoint directory -----------------
