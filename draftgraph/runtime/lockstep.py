@@ -119,7 +119,14 @@ class Lockstep:
 
     @torch.no_grad()
     def dummy_step(self, plan: StepPlan) -> None:
-        """The forwards a busy rank runs at `plan`, on padding rows only."""
+        """The forwards a busy rank runs at `plan`, on padding rows only; then one wait, as a real step's
+        (the next step's host buffers are refilled only once this step's copies are done)."""
+        self._dummy_forwards(plan)
+        dev = self.engine.runner.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _dummy_forwards(self, plan: StepPlan) -> None:
         r = self.engine.runner
         dev, q = r.device, self.verify_q
         if plan.uniform_query_len is not None and r.uniform is not None:
