@@ -78,10 +78,10 @@ def compile_model(
     one saved beside a target checkpoint, if any. With one, `generate` takes text prompts and outputs carry
     `.text` (runtime/text.py).
 
-    With `config.tensor_parallel_size` N > 1 it starts N worker processes, one per device, and returns a
-    `ParallelEngine` (workers/driver.py) with the Engine's API that drives them all."""
+    With `config.tensor_parallel_size` x `config.data_parallel_size` N > 1 it starts N worker processes, one per
+    device, and returns a `ParallelEngine` (workers/driver.py) with the Engine's API that drives them all."""
     config = config or CompileConfig()
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size * config.data_parallel_size > 1:
         from draftgraph.workers.driver import start_workers
 
         return start_workers(target, drafter, config, artifacts, strict_artifacts, tokenizer)
@@ -96,9 +96,10 @@ def build_engine(
     strict_artifacts: bool = False,
     tokenizer: Any = None,
     tp: ParallelGroup = SINGLE,
+    ep: ParallelGroup = SINGLE,
 ) -> Engine:
     """One process's engine (compile_model's work on one device; each worker rank's, workers/worker.py, with
-    its tensor-parallel group `tp`)."""
+    its tensor-parallel group `tp` and, with expert parallelism, its expert-parallel group `ep`)."""
     tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
     check_checkpoints(target, drafter)
@@ -108,6 +109,11 @@ def build_engine(
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
+    experts_note = ""
+    if not ep.is_single:  # this rank's experts only (models/expert_parallel.py), before anything compiles
+        from draftgraph.models.expert_parallel import shard_experts
+
+        experts_note = shard_experts(model, ep)
     draft: Drafter | None = None
     if drafter is not None:
         draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE
@@ -154,8 +160,8 @@ def build_engine(
         engine.warm_up_report = engine.warm_up()
     if plan is not None:
         engine.warm_up_report = "; ".join(x for x in (engine.warm_up_report, plan.describe()) if x)
-    if artifact_note:
-        engine.warm_up_report = "; ".join(x for x in (artifact_note, engine.warm_up_report) if x)
+    if artifact_note or experts_note:
+        engine.warm_up_report = "; ".join(x for x in (experts_note, artifact_note, engine.warm_up_report) if x)
     return engine
 
 

@@ -40,6 +40,8 @@ def _config(args, **over):
         inductor_options=_inductor_options(args.inductor_option),
         tensor_parallel_size=getattr(args, "tp", 1),
         draft_tensor_parallel_size=getattr(args, "draft_tp", None),
+        data_parallel_size=getattr(args, "dp", 1),
+        expert_parallel=getattr(args, "expert_parallel", False),
     )
     fields.update(over)
     return dg.CompileConfig(**fields)
@@ -80,7 +82,7 @@ def _models(args):
             f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
         )
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
-        split = getattr(args, "tp", 1) > 1
+        split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
         target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
@@ -103,8 +105,10 @@ def cmd_generate(args) -> int:
         stop_token_ids=stops,
         seed=args.seed,
     )
-    if args.profile and config.tensor_parallel_size > 1:
-        raise ValueError(f"--profile reads one process's engine; it runs with --tp 1 only, not --tp {args.tp}")
+    if args.profile and config.tensor_parallel_size * config.data_parallel_size > 1:
+        raise ValueError(
+            f"--profile reads one process's engine; it runs with --tp 1 --dp 1 only, not --tp {args.tp} --dp {args.dp}"
+        )
     for name in ("num_prompts", "prompt_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
@@ -148,6 +152,9 @@ def cmd_generate(args) -> int:
 def print_report(s: dict) -> None:
     k = s["num_speculative_tokens"]
     print(f"\nsteps {s['steps']}, generated tokens {s['generated_tokens']}, wall {s['seconds']:.2f} s")
+    replicas = s.get("per_replica", [])
+    for d, r in enumerate(replicas if len(replicas) > 1 else []):  # data parallelism: each replica's share
+        print(f"  replica {d}: steps {r['steps']}, tokens {r['generated_tokens']}, dummy steps {r['dummy_steps']}")
     if s.get("preemptions"):
         print(f"preemptions {s['preemptions']} (the KV cache ran out: requests were recomputed)")
     if k:

@@ -158,6 +158,17 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             default=None,
             help="the drafter's tensor parallel size: the target's (--tp) or 1, replicated (default: --tp)",
         )
+        p.add_argument(
+            "--dp",
+            type=int,
+            default=1,
+            help="data parallel size: engine replicas, each with its own requests (--tp ranks each; default 1)",
+        )
+        p.add_argument(
+            "--expert-parallel",
+            action="store_true",
+            help="split a MoE target's experts across the --dp replicas, which then step together (needs --dp >= 2)",
+        )
         p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
         add_text_arguments(p)
         p.add_argument(

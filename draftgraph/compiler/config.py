@@ -72,6 +72,12 @@ class CompileConfig:
     # Ranks the target is split over (> 1: compile_model starts one worker process per device, workers/).
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int | None = None  # the target's, or 1 (replicated); None = the target's
+    # Engine replicas, each with its own scheduler and requests, spread by the engine (> 1: worker processes;
+    # world = data_parallel_size x tensor_parallel_size ranks).
+    data_parallel_size: int = 1
+    # Split a MoE target's experts whole across the data-parallel ranks (which then step together); the
+    # router, attention and the drafter stay replicated. Needs data_parallel_size > 1 and tensor_parallel_size 1.
+    expert_parallel: bool = False
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
     # Token counts that get an Inductor compile of their own (specialised to the size) beside the one
@@ -145,6 +151,7 @@ class CompileConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = auto)")
         check_parallel(self.tensor_parallel_size, self.draft_tensor_parallel_size)
+        check_data_parallel(self.data_parallel_size, self.tensor_parallel_size, self.expert_parallel)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, ...); e.g. 16")
 
@@ -176,6 +183,8 @@ class ResolvedConfig:
     inductor_options: tuple[tuple[str, object], ...] = ()  # patched into torch._inductor.config for every compile
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1  # the target's or 1
+    data_parallel_size: int = 1
+    expert_parallel: bool = False
 
     @property
     def lookahead(self) -> int:
@@ -280,6 +289,8 @@ def resolve(
         inductor_options=resolve_inductor_options(config.inductor_options),
         tensor_parallel_size=config.tensor_parallel_size,
         draft_tensor_parallel_size=config.draft_tensor_parallel_size or config.tensor_parallel_size,
+        data_parallel_size=config.data_parallel_size,
+        expert_parallel=config.expert_parallel,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -320,6 +331,24 @@ def check_parallel(tp: int, draft_tp: int | None) -> None:
         raise ValueError(
             f"draft_tensor_parallel_size={draft_tp} with tensor_parallel_size={tp}: the drafter is either split "
             f"like the target or replicated on every rank; allowed: {sorted({1, tp})} (None = the target's)"
+        )
+
+
+def check_data_parallel(dp: int, tp: int, expert_parallel: bool) -> None:
+    """Data-parallel replicas number at least 1; expert parallelism spreads experts over several of them, each
+    of one rank (the experts split across tensor-parallel ranks too is not built yet)."""
+    if dp < 1:
+        raise ValueError(f"data_parallel_size={dp} must be at least 1 (1 = one engine replica, no data parallelism)")
+    if expert_parallel and dp < 2:
+        raise ValueError(
+            f"expert_parallel=True with data_parallel_size={dp}: experts are split across the data-parallel ranks, "
+            "so it needs data_parallel_size >= 2 (e.g. --dp 2 --expert-parallel), or turn expert_parallel off"
+        )
+    if expert_parallel and tp > 1:
+        raise ValueError(
+            f"expert_parallel=True with tensor_parallel_size={tp}: expert parallelism inside tensor-parallel "
+            "replicas is not supported yet; use tensor_parallel_size=1 with data_parallel_size > 1, or turn "
+            "expert_parallel off (data x tensor parallelism of a replicated model works)"
         )
 
 

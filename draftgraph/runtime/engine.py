@@ -66,6 +66,7 @@ class Engine:
         self._next_id = 0
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
+        self.lockstep = None  # runtime/lockstep.py: steps agreed with other data-parallel ranks (expert parallel)
         self.reset_stats()
 
     def warm_up(self, lazy: bool | None = None) -> str:
@@ -135,6 +136,8 @@ class Engine:
         """Run one step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         self._stats["preemptions"] += batch.num_preempted
+        if self.lockstep is not None:  # one step shape with the other ranks; a dummy step when only they have work
+            self.lockstep.agree(batch)
         if batch.empty:
             return []
         if self.states is not None:

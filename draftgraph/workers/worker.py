@@ -1,6 +1,8 @@
 """One rank's process: join the process group, build this rank's engine, then run the driver's calls on it
-until told to stop. Every rank runs the same scheduler on the same requests (SPMD), so all ranks take the same
-steps and replay the same graphs."""
+until told to stop. Rank r is tensor-parallel rank r % tp of data-parallel replica r // tp. The ranks of a
+replica run the same scheduler on the same requests (SPMD), so they take the same steps and replay the same
+graphs; replicas have their own requests. With expert parallelism (tp = 1) every rank is an expert-parallel
+rank and their steps agree on one shape (runtime/lockstep.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from draftgraph.workers.sources import SourceRef, open_sources
 class RankSpec:
     """What every rank is started with (pickled by spawn)."""
 
-    world_size: int
+    world_size: int  # data_parallel_size x tensor_parallel_size
     init_method: str  # "file://..." (a file in the driver's temporary directory)
     device_type: str  # "cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo)
     target: SourceRef
@@ -34,27 +36,84 @@ class RankSpec:
     timeout_s: float = 600.0  # a collective waiting longer than this raises (a peer died or hung)
 
 
+@dataclass(frozen=True)
+class RankGroups:
+    """This rank's groups: tensor-parallel (within its replica), expert-parallel and the lock-step's CPU
+    group (across replicas); "" where there is none."""
+
+    tp: ParallelGroup
+    ep: ParallelGroup
+    lockstep: str = ""
+
+
+def make_groups(rank: int, world_size: int, config: CompileConfig) -> RankGroups:
+    """Create (every rank, every group, in one order, as torch.distributed requires) and register the groups."""
+    import torch.distributed as dist
+
+    tp_size = config.tensor_parallel_size
+    tp = ep = ParallelGroup.single()
+    for first in range(0, world_size, tp_size):  # replica first // tp_size
+        ranks = list(range(first, first + tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if group is not None and rank in ranks:
+            register_group(group.group_name, group)  # what the collective ops find by name
+            tp = ParallelGroup(rank - first, tp_size, group.group_name)
+    lockstep = ""
+    if config.expert_parallel:  # tp = 1 (CompileConfig checks): every rank is an expert-parallel rank
+        group = dist.new_group(list(range(world_size)))
+        register_group(group.group_name, group)
+        ep = ParallelGroup(rank, world_size, group.group_name)
+        counts = dist.new_group(list(range(world_size)), backend="gloo")  # step counts: host values, no device
+        register_group(counts.group_name, counts)
+        lockstep = counts.group_name
+    return RankGroups(tp, ep, lockstep)
+
+
 def build_rank_engine(
     target: Any,
     drafter: Any,
     config: CompileConfig,
-    rank: int,
-    world_size: int,
-    group_name: str,
+    groups: RankGroups,
     artifacts: str | None = None,
     strict_artifacts: bool = False,
 ):
-    """This rank's engine: compile_model's one-device path with this rank's tensor-parallel group, so each
-    rank loads its share of the target (and of the drafter when draft_tensor_parallel_size > 1)."""
+    """This rank's engine: compile_model's one-device path with this rank's groups, so each rank loads its
+    share of the target (and of the drafter when draft_tensor_parallel_size > 1) and of its experts; with
+    expert parallelism, a lock-step attached (runtime/lockstep.py)."""
     from draftgraph.api import build_engine
+    from draftgraph.runtime.lockstep import Lockstep
 
-    tp = ParallelGroup(rank, world_size, group_name)
-    return build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer=False, tp=tp)
+    engine = build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer=False, tp=groups.tp,
+                          ep=groups.ep)  # fmt: skip
+    if groups.lockstep:
+        Lockstep(engine, groups.lockstep)
+    return engine
 
 
 def _step(engine) -> tuple[list, list]:
+    engine.last_step_tokens = []  # a step with nothing scheduled here emits nothing
     done = engine.step()
     return done, list(engine.last_step_tokens)
+
+
+def _generate(engine, prompts, sampling, arrival_steps):
+    if engine.lockstep is not None:
+        engine.lockstep.reset()
+    outputs = engine.generate(prompts, sampling, arrival_steps)
+    if engine.lockstep is not None:  # keep stepping with the others until every rank is done
+        engine.lockstep.drain()
+    return outputs
+
+
+def _stats(engine) -> dict:
+    dummy = engine.lockstep.dummy_steps if engine.lockstep is not None else 0
+    return {**engine.stats(), "dummy_steps": dummy}
+
+
+def _reset_stats(engine) -> None:
+    engine.reset_stats()
+    if engine.lockstep is not None:
+        engine.lockstep.reset()
 
 
 # The calls a driver may make: name -> what the rank runs.
@@ -63,9 +122,9 @@ COMMANDS = {
     "check_request": lambda e, prompt, params: e.check_request(prompt, params),
     "step": _step,
     "has_unfinished": lambda e: e.has_unfinished(),
-    "generate": lambda e, prompts, sampling, arrival_steps: e.generate(prompts, sampling, arrival_steps),
-    "stats": lambda e: e.stats(),
-    "reset_stats": lambda e: e.reset_stats(),
+    "generate": _generate,
+    "stats": _stats,
+    "reset_stats": _reset_stats,
 }
 
 
@@ -102,12 +161,9 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        group = dist.new_group(list(range(spec.world_size)))  # the TP group (all ranks, while there is no DP)
-        register_group(group.group_name, group)  # what the collective ops find by name
+        groups = make_groups(rank, spec.world_size, spec.config)
         target, drafter = open_sources(spec.target, spec.drafter)
-        engine = build_rank_engine(
-            target, drafter, spec.config, rank, spec.world_size, group.group_name, spec.artifacts, spec.strict_artifacts
-        )
+        engine = build_rank_engine(target, drafter, spec.config, groups, spec.artifacts, spec.strict_artifacts)
         conn.send(
             (
                 "ok",

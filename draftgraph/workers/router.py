@@ -1,0 +1,90 @@
+"""Data parallelism on the driver's side: which replica runs each request, the driver's request ids, and the
+replicas' statistics added up.
+
+Policy: least loaded. A request goes to the replica with the fewest unfinished requests the driver gave it
+(ties to the lowest replica), so a `generate` call's prompts go round-robin and `add_request` fills the
+replica that has finished most. Each replica numbers its requests itself; the driver gives every request its
+own id (in the order it was given) and maps the replicas' outputs back to it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from draftgraph.runtime.request import RequestOutput
+
+# Counters a replica reports that add up over replicas (`seconds`: the longest replica's, they run side by side).
+SUMMED = (
+    "steps",
+    "verify_steps",
+    "draft_tokens",
+    "accepted_tokens",
+    "generated_tokens",
+    "preemptions",
+    "fallbacks",
+    "dummy_steps",
+)
+
+
+class Router:
+    def __init__(self, num_replicas: int):
+        self.load = [0] * num_replicas  # unfinished requests given through add_request, per replica
+        self._next_id = 0
+        self._ids: dict[tuple[int, int], int] = {}  # (replica, the replica's request id) -> the driver's id
+
+    def pick(self, load: list[int] | None = None) -> int:
+        load = self.load if load is None else load
+        return min(range(len(load)), key=lambda d: (load[d], d))
+
+    def spread(self, n: int) -> list[int]:
+        """The replica of each of n requests given at once (a generate call): least loaded, one at a time."""
+        load, out = list(self.load), []
+        for _ in range(n):
+            d = self.pick(load)
+            load[d] += 1
+            out.append(d)
+        return out
+
+    def admit(self, replica: int, local_id: int) -> int:
+        """The driver's id of a request the replica queued as `local_id`."""
+        rid = self._next_id
+        self._next_id += 1
+        self._ids[(replica, local_id)] = rid
+        self.load[replica] += 1
+        return rid
+
+    def new_ids(self, n: int) -> list[int]:
+        """Ids for n requests that finish within one call (generate)."""
+        first = self._next_id
+        self._next_id += n
+        return list(range(first, first + n))
+
+    def global_id(self, replica: int, local_id: int) -> int:
+        return self._ids[(replica, local_id)]
+
+    def finished(self, replica: int, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The replica's finished outputs under the driver's ids (their requests leave its load)."""
+        for out in outputs:
+            out.request_id = self._ids.pop((replica, out.request_id))
+            self.load[replica] -= 1
+        return outputs
+
+
+def merge_stats(replicas: list[dict]) -> dict:
+    """One replica's stats for all: counters summed, `seconds` the longest, rates recomputed from the sums;
+    engine facts (mode, K, compile counters, KV blocks, memory) are replica 0's; `per_replica` lists each."""
+    s = dict(replicas[0])
+    for key in SUMMED:
+        s[key] = sum(r.get(key, 0) for r in replicas)
+    s["acceptance_histogram"] = [sum(col) for col in zip(*(r["acceptance_histogram"] for r in replicas))]
+    s["seconds"] = max(r["seconds"] for r in replicas)
+    for key in ("dispatch", "fallbacks_by_key"):
+        total: Counter = Counter()
+        for r in replicas:
+            total.update(r[key])
+        s[key] = dict(sorted(total.items()))
+    s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
+    s["mean_accepted_length"] = 1 + s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+    s["tokens_per_second"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
+    s["per_replica"] = replicas
+    return s
