@@ -2,8 +2,10 @@
 to 32 requests, from empty Inductor / Triton caches (set them in the environment), under cProfile.
 `--builtin`: the built-in pair instead, configured as `draftgraph generate --device cuda` configures it.
 
-Prints each unique piece's compile seconds and the functions with the most cumulative time.
+Prints each unique piece's compile seconds and the functions with the most cumulative time. `--no-cprofile`:
+the timings alone, without the profiler's overhead (what a user waits for).
 Usage: TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python scripts/profile_compile.py
+       [--builtin] [--no-cprofile]
 """
 
 from __future__ import annotations
@@ -31,15 +33,21 @@ def main():
             mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=32, max_num_batched_tokens=512,
             max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0,
         )  # fmt: skip
+    profile = "--no-cprofile" not in sys.argv
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()
+    if profile:
+        prof.enable()
     engine = dg.compile_model(target, drafter, config)
     prof.disable()
     torch.cuda.synchronize()
+    c = engine.compiled.counters
     print(f"ready in {time.perf_counter() - t0:.1f} s: {engine.warm_up_report}")
-    for key, s in sorted(engine.compiled.counters.piece_compile_seconds.items(), key=lambda kv: -kv[1]):
+    print(f"traces {dict(c.traces)}, Inductor compiles {c.inductor_compiles}, unique pieces {c.unique_pieces}")
+    for key, s in sorted(c.piece_compile_seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {s:6.2f} s  {key}")
+    if not profile:
+        return
     pstats.Stats(prof).sort_stats("cumulative").print_stats(60)
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
