@@ -202,5 +202,5 @@ def test_what_cannot_be_split_yet_is_refused_by_name():
     assert share.tp.world_size == 2 and share.cfg.num_heads == 1  # this rank's heads
     eagle = builtin_drafter("eagle", whole)  # its weights, under the upstream names
     state = {k: v for k, v in eagle.state_dict().items() if not k.startswith("_target")}
-    with pytest.raises(ValueError, match="eagle drafter reads the target's embedding and LM head.*planned"):
-        load_drafter(module_from_state_dict(state), share, kind="eagle")
+    with pytest.raises(ValueError, match=r"eagle drafter with draft_tensor_parallel_size=4 .*allowed: \[1, 2\]"):
+        load_drafter(module_from_state_dict(state), share, kind="eagle", tp=ParallelGroup(0, 4, "unused"))

@@ -83,6 +83,20 @@ def shard_config(cfg: ModelConfig, tp: ParallelGroup) -> ModelConfig:
     )
 
 
+def full_config(cfg: ModelConfig) -> ModelConfig:
+    """The whole model's config from one rank's share (`shard_config`'s inverse; `cfg` itself for one process).
+    Drafters that read the target's shape (EAGLE's defaults) start from it, then take their own share."""
+    w = cfg.tp_size
+    if w == 1:
+        return cfg
+    return cfg.replace(
+        num_heads=cfg.num_heads * w,
+        num_kv_heads=cfg.num_kv_heads * w,
+        intermediate_size=cfg.intermediate_size * w,
+        tp_size=1,
+    )
+
+
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_local @ W_local^T) + b: input features split over ranks, the bias added once."""
 
