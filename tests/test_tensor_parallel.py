@@ -21,6 +21,7 @@ from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
 from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_hf_model
+from tests.test_deepseek_v32 import hf_greedy
 
 ATOL = 1e-5
 JOIN_TIMEOUT_S = 150  # whole spawn: imports, init, work
@@ -122,7 +123,7 @@ def _check_model(tp: ParallelGroup, name: str):
     torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=0)
 
     # Greedy generation in NONE mode: every rank runs the same requests and picks the same tokens as one
-    # process; with a tensor-parallel draft model (draft TP = TP) too.
+    # process and transformers; with a tensor-parallel draft model (draft TP = TP) too.
     draft_kw = {**SHAPE, "num_hidden_layers": 1, **{k: v for k, v in MODELS[name].items() if k != "family"}}
     draft_hf = tiny_hf_model(MODELS[name]["family"], seed=1, **draft_kw)
     g = torch.Generator().manual_seed(2)
@@ -130,6 +131,7 @@ def _check_model(tp: ParallelGroup, name: str):
     params = dg.SamplingParams(max_tokens=6, ignore_eos=True)
     config = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32)
     want = [o.token_ids for o in dg.compile_model(full, config=config).generate(prompts, params)]
+    assert want == hf_greedy(hf, prompts, [params] * len(prompts))  # transformers' generate()
     got = [o.token_ids for o in dg.compile_model(shard, config=config).generate(prompts, params)]
     assert got == want
     spec = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_speculative_tokens=2)
@@ -177,9 +179,9 @@ def test_refuses_sizes_and_families_it_cannot_split():
     cfg = ModelConfig.from_hf(tiny_hf_model("llama", **SHAPE).config)
     with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8.*\[1, 2, 4\]"):
         shard_config(cfg, tp3)
-    ds = ModelConfig.from_hf(tiny_deepseek_config())
-    with pytest.raises(ValueError, match="DeepSeek-V3 \\(MLA\\) tensor parallelism is planned"):
-        shard_config(ds, ParallelGroup(0, 2, "tp"))
+    v32 = ModelConfig.from_hf({**tiny_deepseek_config().to_dict(), "model_type": "deepseek_v32"})
+    with pytest.raises(ValueError, match=r"DeepSeek-V3.2 \(sparse MLA: its indexer heads\) tensor parallelism is"):
+        shard_config(v32, ParallelGroup(0, 2, "tp"))
     with pytest.raises(ValueError, match="needs the group_name"):
         ParallelGroup(0, 2)
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family: per-rank configs, parallel layers and checkpoint slicing.
+"""Tensor parallelism: per-rank configs, parallel layers and checkpoint slicing (the Llama family here,
+DeepSeek-V3's MLA and experts in parallel_mla.py).
 
 With a `ParallelGroup` of world size W, rank r holds:
 - attention: query heads [r*Hq/W, (r+1)*Hq/W) and KV heads [r*Hkv/W, (r+1)*Hkv/W) (whole heads, whole GQA
@@ -12,7 +13,7 @@ With a `ParallelGroup` of world size W, rank r holds:
 
 The per-rank `ModelConfig` (`shard_config`) says num_heads, num_kv_heads and intermediate_size per rank and
 `tp_size = W`; `kv_entry_shapes` and the KV cache's sizing follow from it. vocab_size stays the full
-vocabulary (what the logits have). DeepSeek (MLA, MoE, V3.2) and Qwen3.5 (hybrid) are refused for W > 1.
+vocabulary (what the logits have). DeepSeek-V3.2 (its indexer) and Qwen3.5 (hybrid) are refused for W > 1.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.parallel_mla import deepseek_shard, mla_sizes, scale_mla_config
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -30,13 +32,9 @@ def check_family(cfg: ModelConfig, tp: ParallelGroup) -> None:
     if tp.is_single:
         return
     family = (
-        "DeepSeek-V3.2 (sparse MLA)"
+        "DeepSeek-V3.2 (sparse MLA: its indexer heads)"
         if cfg.indexer is not None
-        else "DeepSeek-V3 (MLA)"
-        if cfg.mla is not None
-        else "MoE"
-        if cfg.moe is not None
-        else "Qwen3.5 (hybrid linear attention)"
+        else "Qwen3.5 (hybrid linear attention: its linear-attention heads)"
         if cfg.hybrid is not None
         else None
     )
@@ -54,12 +52,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
         return
     if cfg.tp_size != 1:
         raise ValueError(f"this ModelConfig is already one rank's share (tp_size={cfg.tp_size}); pass the full one")
-    sizes = (
+    sizes = mla_sizes(cfg) if cfg.mla is not None else (
         ("num_attention_heads", cfg.num_heads),
         ("num_key_value_heads", cfg.num_kv_heads),
         ("intermediate_size", cfg.intermediate_size),
         ("vocab_size", cfg.vocab_size),
-    )
+    )  # fmt: skip
     bad = [f"{name}={n}" for name, n in sizes if n % tp.world_size]
     if bad:
         fits = [w for w in range(1, cfg.num_kv_heads + 1) if all(n % w == 0 for _, n in sizes)]
@@ -75,6 +73,8 @@ def shard_config(cfg: ModelConfig, tp: ParallelGroup) -> ModelConfig:
     if tp.is_single:
         return cfg
     w = tp.world_size
+    if cfg.mla is not None:
+        return scale_mla_config(cfg, w, up=False)
     return cfg.replace(
         num_heads=cfg.num_heads // w,
         num_kv_heads=cfg.num_kv_heads // w,
@@ -89,6 +89,8 @@ def full_config(cfg: ModelConfig) -> ModelConfig:
     w = cfg.tp_size
     if w == 1:
         return cfg
+    if cfg.mla is not None:
+        return scale_mla_config(cfg, w, up=True)
     return cfg.replace(
         num_heads=cfg.num_heads * w,
         num_kv_heads=cfg.num_kv_heads * w,
@@ -155,9 +157,15 @@ def shard_dim(name: str) -> int | None:
 
 
 def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
-    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed)."""
+    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed);
+    DeepSeek-V3's MLA and expert names by parallel_mla's rules."""
+    if tp.is_single:
+        return t
+    special = deepseek_shard(name, t, tp.rank, tp.world_size)
+    if special is not None:
+        return special
     dim = shard_dim(name)
-    if dim is None or tp.is_single:
+    if dim is None:
         return t
     size = t.shape[dim]
     if size % tp.world_size:
