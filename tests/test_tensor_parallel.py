@@ -135,15 +135,20 @@ def _check_model(tp: ParallelGroup, name: str):
     got = [o.token_ids for o in dg.compile_model(shard, config=config).generate(prompts, params)]
     assert got == want
     spec = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_speculative_tokens=2)
-    eng = dg.compile_model(shard, CausalLM.from_hf(draft_hf, tp=tp), spec)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == want
-    assert eng.stats()["draft_tokens"] > 0
+    for draft in (CausalLM.from_hf(draft_hf, tp=tp), CausalLM.from_hf(draft_hf)):  # draft TP = TP, then 1
+        eng = dg.compile_model(shard, draft, spec)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == want
+        assert eng.stats()["draft_tokens"] > 0
 
 
 def _run_all(tp: ParallelGroup):
     _check_collectives(tp)
     for name in MODELS:
         _check_model(tp, name)
+    if tp.world_size == 4:  # heads over a target split 4 ways (test_tp_drafters.py runs all kinds at 2)
+        from tests.test_tp_drafters import _check_heads
+
+        _check_heads(tp, kinds=("eagle3",), compiled=False)
 
 
 def _peer_dies(tp: ParallelGroup):
