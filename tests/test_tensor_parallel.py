@@ -20,7 +20,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
-from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_hf_model
+from tests.helpers import PagedRunner, tiny_hf_model
 from tests.test_deepseek_v32 import hf_greedy
 
 ATOL = 1e-5
@@ -184,9 +184,11 @@ def test_refuses_sizes_and_families_it_cannot_split():
     cfg = ModelConfig.from_hf(tiny_hf_model("llama", **SHAPE).config)
     with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8.*\[1, 2, 4\]"):
         shard_config(cfg, tp3)
-    v32 = ModelConfig.from_hf({**tiny_deepseek_config().to_dict(), "model_type": "deepseek_v32"})
-    with pytest.raises(ValueError, match=r"DeepSeek-V3.2 \(sparse MLA: its indexer heads\) tensor parallelism is"):
-        shard_config(v32, ParallelGroup(0, 2, "tp"))
+    from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+
+    qwen = ModelConfig.from_hf(builtin_qwen3_5_hf().config)
+    with pytest.raises(ValueError, match=r"Qwen3.5 \(hybrid linear attention: its linear-attention heads\)"):
+        shard_config(qwen, ParallelGroup(0, 2, "tp"))
     with pytest.raises(ValueError, match="needs the group_name"):
         ParallelGroup(0, 2)
 

@@ -1,11 +1,13 @@
-"""DeepSeek-V3 over tensor parallelism on the CPU: processes over gloo, the tiny float32 model of
-tests/helpers.py (4 MLA heads, 8 routed experts of intermediate 32 + a shared one, a dense first layer).
+"""DeepSeek-V3 / V3.2 over tensor parallelism on the CPU: processes over gloo, the tiny float32 models of
+tests/helpers.py and test_deepseek_v32.py (4 MLA heads, 8 routed experts of intermediate 32 + a shared one, a
+dense first layer; V3.2: its indexer, 16 heads, top-8, replicated on every rank).
 
 Each rank checks its share (models/parallel_mla.py): local heads and expert slices, the router and the
-latent cache whole; logits of a flat two-request batch in both MLA forms = one process (1e-5: the sharded sums
-only change the summation order); greedy tokens in mode NONE = transformers' generate() and the one-process
-engine, alone and with the MTP drafter split like the target (draft TP = TP) and replicated (draft TP = 1,
-no collective in its step), the same drafts accepted; once compiled (PIECEWISE, eager backend).
+latent cache (and V3.2's index-key cache) whole; logits of a flat two-request batch in both MLA forms = one
+process (1e-5: the sharded sums only change the summation order); greedy tokens in mode NONE =
+transformers' generate() and the one-process engine, alone and with the MTP drafter split like the target
+(draft TP = TP) and replicated (draft TP = 1, no collective in its step), the same drafts accepted; V3 once
+compiled (PIECEWISE, eager backend).
 """
 
 import pytest
@@ -19,7 +21,7 @@ from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import full_config, shard_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_deepseek_model
-from tests.test_deepseek_v32 import hf_greedy
+from tests.test_deepseek_v32 import hf_greedy, tiny_v32_model
 from tests.test_tensor_parallel import spawn
 from tests.test_tp_drafters import drafter_logits
 
@@ -44,8 +46,8 @@ def logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-def _check_deepseek(tp: ParallelGroup, drafters: bool):
-    hf = tiny_deepseek_model()
+def _check_deepseek(tp: ParallelGroup, drafters: bool, name: str = "v3"):
+    hf = tiny_deepseek_model() if name == "v3" else tiny_v32_model()
     full, shard = CausalLM.from_hf(hf), CausalLM.from_hf(hf, tp=tp)
     w = tp.world_size
     assert shard.cfg.num_heads == 4 // w and shard.cfg.moe.moe_intermediate_size == 32 // w
@@ -54,6 +56,8 @@ def _check_deepseek(tp: ParallelGroup, drafters: bool):
     assert moe.gate_up.shape == (8, 2 * 32 // w, 64) and moe.gate.shape == (8, 64)  # expert slices, whole router
     assert shard.layers[0].attn.kv_b.weight.shape[0] == (4 // w) * (16 + 16)  # kv_b: this rank's heads
     assert full_config(shard.cfg) == full.cfg
+    if name == "v32":  # the indexer whole on every rank
+        assert shard.layers[0].attn.indexer.wq_b.weight.shape == full.layers[0].attn.indexer.wq_b.weight.shape
 
     ids = torch.randint(0, full.cfg.vocab_size, (18,), generator=torch.Generator().manual_seed(1))
     for form in ("absorbed", "decompressed"):
@@ -95,6 +99,8 @@ def _check_deepseek(tp: ParallelGroup, drafters: bool):
         assert [o.token_ids for o in eng.generate(prompts, params)] == want, draft_tp
         assert eng.stats()["accepted_tokens"] == accepted, draft_tp  # the same drafts
 
+    if name != "v3":
+        return
     # Compiled: MLA (a splitting op) between pieces, the all-reduces of o_proj and the MoE inside them.
     pw = dg.CompileConfig(
         device="cpu", mode="PIECEWISE", compile_backend="eager", max_num_seqs=4, max_num_batched_tokens=32,
@@ -106,8 +112,13 @@ def _check_deepseek(tp: ParallelGroup, drafters: bool):
     assert eng.compiled.counters.traces["target"] == 1 and eng.compiled.counters.traces["drafter"] == 1
 
 
-def test_deepseek_v3_at_tp2_equals_one_process_and_transformers(tmp_path):
-    spawn(_check_deepseek, 2, tmp_path, True)
+def _v3_and_v32(tp: ParallelGroup):
+    _check_deepseek(tp, True, "v3")
+    _check_deepseek(tp, True, "v32")
+
+
+def test_deepseek_v3_and_v32_at_tp2_equal_one_process_and_transformers(tmp_path):
+    spawn(_v3_and_v32, 2, tmp_path)
 
 
 def test_deepseek_v3_at_tp4(tmp_path):

@@ -106,8 +106,7 @@ class DeepseekLayer(nn.Module):
     ):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # MLAttention, or V3.2's sparse MLA (deepseek_v32.py; one process only)
-        self.attn = attention(cfg, attn_impl) if tp.is_single else attention(cfg, attn_impl, tp)
+        self.attn = attention(cfg, attn_impl, tp)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, attn_impl, tp) if cfg.is_moe_layer(layer) else MLP(cfg, tp=tp)
 

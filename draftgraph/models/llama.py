@@ -5,7 +5,7 @@ forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hi
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
 separate call on chosen rows only, so a decode step never materializes [T, vocab].
 
-Tensor parallelism (the Llama family and DeepSeek-V3; models/parallel.py, parallel_mla.py): `tp` (a
+Tensor parallelism (the Llama family and DeepSeek-V3 / V3.2; models/parallel.py, parallel_mla.py): `tp` (a
 ParallelGroup) on the constructors; each rank builds its share from the full weights, and compute_logits
 all-gathers the vocabulary so every rank returns the full logits.
 """
@@ -36,12 +36,12 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def make_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> nn.Module:
     """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer (both
-    take a tensor-parallel `tp`; V3.2 and Qwen3.5 are refused for one)."""
+    take a tensor-parallel `tp`; Qwen3.5 is refused for one)."""
     check_family(cfg, tp)
     if cfg.indexer is not None:
         from draftgraph.models.deepseek_v32 import make_v32_layer
 
-        return make_v32_layer(cfg, layer, attn_impl)
+        return make_v32_layer(cfg, layer, attn_impl, tp)
     if cfg.mla is not None:
         from draftgraph.models.deepseek import DeepseekLayer
 

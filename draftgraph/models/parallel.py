@@ -1,5 +1,5 @@
 """Tensor parallelism: per-rank configs, parallel layers and checkpoint slicing (the Llama family here,
-DeepSeek-V3's MLA and experts in parallel_mla.py).
+DeepSeek-V3 / V3.2's MLA and experts in parallel_mla.py).
 
 With a `ParallelGroup` of world size W, rank r holds:
 - attention: query heads [r*Hq/W, (r+1)*Hq/W) and KV heads [r*Hkv/W, (r+1)*Hkv/W) (whole heads, whole GQA
@@ -13,7 +13,7 @@ With a `ParallelGroup` of world size W, rank r holds:
 
 The per-rank `ModelConfig` (`shard_config`) says num_heads, num_kv_heads and intermediate_size per rank and
 `tp_size = W`; `kv_entry_shapes` and the KV cache's sizing follow from it. vocab_size stays the full
-vocabulary (what the logits have). DeepSeek-V3.2 (its indexer) and Qwen3.5 (hybrid) are refused for W > 1.
+vocabulary (what the logits have). Qwen3.5 (hybrid) is refused for W > 1.
 """
 
 from __future__ import annotations
@@ -29,20 +29,12 @@ from draftgraph.ops.collectives.op import ParallelGroup
 
 def check_family(cfg: ModelConfig, tp: ParallelGroup) -> None:
     """Refuse tensor parallelism for the families that do not have it yet."""
-    if tp.is_single:
+    if tp.is_single or cfg.hybrid is None:
         return
-    family = (
-        "DeepSeek-V3.2 (sparse MLA: its indexer heads)"
-        if cfg.indexer is not None
-        else "Qwen3.5 (hybrid linear attention: its linear-attention heads)"
-        if cfg.hybrid is not None
-        else None
+    raise ValueError(
+        f"tensor parallelism (tp={tp.world_size}) is not supported yet for {cfg.model_type}: Qwen3.5 (hybrid "
+        "linear attention: its linear-attention heads) tensor parallelism is planned; run it with tp=1"
     )
-    if family is not None:
-        raise ValueError(
-            f"tensor parallelism (tp={tp.world_size}) is not supported yet for {cfg.model_type}: {family} "
-            "tensor parallelism is planned; run it with tp=1"
-        )
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:

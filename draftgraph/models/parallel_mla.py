@@ -1,4 +1,4 @@
-"""Tensor parallelism for DeepSeek-V3: MLA heads and every expert's intermediate dimension split over ranks.
+"""Tensor parallelism for DeepSeek-V3 / V3.2: MLA heads and every expert's intermediate dimension split over ranks.
 
 With a `ParallelGroup` of world size W, rank r holds:
 - MLA: query heads [r*H/W, (r+1)*H/W). q_b (or q_proj without q LoRA) and kv_b are column-parallel by heads
@@ -12,6 +12,10 @@ With a `ParallelGroup` of world size W, rank r holds:
   same experts with the same weights. Routed and shared partial outputs are summed, then one `all_reduce` per
   MoE layer. (Whole experts per rank are expert parallelism, another module's business.)
 - the dense MLP of the first layers, the embedding and the LM head: as the Llama family's (parallel.py).
+- DeepSeek-V3.2's lightning indexer: replicated (its wq_b / wk / weights_proj whole on every rank, names no
+  rule cuts), so every rank scores the same keys and picks the same positions, and keeps the whole index-key
+  cache beside the whole latent. Its heads are summed inside the top-k op, so splitting them would need the
+  scores all-reduced before the selection: not done.
 
 `shard_mla_config` divides num_heads, num_kv_heads, intermediate_size and moe_intermediate_size by W;
 `deepseek_shard` slices the transformers-named tensors the Llama rules do not cover (q_b / kv_b, experts in
