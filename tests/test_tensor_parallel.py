@@ -179,21 +179,21 @@ def test_one_process_ops_are_copies():
         assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
 
 
-def test_refuses_sizes_and_families_it_cannot_split():
+def test_refuses_sizes_it_cannot_split():
     tp3 = ParallelGroup(0, 3, "unregistered")  # shapes are checked before any process group is used
     cfg = ModelConfig.from_hf(tiny_hf_model("llama", **SHAPE).config)
     with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8.*\[1, 2, 4\]"):
         shard_config(cfg, tp3)
-    from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+    from tests.test_qwen3_5 import tiny_qwen3_5
 
-    qwen = ModelConfig.from_hf(builtin_qwen3_5_hf().config)
-    with pytest.raises(ValueError, match=r"Qwen3.5 \(hybrid linear attention: its linear-attention heads\)"):
-        shard_config(qwen, ParallelGroup(0, 2, "tp"))
+    qwen = ModelConfig.from_hf(tiny_qwen3_5().config)  # 2 KV heads, 2 linear-attention k heads
+    with pytest.raises(ValueError, match=r"size 4 does not divide.*linear_num_key_heads=2.*\[1, 2\]"):
+        shard_config(qwen, ParallelGroup(0, 4, "tp"))
     with pytest.raises(ValueError, match="needs the group_name"):
         ParallelGroup(0, 2)
 
 
-def test_what_cannot_be_split_yet_is_refused_by_name():
+def test_what_cannot_be_split_is_refused_by_name():
     """No process group is needed: the checks run while loading, before any collective."""
     from draftgraph.api import load_target
     from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_hf_target, module_from_state_dict

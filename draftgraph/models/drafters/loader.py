@@ -91,7 +91,7 @@ def load_drafter(
     if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
         from draftgraph.models.drafters.qwen3_5_mtp import Qwen3_5MTPDrafter
 
-        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype)
+        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype, tp)
     full = full_config(target.cfg)  # a split target's whole shape: heads take their share of it
     if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
         return MTPDrafter.from_state_dict(full.replace(dtype=dtype), state, target, device, attn_impl, tp=tp)

@@ -1,4 +1,4 @@
-"""Head drafters (EAGLE, EAGLE-3, DeepSeek-style MTP) over a tensor-parallel target.
+"""Head drafters (EAGLE, EAGLE-3, DeepSeek-style and Qwen3.5 MTP) over a tensor-parallel target.
 
 These heads embed tokens with the target's embedding and draft with its LM head (or their own, when their
 checkpoint has them). Tensor parallelism splits those over the vocabulary, so a head runs one of two ways:
@@ -48,7 +48,7 @@ def gather_rows(weight: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
 
 
 def shard_head_state(
-    state: dict[str, torch.Tensor], vocab_keys: tuple[str, ...], tp: ParallelGroup
+    state: dict[str, torch.Tensor], vocab_keys: tuple[str, ...], tp: ParallelGroup, cfg: ModelConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """A head's upstream-named tensors cut to rank `tp.rank`'s share: `vocab_keys` (its own embedding / LM
     head) by vocabulary rows, its decoder-layer tensors by the target family's rules (parallel.shard_tensor),
@@ -66,7 +66,7 @@ def shard_head_state(
             n = t.shape[0] // tp.world_size
             out[name] = t.narrow(0, tp.rank * n, n).clone()
         else:
-            out[name] = shard_tensor(name, t, tp)
+            out[name] = shard_tensor(name, t, tp, cfg)
     return out
 
 
@@ -97,4 +97,4 @@ def head_share(
             state[embed_key] = embed
         if head_key in missing:
             state[head_key] = embed if tied else gather_rows(target.lm_head.weight, target.tp)
-    return shard_config(cfg, tp), shard_head_state(state, own_vocab, tp)
+    return shard_config(cfg, tp), shard_head_state(state, own_vocab, tp, cfg)
