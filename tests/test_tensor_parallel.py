@@ -20,7 +20,8 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
-from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_hf_model
+from tests.helpers import PagedRunner, tiny_hf_model
+from tests.test_deepseek_v32 import hf_greedy
 
 ATOL = 1e-5
 JOIN_TIMEOUT_S = 150  # whole spawn: imports, init, work
@@ -122,7 +123,7 @@ def _check_model(tp: ParallelGroup, name: str):
     torch.testing.assert_close(logits[1], logits[0], atol=ATOL, rtol=0)
 
     # Greedy generation in NONE mode: every rank runs the same requests and picks the same tokens as one
-    # process; with a tensor-parallel draft model (draft TP = TP) too.
+    # process and transformers; with a tensor-parallel draft model (draft TP = TP) too.
     draft_kw = {**SHAPE, "num_hidden_layers": 1, **{k: v for k, v in MODELS[name].items() if k != "family"}}
     draft_hf = tiny_hf_model(MODELS[name]["family"], seed=1, **draft_kw)
     g = torch.Generator().manual_seed(2)
@@ -130,18 +131,24 @@ def _check_model(tp: ParallelGroup, name: str):
     params = dg.SamplingParams(max_tokens=6, ignore_eos=True)
     config = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32)
     want = [o.token_ids for o in dg.compile_model(full, config=config).generate(prompts, params)]
+    assert want == hf_greedy(hf, prompts, [params] * len(prompts))  # transformers' generate()
     got = [o.token_ids for o in dg.compile_model(shard, config=config).generate(prompts, params)]
     assert got == want
     spec = dg.CompileConfig(device="cpu", max_num_seqs=4, max_num_batched_tokens=32, num_speculative_tokens=2)
-    eng = dg.compile_model(shard, CausalLM.from_hf(draft_hf, tp=tp), spec)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == want
-    assert eng.stats()["draft_tokens"] > 0
+    for draft in (CausalLM.from_hf(draft_hf, tp=tp), CausalLM.from_hf(draft_hf)):  # draft TP = TP, then 1
+        eng = dg.compile_model(shard, draft, spec)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == want
+        assert eng.stats()["draft_tokens"] > 0
 
 
 def _run_all(tp: ParallelGroup):
     _check_collectives(tp)
     for name in MODELS:
         _check_model(tp, name)
+    if tp.world_size == 4:  # heads over a target split 4 ways (test_tp_drafters.py runs all kinds at 2)
+        from tests.test_tp_drafters import _check_heads
+
+        _check_heads(tp, kinds=("eagle3",), compiled=False)
 
 
 def _peer_dies(tp: ParallelGroup):
@@ -172,19 +179,21 @@ def test_one_process_ops_are_copies():
         assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
 
 
-def test_refuses_sizes_and_families_it_cannot_split():
+def test_refuses_sizes_it_cannot_split():
     tp3 = ParallelGroup(0, 3, "unregistered")  # shapes are checked before any process group is used
     cfg = ModelConfig.from_hf(tiny_hf_model("llama", **SHAPE).config)
     with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8.*\[1, 2, 4\]"):
         shard_config(cfg, tp3)
-    ds = ModelConfig.from_hf(tiny_deepseek_config())
-    with pytest.raises(ValueError, match="DeepSeek-V3 \\(MLA\\) tensor parallelism is planned"):
-        shard_config(ds, ParallelGroup(0, 2, "tp"))
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    qwen = ModelConfig.from_hf(tiny_qwen3_5().config)  # 2 KV heads, 2 linear-attention k heads
+    with pytest.raises(ValueError, match=r"size 4 does not divide.*linear_num_key_heads=2.*\[1, 2\]"):
+        shard_config(qwen, ParallelGroup(0, 4, "tp"))
     with pytest.raises(ValueError, match="needs the group_name"):
         ParallelGroup(0, 2)
 
 
-def test_what_cannot_be_split_yet_is_refused_by_name():
+def test_what_cannot_be_split_is_refused_by_name():
     """No process group is needed: the checks run while loading, before any collective."""
     from draftgraph.api import load_target
     from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_hf_target, module_from_state_dict
@@ -202,5 +211,5 @@ def test_what_cannot_be_split_yet_is_refused_by_name():
     assert share.tp.world_size == 2 and share.cfg.num_heads == 1  # this rank's heads
     eagle = builtin_drafter("eagle", whole)  # its weights, under the upstream names
     state = {k: v for k, v in eagle.state_dict().items() if not k.startswith("_target")}
-    with pytest.raises(ValueError, match="eagle drafter reads the target's embedding and LM head.*planned"):
-        load_drafter(module_from_state_dict(state), share, kind="eagle")
+    with pytest.raises(ValueError, match=r"eagle drafter with draft_tensor_parallel_size=4 .*allowed: \[1, 2\]"):
+        load_drafter(module_from_state_dict(state), share, kind="eagle", tp=ParallelGroup(0, 4, "unused"))

@@ -5,6 +5,9 @@ MLA per token: the query q = q_b(norm(q_a(x))) (or q_proj(x)) split per head int
 [dr]; the cache entry c = norm(kv_a(x)[:r]) and k_pe = kv_a(x)[r:] (shared by all heads); RoPE on q_pe and
 k_pe. The op writes the cache and attends, absorbing kv_b into the queries (decode, verify) or rebuilding
 per-head K/V from the latents (long prefills), as attention/mla.py decides; then o_proj.
+
+Tensor parallelism (models/parallel_mla.py): `tp` on the constructors; `cfg` is then one rank's share (its
+heads, its slice of every expert), o_proj row-parallel, the MoE's output all-reduced; the latent is whole.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import draftgraph.ops.mla.op  # noqa: F401  (registers torch.ops.draftgraph.mla_
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
 from draftgraph.models.moe import MoE
+from draftgraph.models.parallel import row_linear
 from draftgraph.models.rope import apply_rope, apply_rope_interleaved
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 from draftgraph.ops.mla.forms import check_form
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         a = cfg.mla
         self.a, self.num_heads = a, cfg.num_heads
@@ -38,7 +43,7 @@ class MLAttention(nn.Module):
         self.kv_a = nn.Linear(cfg.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=bias)
         self.kv_a_norm = RMSNorm(a.kv_lora_rank, 1e-6)
         self.kv_b = nn.Linear(a.kv_lora_rank, cfg.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
-        self.o = nn.Linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias=bias)
+        self.o = row_linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias, tp)  # local heads' values
         self.rope = apply_rope_interleaved if a.rope_interleave else apply_rope
         self.attn_impl = attn_impl
         self.form = "auto"  # which MLA form runs for which rows (attention/mla.py); set_mla_form
@@ -91,12 +96,19 @@ def set_mla_form(model: nn.Module, form: str) -> int:
 class DeepseekLayer(nn.Module):
     """Pre-norm block: h = x + mla(norm(x)); out = h + ffn(norm(h)), ffn a MoE or a dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, attention: type[nn.Module] = MLAttention):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        attn_impl: str,
+        attention: type[nn.Module] = MLAttention,
+        tp: ParallelGroup = SINGLE,
+    ):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = attention(cfg, attn_impl)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
+        self.attn = attention(cfg, attn_impl, tp)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, attn_impl) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.mlp = MoE(cfg, attn_impl, tp) if cfg.is_moe_layer(layer) else MLP(cfg, tp=tp)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x), cos, sin, meta, kv)

@@ -8,6 +8,9 @@ the first qk_rope_head_dim dims of both (MLA's own RoPE is interleaved), head we
 w = weights_proj(x) * Hi^-0.5 in float32. ops/sparse_mla: `indexer_topk` writes k into the index-key cache
 (kv[2], beside the latent kv[0] and RoPE key kv[1]) and returns each token's top `index_topk` visible
 positions; `sparse_mla_attention` writes the latent and attends over those positions only.
+
+Tensor parallelism (`tp`; models/parallel_mla.py): MLA's query heads split as V3's; the indexer is replicated
+(whole on every rank), so every rank picks the same positions and keeps the whole index-key cache.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.deepseek import DeepseekLayer, MLAttention, convert_deepseek_layer
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class Indexer(nn.Module):
@@ -64,9 +68,9 @@ class Indexer(nn.Module):
 class SparseMLAttention(MLAttention):
     """V3's MLA projections (same weights, same names) plus the indexer; attention over its picks only."""
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
-        super().__init__(cfg, attn_impl)
-        self.indexer = Indexer(cfg, attn_impl)
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+        super().__init__(cfg, attn_impl, tp)
+        self.indexer = Indexer(cfg, attn_impl)  # replicated under tensor parallelism
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, ...]):
         a, t, h = self.a, x.shape[0], self.num_heads
@@ -91,9 +95,9 @@ class SparseMLAttention(MLAttention):
         return self.o(out.reshape(t, h * a.v_head_dim))
 
 
-def make_v32_layer(cfg: ModelConfig, layer: int, attn_impl: str) -> DeepseekLayer:
+def make_v32_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> DeepseekLayer:
     """A V3.2 layer: sparse MLA, then a MoE or a dense MLP as cfg.is_moe_layer(layer) says."""
-    return DeepseekLayer(cfg, layer, attn_impl, attention=SparseMLAttention)
+    return DeepseekLayer(cfg, layer, attn_impl, attention=SparseMLAttention, tp=tp)
 
 
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")

@@ -5,9 +5,9 @@ forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hi
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
 separate call on chosen rows only, so a decode step never materializes [T, vocab].
 
-Tensor parallelism (Llama family; models/parallel.py): `tp` (a ParallelGroup) on the constructors; each
-rank builds its share from the full weights, and compute_logits all-gathers the vocabulary so every rank
-returns the full logits.
+Tensor parallelism (every family; models/parallel.py, parallel_mla.py, parallel_hybrid.py): `tp` (a
+ParallelGroup) on the constructors; each rank builds its share from the full weights, and compute_logits
+all-gathers the vocabulary so every rank returns the full logits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
-from draftgraph.models.parallel import check_family, embedding, shard_config, shard_state
+from draftgraph.models.parallel import embedding, shard_config, shard_state
 from draftgraph.models.weights import (
     assign_weights,
     convert_layer,
@@ -35,21 +35,20 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def make_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> nn.Module:
-    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, or the Llama-family layer (the
-    only one that takes a tensor-parallel `tp` for now)."""
-    check_family(cfg, tp)
+    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, Qwen3.5's hybrid layer or the
+    Llama-family layer, each this rank's share under a tensor-parallel `tp`."""
     if cfg.indexer is not None:
         from draftgraph.models.deepseek_v32 import make_v32_layer
 
-        return make_v32_layer(cfg, layer, attn_impl)
+        return make_v32_layer(cfg, layer, attn_impl, tp)
     if cfg.mla is not None:
         from draftgraph.models.deepseek import DeepseekLayer
 
-        return DeepseekLayer(cfg, layer, attn_impl)
+        return DeepseekLayer(cfg, layer, attn_impl, tp=tp)
     if cfg.hybrid is not None:
         from draftgraph.models.qwen3_5 import Qwen3_5Layer
 
-        return Qwen3_5Layer(cfg, layer, attn_impl)
+        return Qwen3_5Layer(cfg, layer, attn_impl, tp)
     return DecoderLayer(cfg, layer, attn_impl, tp=tp)
 
 
@@ -140,7 +139,7 @@ class CausalLM(nn.Module):
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`) and the full
         model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied)."""
         local_cfg = shard_config(cfg, tp)  # refuses families and sizes tp cannot split
-        state = shard_state(dict(state), tp)
+        state = shard_state(dict(state), tp, cfg)
         cfg = local_cfg
         if cfg.hybrid is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
             from draftgraph.models.qwen3_5_weights import normalize_keys

@@ -8,6 +8,8 @@ back to the host. So the layer can sit inside compiled pieces and FULL CUDA grap
 - triton: the (token, expert) pairs are sorted by expert into blocks padded to the tile height (on the
   device; the grid is sized for the worst case and surplus tiles exit at once), then one grouped matmul
   per projection reads only the chosen experts' weights (ops/moe/triton_moe.py).
+Under tensor parallelism (`tp`, models/parallel_mla.py) every expert and the shared experts hold this rank's
+slice of their intermediate dimension; the router is whole; routed + shared partials, one all_reduce.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 import draftgraph.ops.moe.op  # noqa: F401  (registers draftgraph::moe_experts)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 def route(
@@ -45,8 +48,9 @@ def route(
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
+        assert tp.is_single or not cfg.mlp_bias, "a split MoE sums partial outputs: no biases to add twice"
         m = cfg.moe
         self.m = m
         self.gate = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
@@ -54,7 +58,8 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
         shared = m.moe_intermediate_size * m.n_shared_experts
-        self.shared = MLP(cfg, shared) if shared else None
+        self.shared = MLP(cfg, shared) if shared else None  # this rank's slice, summed with the routed partial
+        self.tp = tp
         self.attn_impl = attn_impl  # the kernels' implementation: "triton", else the reference (as attention's)
 
     def forward(self, x):
@@ -65,4 +70,5 @@ class MoE(nn.Module):
             m.routed_scaling_factor,
         )  # fmt: skip
         out = torch.ops.draftgraph.moe_experts(x, self.gate_up, self.down, ids, weights, self.attn_impl)
-        return out + self.shared(x) if self.shared is not None else out
+        out = out + self.shared(x) if self.shared is not None else out
+        return self.tp.all_reduce(out)  # partial sums over the intermediate slices (x itself for one process)

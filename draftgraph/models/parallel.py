@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family: per-rank configs, parallel layers and checkpoint slicing.
+"""Tensor parallelism: per-rank configs, parallel layers and checkpoint slicing (the Llama family here,
+DeepSeek-V3 / V3.2's MLA and experts in parallel_mla.py, Qwen3.5's linear attention in parallel_hybrid.py).
 
 With a `ParallelGroup` of world size W, rank r holds:
 - attention: query heads [r*Hq/W, (r+1)*Hq/W) and KV heads [r*Hkv/W, (r+1)*Hkv/W) (whole heads, whole GQA
@@ -12,7 +13,7 @@ With a `ParallelGroup` of world size W, rank r holds:
 
 The per-rank `ModelConfig` (`shard_config`) says num_heads, num_kv_heads and intermediate_size per rank and
 `tp_size = W`; `kv_entry_shapes` and the KV cache's sizing follow from it. vocab_size stays the full
-vocabulary (what the logits have). DeepSeek (MLA, MoE, V3.2) and Qwen3.5 (hybrid) are refused for W > 1.
+vocabulary (what the logits have). Every family splits.
 """
 
 from __future__ import annotations
@@ -22,34 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.parallel_hybrid import hybrid_shard, hybrid_sizes, scale_hybrid_config
+from draftgraph.models.parallel_mla import deepseek_shard, mla_sizes, scale_mla_config
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
-def check_family(cfg: ModelConfig, tp: ParallelGroup) -> None:
-    """Refuse tensor parallelism for the families that do not have it yet."""
-    if tp.is_single:
-        return
-    family = (
-        "DeepSeek-V3.2 (sparse MLA)"
-        if cfg.indexer is not None
-        else "DeepSeek-V3 (MLA)"
-        if cfg.mla is not None
-        else "MoE"
-        if cfg.moe is not None
-        else "Qwen3.5 (hybrid linear attention)"
-        if cfg.hybrid is not None
-        else None
-    )
-    if family is not None:
-        raise ValueError(
-            f"tensor parallelism (tp={tp.world_size}) is not supported yet for {cfg.model_type}: {family} "
-            "tensor parallelism is planned; run it with tp=1"
-        )
-
-
 def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
-    """Refuse a tensor-parallel size this model cannot be split by (families or sizes), naming the numbers."""
-    check_family(cfg, tp)
+    """Refuse a tensor-parallel size this model cannot be split by, naming the numbers."""
     if tp.is_single:
         return
     if cfg.tp_size != 1:
@@ -60,6 +40,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
         ("intermediate_size", cfg.intermediate_size),
         ("vocab_size", cfg.vocab_size),
     )
+    if cfg.mla is not None:
+        sizes = mla_sizes(cfg)
+    elif cfg.hybrid is not None:
+        sizes = hybrid_sizes(cfg)
     bad = [f"{name}={n}" for name, n in sizes if n % tp.world_size]
     if bad:
         fits = [w for w in range(1, cfg.num_kv_heads + 1) if all(n % w == 0 for _, n in sizes)]
@@ -75,11 +59,33 @@ def shard_config(cfg: ModelConfig, tp: ParallelGroup) -> ModelConfig:
     if tp.is_single:
         return cfg
     w = tp.world_size
+    if cfg.mla is not None:
+        return scale_mla_config(cfg, w, up=False)
+    if cfg.hybrid is not None:
+        return scale_hybrid_config(cfg, w, up=False)
     return cfg.replace(
         num_heads=cfg.num_heads // w,
         num_kv_heads=cfg.num_kv_heads // w,
         intermediate_size=cfg.intermediate_size // w,
         tp_size=w,
+    )
+
+
+def full_config(cfg: ModelConfig) -> ModelConfig:
+    """The whole model's config from one rank's share (`shard_config`'s inverse; `cfg` itself for one process).
+    Drafters that read the target's shape (EAGLE's defaults) start from it, then take their own share."""
+    w = cfg.tp_size
+    if w == 1:
+        return cfg
+    if cfg.mla is not None:
+        return scale_mla_config(cfg, w, up=True)
+    if cfg.hybrid is not None:
+        return scale_hybrid_config(cfg, w, up=True)
+    return cfg.replace(
+        num_heads=cfg.num_heads * w,
+        num_kv_heads=cfg.num_kv_heads * w,
+        intermediate_size=cfg.intermediate_size * w,
+        tp_size=1,
     )
 
 
@@ -127,7 +133,7 @@ def embedding(vocab_size: int, dim: int, tp: ParallelGroup) -> nn.Module:
 # transformers' Llama-family names -> how a rank slices them: rows (dim 0) or columns (dim 1) of its share.
 _ROW_SPLIT = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _COL_SPLIT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-_VOCAB_SPLIT = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB_SPLIT = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "lm_head.weight")
 
 
 def shard_dim(name: str) -> int | None:
@@ -140,10 +146,19 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
-def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
-    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed)."""
+def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed);
+    DeepSeek's MLA and expert names by parallel_mla's rules, Qwen3.5's by parallel_hybrid's (which need the
+    whole model's `cfg`)."""
+    if tp.is_single:
+        return t
+    special = deepseek_shard(name, t, tp.rank, tp.world_size)
+    if special is None and cfg is not None and cfg.hybrid is not None:
+        special = hybrid_shard(name, t, tp.rank, tp.world_size, cfg.hybrid.linear)
+    if special is not None:
+        return special
     dim = shard_dim(name)
-    if dim is None or tp.is_single:
+    if dim is None:
         return t
     size = t.shape[dim]
     if size % tp.world_size:
@@ -152,10 +167,12 @@ def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
     return t.narrow(dim, tp.rank * n, n).clone()
 
 
-def shard_state(state: dict[str, torch.Tensor], tp: ParallelGroup) -> dict[str, torch.Tensor]:
-    """Every tensor of a transformers-named Llama-family state dict cut to this rank's share. q/k/v (and
-    gate/up) are cut separately before our loader fuses them, so the fused QKV holds this rank's q heads then
-    its KV heads, and gate_up its matching gate and up columns."""
+def shard_state(
+    state: dict[str, torch.Tensor], tp: ParallelGroup, cfg: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers-named state dict (of the whole model `cfg`) cut to this rank's share.
+    q/k/v (and gate/up) are cut separately before our loader fuses them, so the fused QKV holds this rank's q
+    heads then its KV heads, and gate_up its matching gate and up columns."""
     if tp.is_single:
         return state
-    return {name: shard_tensor(name, t, tp) for name, t in state.items()}
+    return {name: shard_tensor(name, t, tp, cfg) for name, t in state.items()}

@@ -11,6 +11,9 @@ block_rows): block_rows maps a request's first KV block to its state row (runtim
 Gated attention: q_proj yields [q | gate] per head; q/k RMSNorm per head, RoPE on the first rotary_dim dims
 (partial RoPE; Qwen3.5's mrope has equal sections for text, i.e. plain RoPE), paged attention, then
 out * sigmoid(gate) and o_proj.
+
+Tensor parallelism (`tp`; models/parallel_hybrid.py): `cfg` is one rank's share (its k / v heads, attention
+heads, expert slices); out_proj / o_proj / down row-parallel, the MoE's output all-reduced.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import draftgraph.ops.linear_attention.op  # noqa: F401  (registers torch.ops.dr
 import draftgraph.ops.moe.op  # noqa: F401  (registers torch.ops.draftgraph.moe_experts)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
+from draftgraph.models.parallel import row_linear
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.backends import linear_attention_impl
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class GatedRMSNorm(nn.Module):
@@ -43,7 +48,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         la = cfg.hybrid.linear
         self.la = la
@@ -52,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = GatedRMSNorm(la.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(la.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = row_linear(la.value_dim, cfg.hidden_size, False, tp)
         self.attn_impl = attn_impl  # the attention setting (api.set_kernel_impl may change it)
 
     @property
@@ -85,14 +90,14 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size, self.rotary_dim = cfg.q_size, cfg.kv_size, cfg.rotary_dim
         self.gated = cfg.hybrid.attn_output_gate
         q_out = cfg.q_size * (2 if self.gated else 1)
         self.qkv = nn.Linear(cfg.hidden_size, q_out + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True)
         self.scale = cfg.head_dim**-0.5
@@ -126,36 +131,39 @@ class GatedAttention(nn.Module):
 class QwenMoE(nn.Module):
     """Softmax router, top-k renormalised, routed experts (the moe_experts op) + sigmoid-gated shared expert."""
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
+        assert tp.is_single or not cfg.mlp_bias, "a split MoE sums partial outputs: no biases to add twice"
         m = cfg.hybrid.moe
         self.top_k = m.top_k
         self.gate = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
         self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
-        self.shared = MLP(cfg, m.shared_expert_intermediate_size)
+        self.shared = MLP(cfg, m.shared_expert_intermediate_size)  # this rank's slice under tensor parallelism
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.attn_impl = attn_impl
+        self.tp = tp
 
     def forward(self, x):
         logits = F.linear(x, self.gate)  # [T, E] in the model dtype (as transformers)
         weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).float()
         out = torch.ops.draftgraph.moe_experts(x, self.gate_up, self.down, ids, weights, self.attn_impl)
-        return out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return self.tp.all_reduce(out)  # partial sums over the intermediate slices (x itself for one process)
 
 
 class Qwen3_5Layer(nn.Module):
     """Pre-norm block: h = x + mixer(norm(x)); out = h + ffn(norm(h)); the mixer (`attn`) a Gated DeltaNet or
     gated attention by the layer's type, the ffn a dense MLP or a Qwen MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.linear = cfg.hybrid.is_linear(layer)
-        self.attn = GatedDeltaNet(cfg, attn_impl) if self.linear else GatedAttention(cfg, attn_impl)
+        self.attn = GatedDeltaNet(cfg, attn_impl, tp) if self.linear else GatedAttention(cfg, attn_impl, tp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        self.mlp = QwenMoE(cfg, attn_impl) if cfg.hybrid.moe is not None else MLP(cfg)
+        self.mlp = QwenMoE(cfg, attn_impl, tp) if cfg.hybrid.moe is not None else MLP(cfg, tp=tp)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x), cos, sin, meta, kv)

@@ -4,6 +4,10 @@ Checkpoint layout of the public EAGLE repository: `fc.weight`, `midlayer.*` (tra
 `hidden_norm`; its q/k/v projections take 2H inputs), `norm.weight`, `lm_head.weight` over a draft
 vocabulary, `d2t` (draft id -> target id offset) and `t2d`, optional `embed_tokens.weight`.
 Step 1 reads the target's fused aux hidden states [T, 3H]; later steps feed back their own [T, H].
+
+Over a tensor-parallel target (drafters/parallel_heads.py): split like it (the midlayer's heads and MLP
+columns, its LM head over draft-vocabulary rows then all-gathered, the target's vocab-parallel embedding) or
+replicated (whole, the target's embedding gathered once into its own `embed_tokens`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ from torch import nn
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
+from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM
+from draftgraph.models.parallel import embedding
 from draftgraph.models.weights import assign_weights, convert_layer
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -25,13 +32,13 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, 0, attn_impl, in_features=2 * cfg.hidden_size)
+        self.attn = Attention(cfg, 0, attn_impl, in_features=2 * cfg.hidden_size, tp=tp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp=tp)
 
     def forward(self, emb, hidden, cos, sin, meta, kv):
         x = torch.cat([self.input_norm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
@@ -50,15 +57,19 @@ class Eagle3Drafter(Drafter):
         aux_layers: tuple[int, ...],
         own_embedding: bool,
         attn_impl: str,
+        tp: ParallelGroup = SINGLE,
     ):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self._aux_layers = aux_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self._draft_vocab = draft_vocab
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
+        assert own_embedding or target.tp == tp, "a borrowed embedding must be split like the head"
         self.fc = nn.Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(cfg, attn_impl)
+        self.midlayer = Eagle3Layer(cfg, attn_impl, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab // tp.world_size, bias=False)  # local draft rows
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target.cfg.vocab_size, dtype=torch.bool))
         self._target = [target]
@@ -78,7 +89,7 @@ class Eagle3Drafter(Drafter):
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.lm_head.out_features
+        return self._draft_vocab
 
     def forward(self, input_ids, positions, hidden, meta, kv_caches):
         cos, sin = rope_lookup(self.rope_table, positions)
@@ -91,7 +102,7 @@ class Eagle3Drafter(Drafter):
     def compute_logits(self, hidden, indices=None):
         if indices is not None:
             hidden = hidden[indices]
-        return self.lm_head(hidden)  # [N, draft_vocab]
+        return self.tp.all_gather_last(self.lm_head(hidden))  # [N, draft_vocab]
 
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -110,15 +121,19 @@ class Eagle3Drafter(Drafter):
         device,
         attn_impl,
         aux_layers: tuple[int, ...] | None = None,
+        tp: ParallelGroup = SINGLE,
     ) -> Eagle3Drafter:
+        """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
         draft_vocab = check_pair(cfg, state, target.cfg)
+        cfg, state = head_share("eagle3", cfg, state, target, tp, ("embed_tokens.weight", None),
+                                ("embed_tokens.weight", "lm_head.weight"))  # fmt: skip
         ours = convert_layer(state, "midlayer.", "midlayer.")
         ours.update(state)  # fc, norm, lm_head, d2t, t2d, embed_tokens, midlayer.hidden_norm
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         aux = aux_layers or default_aux_layers(target.cfg.num_layers)
         with torch.device("meta"):
-            model = cls(cfg, target, draft_vocab, aux, "embed_tokens.weight" in ours, attn_impl)
+            model = cls(cfg, target, draft_vocab, aux, "embed_tokens.weight" in ours, attn_impl, tp)
         assign_weights(model, ours, "EAGLE-3 drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

@@ -14,7 +14,9 @@ from draftgraph.models.drafters.draft_model import check_pair as check_draft_pai
 from draftgraph.models.drafters.eagle import EagleDrafter
 from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
+from draftgraph.models.drafters.parallel_heads import check_draft_group
 from draftgraph.models.llama import CausalLM
+from draftgraph.models.parallel import full_config
 from draftgraph.models.weights import read_checkpoint, read_config, read_target_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
@@ -53,8 +55,8 @@ def load_drafter(
 
     Tensor parallelism: `tp` is the drafter's group (the target's, or one process: replicated). Draft models
     load their share (from a checkpoint dir or a transformers object) or the whole model replicated. Heads
-    that share the target's embedding and LM head (EAGLE, EAGLE-3, MTP) are not split yet: with a target
-    split over several ranks they are refused, naming the plan."""
+    (EAGLE, EAGLE-3, MTP) over a split target are split like it, or replicated with the target's embedding
+    and LM head gathered once (drafters/parallel_heads.py)."""
     device = device if device is not None else target.embed_tokens.weight.device
     attn_impl = attn_impl or target.layers[0].attn.attn_impl
     dtype = dtype or target.cfg.dtype
@@ -78,12 +80,8 @@ def load_drafter(
     else:
         raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
     kind = kind or detect_kind(config, state.keys())
-    if kind != "draft_model" and target.tp.world_size > 1:
-        raise ValueError(
-            f"a {kind} drafter reads the target's embedding and LM head, which tensor parallelism splits over "
-            f"{target.tp.world_size} ranks; heads with a split target are planned, not built yet: use a draft model "
-            "(drafter kind draft_model) or tensor_parallel_size=1"
-        )
+    if kind != "draft_model":
+        check_draft_group(kind, target, tp)  # before any weight is cut or gathered
     if kind == "draft_model":
         if isinstance(source, str):
             config = read_target_config(source)  # a whole model: every key a target needs
@@ -93,15 +91,16 @@ def load_drafter(
     if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
         from draftgraph.models.drafters.qwen3_5_mtp import Qwen3_5MTPDrafter
 
-        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype)
+        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype, tp)
+    full = full_config(target.cfg)  # a split target's whole shape: heads take their share of it
     if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
-        return MTPDrafter.from_state_dict(target.cfg.replace(dtype=dtype), state, target, device, attn_impl)
-    cfg = drafter_config(config, target.cfg, dtype)
+        return MTPDrafter.from_state_dict(full.replace(dtype=dtype), state, target, device, attn_impl, tp=tp)
+    cfg = drafter_config(config, full, dtype)
     if kind == "eagle":
-        return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl)
+        return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp)
     if kind == "eagle3":
-        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers)
-    return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl)
+        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers, tp)
+    return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp=tp)
 
 
 def drafter_config(config: dict, target: ModelConfig, dtype) -> ModelConfig:

@@ -6,6 +6,10 @@ num_hidden_layers: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, optional `sh
 `embed_tokens` (the target's are used when absent: they are shared), and the block's own
 transformers-named attention/MLP/norm weights. For a DeepSeek-V3 target the block is a DeepSeek layer
 (MLA, MoE with the hub's per-expert or transformers' fused expert layout), shaped by the target's config.
+
+Over a tensor-parallel target (drafters/parallel_heads.py): split like it (the block's heads and MLP / expert
+columns; the target's vocab-parallel embedding and head, or its own cut by vocabulary rows) or replicated
+(the whole block; the target's embedding and head gathered once into its own `embed_tokens` / `head`).
 """
 
 from __future__ import annotations
@@ -15,26 +19,39 @@ from torch import nn
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
+from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM, layer_converter, make_layer
+from draftgraph.models.parallel import embedding, full_config
 from draftgraph.models.weights import assign_weights, layer_indices
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class MTPDrafter(Drafter):
     kind = "mtp"
 
     def __init__(
-        self, cfg: ModelConfig, target: CausalLM, own_embedding: bool, own_head: bool, attn_impl: str, layer: int = 0
+        self,
+        cfg: ModelConfig,
+        target: CausalLM,
+        own_embedding: bool,
+        own_head: bool,
+        attn_impl: str,
+        layer: int = 0,
+        tp: ParallelGroup = SINGLE,
     ):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = make_layer(cfg, layer, attn_impl)  # DeepSeek: MLA + MoE (the layer index past the dense ones)
+        self.block = make_layer(cfg, layer, attn_impl, tp)  # DeepSeek: MLA + MoE (the layer index past the dense ones)
         self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
+        local_vocab = cfg.vocab_size // tp.world_size
+        self.head = nn.Linear(cfg.hidden_size, local_vocab, bias=False) if own_head else None
+        assert (own_embedding and own_head) or target.tp == tp, "borrowed rows must be split like the head"
         self._target = [target]
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
 
@@ -53,13 +70,21 @@ class MTPDrafter(Drafter):
         if indices is not None:
             hidden = hidden[indices]
         weight = self.head.weight if self.head is not None else self._target[0].head_weight
-        return hidden @ weight.t()
+        return self.tp.all_gather_last(hidden @ weight.t())  # local vocabulary rows -> all of them
 
     @classmethod
     def from_state_dict(
-        cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl, layer: int | None = None
+        cls,
+        cfg: ModelConfig,
+        state: dict,
+        target: CausalLM,
+        device,
+        attn_impl,
+        layer: int | None = None,
+        tp: ParallelGroup = SINGLE,
     ) -> MTPDrafter:
-        """`state` is a whole checkpoint (the MTP layer is picked out) or just the layer's weights."""
+        """`state` is a whole checkpoint (the MTP layer is picked out) or just the layer's weights. `cfg`: the
+        whole block's config (a split target's full shape); `tp`: the target's group or one process."""
         if layer is None:
             present = [i for i in layer_indices(state, "model.layers.") if f"model.layers.{i}.eh_proj.weight" in state]
             if not present and "eh_proj.weight" not in state:
@@ -71,8 +96,10 @@ class MTPDrafter(Drafter):
         prefix = f"model.layers.{layer}." if layer is not None else ""
         mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         if target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer is a layer of the target's own shape
-            cfg = target.cfg
+            cfg = full_config(target.cfg).replace(dtype=cfg.dtype)
         check_pair(cfg, mine, target.cfg)
+        cfg, mine = head_share("mtp", cfg, mine, target, tp, ("embed_tokens.weight", "shared_head.head.weight"),
+                               ("embed_tokens.weight", "shared_head.head.weight"))  # fmt: skip
         ours = layer_converter(cfg)(mine, "", "block.")
         for theirs, name in (
             ("enorm.weight", "enorm.weight"),
@@ -88,7 +115,7 @@ class MTPDrafter(Drafter):
         index = cfg.num_layers if cfg.mla is not None else 0  # past first_k_dense_replace: a MoE block
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         with torch.device("meta"):
-            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index)
+            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index, tp)
         assign_weights(model, ours, "MTP drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

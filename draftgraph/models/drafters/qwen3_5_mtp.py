@@ -10,6 +10,10 @@ output after (as vLLM and SGLang feed it). Every norm is zero-centred.
 Keys: mtp.fc.weight [H, 2H], mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
 mtp.norm.weight, mtp.layers.0.* (the target's layer names: self_attn.{q,k,v,o}_proj, q_norm, k_norm, mlp.*,
 input_layernorm, post_attention_layernorm).
+
+Over a tensor-parallel target (drafters/parallel_heads.py): split like it (the layer's heads and MLP / expert
+slices, the target's vocab-parallel embedding and head) or replicated (the whole layer; the target's
+embedding and head gathered once into its own `embed_tokens` / `lm_head`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from torch import nn
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
+from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM
+from draftgraph.models.parallel import full_config
 from draftgraph.models.qwen3_5 import Qwen3_5Layer
 from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer
 from draftgraph.models.weights import assign_weights
+from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 def mtp_config(target: ModelConfig) -> ModelConfig:
@@ -37,16 +44,22 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
 class Qwen3_5MTPDrafter(Drafter):
     kind = "mtp"
 
-    def __init__(self, cfg: ModelConfig, target: CausalLM, attn_impl: str):
+    def __init__(
+        self, cfg: ModelConfig, target: CausalLM, attn_impl: str, tp: ParallelGroup = SINGLE, replicated: bool = False
+    ):
         super().__init__()
         self.cfg = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, zero_centered=True)
-        self.block = Qwen3_5Layer(cfg, 0, attn_impl)
+        self.block = Qwen3_5Layer(cfg, 0, attn_impl, tp)
         self.norm = RMSNorm(h, eps, zero_centered=True)
         self._target = [target]  # not a submodule: its weights stay the target's
+        # `replicated`: whole on every rank over a split target, with the target's gathered embedding and head
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if replicated else None
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False) if replicated else None
+        assert replicated or target.tp == tp, "a borrowed embedding and head must be split like the head"
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.rotary_dim), persistent=False)
 
     @property
@@ -55,20 +68,27 @@ class Qwen3_5MTPDrafter(Drafter):
 
     def forward(self, input_ids, positions, hidden, meta, kv_caches):
         cos, sin = rope_lookup(self.rope_table, positions)
-        emb = self._target[0].embed_tokens(input_ids)  # [T, H]
+        embed = self.embed_tokens if self.embed_tokens is not None else self._target[0].embed_tokens
+        emb = embed(input_ids)  # [T, H]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         out = self.norm(self.block(x, cos, sin, meta, kv_caches[0]))
         return out, out
 
     def compute_logits(self, hidden, indices=None):
-        return self._target[0].compute_logits(hidden, indices)
+        if self.lm_head is None:
+            return self._target[0].compute_logits(hidden, indices)
+        return self.lm_head(hidden if indices is None else hidden[indices])
 
     @classmethod
-    def from_state_dict(cls, state: dict, target: CausalLM, device, attn_impl, dtype=None) -> Qwen3_5MTPDrafter:
-        """`state`: a whole Qwen3.5 checkpoint (its `mtp.*` keys are read) or the head's keys alone."""
+    def from_state_dict(
+        cls, state: dict, target: CausalLM, device, attn_impl, dtype=None, tp: ParallelGroup = SINGLE
+    ) -> Qwen3_5MTPDrafter:
+        """`state`: a whole Qwen3.5 checkpoint (its `mtp.*` keys are read) or the head's keys alone; `tp`: the
+        target's group (split alike) or one process (replicated)."""
         if "mtp.fc.weight" not in state:
             raise ValueError("no Qwen3.5 MTP head found: expected mtp.fc.weight (and mtp.layers.0.*) in the checkpoint")
-        cfg = mtp_config(target.cfg if dtype is None else target.cfg.replace(dtype=dtype))
+        full = full_config(target.cfg)
+        cfg = mtp_config(full if dtype is None else full.replace(dtype=dtype))
         mine = {k[len("mtp.") :]: v for k, v in state.items() if k.startswith("mtp.")}
         if tuple(mine["fc.weight"].shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
             raise mismatch("mtp.fc.weight shape", list(mine["fc.weight"].shape), [cfg.hidden_size, 2 * cfg.hidden_size],
@@ -76,10 +96,11 @@ class Qwen3_5MTPDrafter(Drafter):
         extra = sorted({k.split(".")[1] for k in mine if k.startswith("layers.")} - {"0"})
         if extra:
             raise ValueError(f"the MTP head has layers {['0', *extra]}; draftgraph reuses one layer (mtp.layers.0)")
+        cfg, mine = head_share("mtp", cfg, mine, target, tp, ("embed_tokens.weight", "lm_head.weight"))
         ours = convert_qwen3_5_layer(mine, "layers.0.", "block.")
         ours.update(mine)
         with torch.device("meta"):
-            model = cls(cfg, target, attn_impl)
+            model = cls(cfg, target, attn_impl, tp, replicated="lm_head.weight" in ours)
         assign_weights(model, ours, "Qwen3.5 MTP drafter", cfg.dtype)
         return materialize(model, cfg, device)
 
