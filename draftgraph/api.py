@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from draftgraph.compiler.artifacts import ArtifactError, check_artifacts, load_functions
-from draftgraph.compiler.build import build_compiled, start_compile_workers
+from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
@@ -108,8 +108,6 @@ def build_engine(
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
-    if artifacts is None and rc.mode != CUDAGraphMode.NONE and config.compile_backend == "inductor":
-        start_compile_workers(rc.device)  # they start while the weights load and Dynamo traces
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
     experts_note = ""
     if not ep.is_single:  # this rank's experts only (models/expert_parallel.py), before anything compiles

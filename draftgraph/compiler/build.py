@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
@@ -20,22 +18,6 @@ from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
 from draftgraph.passes.manager import PassManager
 
 LOOP_VARIANTS = ("greedy", "sample")
-
-
-def start_compile_workers(device) -> None:
-    """Start Inductor's Triton compile workers now (CUDA), not at the first kernel of the first piece.
-
-    torch.compile's own "inductor" backend does this when Dynamo first calls it; our backend calls Inductor
-    through `standalone_compile`, so without this the first piece's compile waits for the pool to start
-    (a sidecar process and one worker per compile thread, each importing torch). Started here, the pool comes
-    up while the weights load and Dynamo traces. Honours TORCH_WARM_POOL=0 and compile_threads=1."""
-    if torch.device(device).type != "cuda":
-        return
-    from torch._inductor import async_compile
-
-    warm = getattr(async_compile, "maybe_warm_pool", None)  # torch 2.11-2.13 have it; a private API
-    if warm is not None:
-        warm()
 
 
 @dataclass
