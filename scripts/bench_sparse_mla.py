@@ -30,7 +30,7 @@ import triton
 
 from draftgraph.models.llama import CausalLM
 from draftgraph.ops.mla.reference import mla_latent_reference
-from draftgraph.ops.mla.triton_absorbed import mla_latent_triton
+from draftgraph.ops.mla.triton_latent import mla_latent_triton
 from draftgraph.ops.sparse_mla.reference import indexer_topk_reference, sparse_mla_latent_reference
 from draftgraph.ops.sparse_mla.triton_indexer import (
     choose_score_splits,

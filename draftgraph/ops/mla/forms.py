@@ -172,8 +172,9 @@ def _plan(
 @functools.cache
 def _kernels(impl: str):
     if impl == "triton":
-        from draftgraph.ops.mla.triton_absorbed import mla_latent_triton, write_rows_triton
+        from draftgraph.ops.mla.triton_absorbed import write_rows_triton
         from draftgraph.ops.mla.triton_decompressed import BLOCK_M, mla_decompressed_triton
+        from draftgraph.ops.mla.triton_latent import mla_latent_triton
 
         def write(kv_c, k_pe, latent_cache, rope_cache, slot_mapping):
             write_rows_triton(kv_c, latent_cache, slot_mapping)
