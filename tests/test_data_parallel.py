@@ -234,5 +234,50 @@ def test_expert_parallel_refusals():
         ValueError, match=r"has 8 routed experts; use a data_parallel_size that divides 8.*\[1, 2, 4, 8\]"
     ):
         ExpertParallelMoE(moe, ep3)
-    with pytest.raises(ValueError, match=r"target \(llama\) has no DeepSeek-V3-style MoE layer"):
+    with pytest.raises(ValueError, match=r"target \(llama\) has no MoE layer to split"):
         shard_experts(CausalLM.from_hf(builtin_hf_target(SPEC)), ParallelGroup(0, 2, "unregistered"))
+
+
+# ---- expert parallelism for Qwen3.5-MoE (Gated DeltaNet + gated attention, softmax router, gated shared expert)
+
+
+def _check_qwen_expert_parallel_layer(ep):
+    """Each rank: its share of a Qwen3.5-MoE layer over its own tokens = the whole layer over them."""
+    from draftgraph.models.expert_parallel import ExpertParallelMoE
+    from draftgraph.models.llama import CausalLM
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    model = CausalLM.from_hf(tiny_qwen3_5(moe=True))
+    moe = model.layers[0].mlp
+    split = ExpertParallelMoE(moe, ep)
+    assert split.gate_up.shape[0] == 4 // ep.world_size and split.first == ep.rank * 4 // ep.world_size
+    x = torch.randn(5, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1 + ep.rank))
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), moe(x), atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_5_moe_expert_parallel_layer_equals_the_whole_layer(tmp_path):
+    from tests.test_tensor_parallel import spawn
+
+    spawn(_check_qwen_expert_parallel_layer, 2, tmp_path)
+
+
+def test_qwen3_5_moe_expert_parallel_with_an_idle_rank(tmp_path):
+    """DP 2 with expert parallelism on the tiny Qwen3.5-MoE (4 experts: 2 per rank; layer types mixed, state
+    rings per rank): uneven requests, tokens = one process = transformers' generate(), dummy steps counted."""
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    hf = tiny_qwen3_5(moe=True)
+    hf.save_pretrained(tmp_path)
+    want = [o.token_ids for o in dg.compile_model(str(tmp_path), None, config()).generate(PROMPTS, PARAMS)]
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    with torch.no_grad():
+        hf_tokens = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=s.max_tokens, min_new_tokens=s.max_tokens,
+                                 do_sample=False)[0, len(p) :].tolist() for p, s in zip(PROMPTS, PARAMS)]  # fmt: skip
+    assert want == hf_tokens
+    with dg.compile_model(str(tmp_path), None, config(data_parallel_size=2, expert_parallel=True)) as engine:
+        assert "experts 0-1 of 4" in engine.warm_up_report
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == want
+        busy, idle = engine.stats()["per_replica"]
+        assert idle["dummy_steps"] > 0 and idle["steps"] + idle["dummy_steps"] == busy["steps"]

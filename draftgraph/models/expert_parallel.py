@@ -1,12 +1,14 @@
-"""Expert parallelism for DeepSeek-V3-style MoE layers: each of W ranks holds E/W whole experts.
+"""Expert parallelism for the MoE families (DeepSeek-V3's `MoE`, Qwen3.5-MoE's `QwenMoE`): each of W ranks
+holds E/W whole experts.
 
-Rank r holds experts [r*E/W, (r+1)*E/W); the router (gate and its correction bias) and the shared experts
-are replicated. Dispatch and combine have shapes fixed by the token count T, which every rank has equal (the
+Rank r holds experts [r*E/W, (r+1)*E/W); the router (DeepSeek: grouped sigmoid top-k with its correction
+bias; Qwen: softmax top-k renormalised) and the shared experts (Qwen: with their sigmoid gate) are
+replicated. Dispatch and combine have shapes fixed by the token count T, which every rank has equal (the
 lock-step, runtime/lockstep.py, pads each step's batch to one agreed shape), so the layer sits in compiled
 pieces and CUDA graphs:
 
   x [T, H] --all_gather_rows--> x_all [W*T, H] (every rank's tokens)
-  route(x_all) with the replicated router -> ids, weights [W*T, k] (global expert ids)
+  route(x_all) with the replicated router (the family's rule) -> ids, weights [W*T, k] (global expert ids)
   pairs on other ranks' experts get weight 0 (and local id 0); moe_experts over the local experts
       -> partial [W*T, H] (only this rank's experts' contributions)
   --reduce_scatter_rows--> [T, H] (every rank's contributions to this rank's tokens, summed) + shared(x)
@@ -30,6 +32,7 @@ from torch import nn
 import draftgraph.ops.collectives.rows  # noqa: F401  (registers all_gather_rows / reduce_scatter_rows)
 import draftgraph.ops.moe.op  # noqa: F401  (registers draftgraph::moe_experts)
 from draftgraph.models.moe import MoE, route
+from draftgraph.models.qwen3_5 import QwenMoE
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -43,30 +46,45 @@ def check_expert_parallel(num_experts: int, ep: ParallelGroup, model_type: str) 
 
 
 class ExpertParallelMoE(nn.Module):
-    """A MoE layer of which this rank holds experts [rank*E/W, (rank+1)*E/W); see the module docstring."""
+    """A MoE layer (DeepSeek's `MoE` or Qwen3.5's `QwenMoE`) of which this rank holds experts
+    [rank*E/W, (rank+1)*E/W); see the module docstring."""
 
-    def __init__(self, moe: MoE, ep: ParallelGroup):
+    def __init__(self, moe: MoE | QwenMoE, ep: ParallelGroup):
         super().__init__()
-        m = moe.m
-        check_expert_parallel(m.num_experts, ep, "this model")
-        self.m, self.ep, self.attn_impl = m, ep, moe.attn_impl
-        self.num_local = m.num_experts // ep.world_size
+        self.qwen = isinstance(moe, QwenMoE)
+        num_experts = moe.gate_up.shape[0]
+        check_expert_parallel(num_experts, ep, "this model")
+        self.ep, self.attn_impl, self.num_experts = ep, moe.attn_impl, num_experts
+        self.num_local = num_experts // ep.world_size
         self.first = ep.rank * self.num_local
         self.gate = moe.gate  # the router: replicated
-        self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
+        if self.qwen:
+            self.top_k, self.shared_gate = moe.top_k, moe.shared_gate
+        else:
+            self.m = moe.m
+            self.register_buffer("e_score_correction_bias", moe.e_score_correction_bias)
         local = slice(self.first, self.first + self.num_local)
         self.gate_up = nn.Parameter(moe.gate_up.data[local].clone(), requires_grad=False)  # [E/W, 2I, H]
         self.down = nn.Parameter(moe.down.data[local].clone(), requires_grad=False)  # [E/W, H, I]
         self.shared = moe.shared
 
-    def forward(self, x):  # x [T, H]: T equal on every rank
-        m, group = self.m, self.ep.group_name
-        x_all = torch.ops.draftgraph.all_gather_rows(x, group)  # [W*T, H]
+    def _route(self, x_all):
+        """(weights, global expert ids) [W*T, k], by the family's rule, as its whole layer routes."""
+        if self.qwen:
+            logits = F.linear(x_all, self.gate)  # in the model dtype, as QwenMoE
+            weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+            return (weights / weights.sum(dim=-1, keepdim=True)).to(x_all.dtype).float(), ids
+        m = self.m
         logits = F.linear(x_all.float(), self.gate.float())
-        weights, ids = route(
+        return route(
             logits, self.e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
             m.routed_scaling_factor,
         )  # fmt: skip
+
+    def forward(self, x):  # x [T, H]: T equal on every rank
+        group = self.ep.group_name
+        x_all = torch.ops.draftgraph.all_gather_rows(x, group)  # [W*T, H]
+        weights, ids = self._route(x_all)
         local = ids - self.first
         mine = (local >= 0) & (local < self.num_local)
         ids_local = torch.where(mine, local, torch.zeros_like(local))
@@ -74,7 +92,10 @@ class ExpertParallelMoE(nn.Module):
         partial = torch.ops.draftgraph.moe_experts(x_all, self.gate_up, self.down, ids_local, weights_local,
                                                    self.attn_impl)  # fmt: skip
         out = torch.ops.draftgraph.reduce_scatter_rows(partial, group)  # [T, H]
-        return out + self.shared(x) if self.shared is not None else out
+        if self.shared is None:
+            return out
+        shared = self.shared(x)
+        return out + (torch.sigmoid(self.shared_gate(x)) * shared if self.qwen else shared)
 
 
 def shard_experts(model: nn.Module, ep: ParallelGroup) -> str:
@@ -82,19 +103,19 @@ def shard_experts(model: nn.Module, ep: ParallelGroup) -> str:
     returns what this rank holds, in words. Refuses a model with no DeepSeek-style MoE layer, naming it."""
     if ep.is_single:
         return ""
-    found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+    found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (MoE, QwenMoE))]
     if not found:
         cfg = getattr(model, "cfg", None)
         kind = getattr(cfg, "model_type", type(model).__name__)
         raise ValueError(
-            f"expert_parallel=True, but the target ({kind}) has no DeepSeek-V3-style MoE layer to split (Qwen3.5-MoE "
-            "experts are not split yet); turn expert_parallel off (the replicas then each hold the whole model)"
+            f"expert_parallel=True, but the target ({kind}) has no MoE layer to split (DeepSeek-V3 or Qwen3.5-MoE); "
+            "turn expert_parallel off (the replicas then each hold the whole model)"
         )
     for name, moe in found:
         parent_name, _, attr = name.rpartition(".")
         split = ExpertParallelMoE(moe, ep)
         setattr(model.get_submodule(parent_name), attr, split)
-    first, n, total = split.first, split.num_local, split.m.num_experts
+    first, n, total = split.first, split.num_local, split.num_experts
     return (
         f"expert parallel: experts {first}-{first + n - 1} of {total} in each of {len(found)} MoE layers on rank "
         f"{ep.rank} of {ep.world_size}"
