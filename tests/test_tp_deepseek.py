@@ -122,8 +122,8 @@ def test_deepseek_v3_and_v32_at_tp2_equal_one_process_and_transformers(tmp_path)
 
 
 def test_deepseek_v3_at_tp4(tmp_path):
-    """One head and an 8-wide slice of each expert per rank; the target alone."""
-    spawn(_check_deepseek, 4, tmp_path, False)
+    """One head and an 8-wide slice of each expert per rank; alone and with the MTP drafter at draft TP 4 and 1."""
+    spawn(_check_deepseek, 4, tmp_path, True)
 
 
 def test_sizes_tp_cannot_split_are_refused():
