@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
 
@@ -44,7 +46,11 @@ def _config(args, **over):
         expert_parallel=getattr(args, "expert_parallel", False),
     )
     fields.update(over)
-    return dg.CompileConfig(**fields)
+    config = dg.CompileConfig(**fields)
+    from draftgraph.workers.launched import uses_launch
+
+    uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
+    return config
 
 
 def _inductor_options(given: list[str] | None):
@@ -187,7 +193,6 @@ def print_report(s: dict) -> None:
 
 def cmd_build(args) -> int:
     """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
-    import os
     import tempfile
 
     import draftgraph as dg
@@ -284,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        return args.func(args)
+        from draftgraph.workers.launched import launch_env
+
+        launch = launch_env()  # under torchrun every rank runs this command; rank 0 alone prints
+        if launch is None or launch.rank == 0:
+            return args.func(args)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return args.func(args)
     except (ValueError, FileNotFoundError, TypeError, ArtifactError) as e:
         print(f"draftgraph: error: {e}", file=sys.stderr)
         return 2

@@ -144,6 +144,39 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="draftgraph-parent-watch", daemon=True).start()
 
 
+def setup_rank(
+    rank: int,
+    world_size: int,
+    config: CompileConfig,
+    target: Any,
+    drafter: Any,
+    artifacts: str | None = None,
+    strict_artifacts: bool = False,
+):
+    """In a rank whose default process group is up: its groups and its engine, and what it reports once ready
+    (the driver's `rank_info`)."""
+    groups = make_groups(rank, world_size, config)
+    engine = build_rank_engine(target, drafter, config, groups, artifacts, strict_artifacts)
+    info = {
+        "rank": rank,
+        "config": engine.config,
+        "k": engine.k,
+        "warm_up_report": engine.warm_up_report,
+        "vocab_size": engine.target.cfg.vocab_size,
+        "eos_token_ids": engine.eos_token_ids,
+        "compile": engine.compiled.counters.as_dict() if engine.compiled is not None else None,
+    }
+    return engine, info
+
+
+def run_command(engine, name: str, args: tuple) -> tuple[str, Any]:
+    """("ok", what the driver's call `name(*args)` returns here), or ("error", the exception and traceback)."""
+    try:
+        return "ok", COMMANDS[name](engine, *args)
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, named
+        return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
 def worker_main(rank: int, spec: RankSpec, conn) -> None:
     """The process's entry point (spawned by driver.start_workers)."""
     import torch.distributed as dist
@@ -161,21 +194,11 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        groups = make_groups(rank, spec.world_size, spec.config)
         target, drafter = open_sources(spec.target, spec.drafter)
-        engine = build_rank_engine(target, drafter, spec.config, groups, spec.artifacts, spec.strict_artifacts)
-        conn.send(
-            (
-                "ok",
-                {
-                    "config": engine.config,
-                    "k": engine.k,
-                    "warm_up_report": engine.warm_up_report,
-                    "vocab_size": engine.target.cfg.vocab_size,
-                    "eos_token_ids": engine.eos_token_ids,
-                },
-            )
+        engine, info = setup_rank(
+            rank, spec.world_size, spec.config, target, drafter, spec.artifacts, spec.strict_artifacts
         )
+        conn.send(("ok", info))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver, named
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -187,11 +210,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
                 return
             if msg is None:
                 return
-            name, args = msg
-            try:
-                conn.send(("ok", COMMANDS[name](engine, *args)))
-            except Exception as e:  # noqa: BLE001
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(run_command(engine, *msg))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
