@@ -46,9 +46,11 @@ def start_workers(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
     tokenizer: Any = None,
+    build_dir: str | None = None,
 ) -> ParallelEngine:
     """Start tensor_parallel_size x data_parallel_size ranks (torch.multiprocessing spawn), each building its
-    engine; return once all are ready (or raise WorkerError naming the first rank that failed)."""
+    engine; return once all are ready (or raise WorkerError naming the first rank that failed). With
+    `build_dir`, each rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
     import torch.multiprocessing as mp
 
     world = config.tensor_parallel_size * config.data_parallel_size
@@ -66,6 +68,7 @@ def start_workers(
         config,
         artifacts,
         strict_artifacts,
+        build_dir=build_dir,
     )
     ctx = mp.get_context("spawn")
     procs, conns = [], []

@@ -118,9 +118,11 @@ def join_launch(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
     tokenizer: Any = None,
+    build_dir: str | None = None,
 ) -> LaunchedEngine:
     """Make this process rank `env.rank` (compile_model under torchrun): join the process group, build this
-    rank's engine, and return once every rank is ready (or raise WorkerError naming the first that failed)."""
+    rank's engine, and return once every rank is ready (or raise WorkerError naming the first that failed).
+    With `build_dir`, this rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
     import torch.distributed as dist
 
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -137,7 +139,9 @@ def join_launch(
     tok = resolve_tokenizer(tokenizer, target)  # each rank encodes and decodes alike; its engine sees ids
     engine = None
     try:
-        engine, info = setup_rank(env.rank, env.world_size, config, target, drafter, artifacts, strict_artifacts)
+        engine, info = setup_rank(
+            env.rank, env.world_size, config, target, drafter, artifacts, strict_artifacts, build_dir
+        )
         mine = ("ok", info)
     except Exception as e:  # noqa: BLE001 - every rank hears of it, named
         mine = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

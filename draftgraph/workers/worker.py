@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ class RankSpec:
     artifacts: str | None
     strict_artifacts: bool
     timeout_s: float = 600.0  # a collective waiting longer than this raises (a peer died or hung)
+    build_dir: str | None = None  # each rank writes its artifacts into build_dir/rank-R (setup_rank)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,17 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="draftgraph-parent-watch", daemon=True).start()
 
 
+def _build_config(config: CompileConfig, out: str, rank: int) -> CompileConfig:
+    """The config rank `rank` compiles with when it writes artifacts into `out`: on the CPU, Inductor's cache
+    (the built libraries a CPU artifact carries) inside `out`; on CUDA, a cache directory of its own."""
+    from draftgraph.compiler.artifacts import CACHE
+
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return replace(config, cache_dir=os.path.join(out, CACHE))
+    return replace(config, cache_dir=os.path.join(config.cache_dir, f"rank-{rank}") if config.cache_dir else "")
+
+
 def setup_rank(
     rank: int,
     world_size: int,
@@ -152,9 +164,18 @@ def setup_rank(
     drafter: Any,
     artifacts: str | None = None,
     strict_artifacts: bool = False,
+    build_dir: str | None = None,
 ):
     """In a rank whose default process group is up: its groups and its engine, and what it reports once ready
-    (the driver's `rank_info`)."""
+    (the driver's `rank_info`). Artifacts of several ranks are per rank (compiler/artifact_ranks.py): rank r
+    loads artifacts/rank-r and, given `build_dir`, writes build_dir/rank-r (its manifest in the report)."""
+    from draftgraph.compiler.artifact_ranks import rank_dir
+
+    if artifacts is not None and world_size > 1:
+        artifacts = rank_dir(artifacts, rank)
+    if build_dir is not None:
+        build_dir = rank_dir(build_dir, rank) if world_size > 1 else build_dir
+        config = _build_config(config, build_dir, rank)
     groups = make_groups(rank, world_size, config)
     engine = build_rank_engine(target, drafter, config, groups, artifacts, strict_artifacts)
     info = {
@@ -166,6 +187,10 @@ def setup_rank(
         "eos_token_ids": engine.eos_token_ids,
         "compile": engine.compiled.counters.as_dict() if engine.compiled is not None else None,
     }
+    if build_dir is not None:
+        from draftgraph.compiler.artifacts import build_artifacts
+
+        info["manifest"] = build_artifacts(engine, build_dir, progress=False)
     return engine, info
 
 
@@ -196,7 +221,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
         )
         target, drafter = open_sources(spec.target, spec.drafter)
         engine, info = setup_rank(
-            rank, spec.world_size, spec.config, target, drafter, spec.artifacts, spec.strict_artifacts
+            rank, spec.world_size, spec.config, target, drafter, spec.artifacts, spec.strict_artifacts, spec.build_dir
         )
         conn.send(("ok", info))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver, named
