@@ -79,8 +79,15 @@ def compile_model(
     `.text` (runtime/text.py).
 
     With `config.tensor_parallel_size` x `config.data_parallel_size` N > 1 it starts N worker processes, one per
-    device, and returns a `ParallelEngine` (workers/driver.py) with the Engine's API that drives them all."""
+    device, and returns a `ParallelEngine` (workers/driver.py) with the Engine's API that drives them all.
+    Called on every rank of a torchrun launch (RANK / WORLD_SIZE / LOCAL_RANK set), it makes this process one
+    rank of N = WORLD_SIZE instead and returns a `LaunchedEngine` (workers/launched.py)."""
     config = config or CompileConfig()
+    from draftgraph.workers.launched import join_launch, uses_launch
+
+    launch = uses_launch(config)  # a launch whose size is not tp x dp is refused here, naming both
+    if launch is not None:
+        return join_launch(launch, target, drafter, config, artifacts, strict_artifacts, tokenizer)
     if config.tensor_parallel_size * config.data_parallel_size > 1:
         from draftgraph.workers.driver import start_workers
 

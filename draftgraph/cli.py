@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
 
@@ -11,6 +13,7 @@ import torch
 from draftgraph.cli_parser import build_parser
 from draftgraph.cli_text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
 from draftgraph.compiler.artifacts import ArtifactError
+from draftgraph.workers.ranked import WorkerError
 
 
 def _config(args, **over):
@@ -44,7 +47,11 @@ def _config(args, **over):
         expert_parallel=getattr(args, "expert_parallel", False),
     )
     fields.update(over)
-    return dg.CompileConfig(**fields)
+    config = dg.CompileConfig(**fields)
+    from draftgraph.workers.launched import uses_launch
+
+    uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
+    return config
 
 
 def _inductor_options(given: list[str] | None):
@@ -187,7 +194,6 @@ def print_report(s: dict) -> None:
 
 def cmd_build(args) -> int:
     """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
-    import os
     import tempfile
 
     import draftgraph as dg
@@ -197,8 +203,12 @@ def cmd_build(args) -> int:
         print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
         return 2
     mode = "FULL_AND_PIECEWISE" if args.mode == "auto" else args.mode  # graphs are captured when loaded
-    if os.path.isdir(args.out) and os.listdir(args.out):
-        print(f"draftgraph build: error: {args.out} is not empty; choose a new directory", file=sys.stderr)
+    from draftgraph.workers.launched import launch_env
+
+    launch = launch_env()  # under torchrun each rank checks (and writes) its own OUT/rank-R only
+    mine = args.out if launch is None or launch.world_size == 1 else os.path.join(args.out, f"rank-{launch.rank}")
+    if os.path.isdir(mine) and os.listdir(mine):
+        print(f"draftgraph build: error: {mine} is not empty; choose a new directory", file=sys.stderr)
         return 2
     # Graphs are captured at load, not here. On the CPU, Inductor's cache (the built C++ libraries, which a
     # CPU artifact does not bundle) goes into the artifact; a CUDA artifact bundles its kernels, and the
@@ -210,10 +220,16 @@ def cmd_build(args) -> int:
         print(f"config: {config}")
         target, drafter = _models(args)
         t0 = time.perf_counter()
-        engine = dg.compile_model(target, drafter, config)
-        manifest = build_artifacts(engine, args.out)
-    print(summary_text(manifest), end="")
-    print(f"built {args.out} in {time.perf_counter() - t0:.1f} s ({len(manifest['files'])} files)")
+        if config.tensor_parallel_size * config.data_parallel_size > 1:  # one artifact set per rank: OUT/rank-R
+            from draftgraph.workers.build import build_ranks
+
+            manifests = build_ranks(target, drafter, config, args.out)
+        else:
+            manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out)]
+    print(summary_text(manifests[0]), end="")
+    where = f" (rank-0 .. rank-{len(manifests) - 1}, one per rank)" if len(manifests) > 1 else ""
+    files = sum(len(m["files"]) for m in manifests)
+    print(f"built {args.out}{where} in {time.perf_counter() - t0:.1f} s ({files} files)")
     return 0
 
 
@@ -284,9 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        return args.func(args)
+        from draftgraph.workers.launched import launch_env
+
+        launch = launch_env()  # under torchrun every rank runs this command; rank 0 alone prints
+        if launch is None or launch.rank == 0:
+            return args.func(args)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return args.func(args)
     except (ValueError, FileNotFoundError, TypeError, ArtifactError) as e:
         print(f"draftgraph: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:  # a rank's error, named; its traceback with -v
+        text = str(e) if args.verbose else str(e).split("\nTraceback (most recent call last)")[0]
+        print(f"draftgraph: error: {text}", file=sys.stderr)
         return 2
 
 

@@ -122,6 +122,33 @@ BUILD_MODE_HELP = (
 INSPECT_MODE_HELP = "mode to compile and inspect, on the CPU (default auto: PIECEWISE)"
 
 
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel size: ranks the target runs on, one worker process per device, or one per process "
+        "of a torchrun launch of tp x dp processes (default 1)",
+    )
+    p.add_argument(
+        "--draft-tp",
+        type=int,
+        default=None,
+        help="the drafter's tensor parallel size: the target's (--tp) or 1, replicated (default: --tp)",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data parallel size: engine replicas, each with its own requests (--tp ranks each; default 1)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="split a MoE target's experts across the --dp replicas, which then step together (needs --dp >= 2)",
+    )
+
+
 def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
     """The `draftgraph` argument parser, every command and flag (each with its help); `commands` maps each
     command to the function that runs it (`run` is `generate`)."""
@@ -146,29 +173,7 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             "--top-k", type=int, default=0, help="keep the k likeliest tokens, >= 1; 0 or -1 = off (default 0)"
         )
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default 1)")
-        p.add_argument(
-            "--tp",
-            type=int,
-            default=1,
-            help="tensor parallel size: ranks the target runs on, one worker process per device (default 1)",
-        )
-        p.add_argument(
-            "--draft-tp",
-            type=int,
-            default=None,
-            help="the drafter's tensor parallel size: the target's (--tp) or 1, replicated (default: --tp)",
-        )
-        p.add_argument(
-            "--dp",
-            type=int,
-            default=1,
-            help="data parallel size: engine replicas, each with its own requests (--tp ranks each; default 1)",
-        )
-        p.add_argument(
-            "--expert-parallel",
-            action="store_true",
-            help="split a MoE target's experts across the --dp replicas, which then step together (needs --dp >= 2)",
-        )
+        _add_parallel(p)
         p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
         add_text_arguments(p)
         p.add_argument(
@@ -186,7 +191,10 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
         p.set_defaults(func=commands["generate"])
     p = sub.add_parser("build", help="compile ahead of time into an artifact directory (manifest, summary, code)")
     _add_common(p, BUILD_MODE_HELP)
-    p.add_argument("--out", required=True, help="artifact directory to write (new or empty)")
+    p.add_argument(
+        "--out", required=True, help="artifact directory to write (new or empty; with several ranks, OUT/rank-R each)"
+    )
+    _add_parallel(p)
     p.set_defaults(func=commands["build"])
     p = sub.add_parser("inspect", help="write normalized graph dumps and a summary for a model pair and config")
     _add_common(p, INSPECT_MODE_HELP)

@@ -33,6 +33,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 import draftgraph
+from draftgraph.compiler.artifact_ranks import (
+    MANIFEST,
+    ONE_PROCESS,
+    layout_problem,
+    mismatch,
+    parallel_fields,
+    this_rank,
+)
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.fx_serialize import decode_module, encode_module
 from draftgraph.compiler.input_paths import InputPathError, parse_source
@@ -48,7 +56,6 @@ from draftgraph.compiler.manifest_check import (
 log = logging.getLogger("draftgraph")
 
 FORMAT = 2  # 2: input paths as declared steps (not expressions), the config's fields
-MANIFEST = "manifest.json"
 # Inductor's cache of a CPU build: the built .so files, which a CPU artifact does not bundle (without them
 # every load would re-run the C++ compiler). `draftgraph build` points Inductor here on the CPU only; a CUDA
 # artifact bundles its Triton kernels.
@@ -191,6 +198,7 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
     fields = expected_fields(engine.config, engine.target, engine.drafter)
     files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
     manifest = {**fields, "config": config_fields(engine.config), "functions": functions, "files": files}
+    manifest["parallel"] = parallel_fields(engine.config, this_rank(engine.config))  # artifact_ranks.py
     manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     (out / SUMMARY).write_text(summary_text(manifest))
@@ -292,6 +300,13 @@ def summary_text(m: dict) -> str:
         f"hashes: config {m['config_hash']}, target {m['target_hash']}, drafter {m['drafter_hash']}, "
         f"sources {m['source_hash']}",
     ]
+    p = m.get("parallel")
+    if p and p["world_size"] > 1:
+        lines.append(
+            f"rank {p['rank']} of {p['world_size']}: tensor-parallel rank {p['tp_rank']} of "
+            f"{p['tensor_parallel_size']}, data-parallel replica {p['dp_rank']} of {p['data_parallel_size']}"
+            + (", expert parallel" if p["expert_parallel"] else "")
+        )
     for name, fn in m["functions"].items():
         n_art = sum(len(p["per_size"]) + 1 for p in fn["pieces"].values())
         lines.append(
@@ -337,8 +352,16 @@ def read_manifest(path: str) -> dict:
 
 def check_artifacts(path: str, rc, target, drafter, needs) -> dict:
     """The manifest of `path` when it matches the running setup and lists what the engine needs (`needs`:
-    its function names); otherwise ArtifactError naming every differing field, or the first bad entry."""
+    its function names); otherwise ArtifactError naming every differing field, or the first bad entry. The
+    rank comes first: a build for other ranks is named with the fix (artifact_ranks.py)."""
+    running = parallel_fields(rc, this_rank(rc))
+    problem = layout_problem(path, running)
+    if problem:
+        raise ArtifactError(problem)
     manifest = read_manifest(path)
+    problem = mismatch(path, manifest.get("parallel", ONE_PROCESS), running)
+    if problem:
+        raise ArtifactError(problem)
     diffs = field_mismatches(manifest, expected_fields(rc, target, drafter), config_fields(rc))
     if diffs:
         raise ArtifactError(f"artifacts in {path} were built for something else: " + "; ".join(diffs))

@@ -135,11 +135,13 @@ class CausalLM(nn.Module):
         device="cpu",
         attn_impl: str = "reference",
         tp: ParallelGroup = SINGLE,
+        sharded: bool = False,
     ) -> CausalLM:
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`) and the full
-        model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied)."""
+        model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied), or
+        `state` as it is when `sharded` (already this rank's share: sharded_read.read_rank_share)."""
         local_cfg = shard_config(cfg, tp)  # refuses families and sizes tp cannot split
-        state = shard_state(dict(state), tp, cfg)
+        state = dict(state) if sharded else shard_state(dict(state), tp, cfg)
         cfg = local_cfg
         if cfg.hybrid is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
             from draftgraph.models.qwen3_5_weights import normalize_keys
@@ -171,11 +173,16 @@ class CausalLM(nn.Module):
     def from_pretrained(
         cls, path: str, dtype=None, device="cpu", attn_impl="reference", tp: ParallelGroup = SINGLE
     ) -> CausalLM:
-        """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads the whole tensors (all of
-        the checkpoint, for now) and keeps copies of its slices only."""
+        """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its slices of the
+        split tensors (models/sharded_read.py; families with other split rules read whole, then slice)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
-        return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
+        if tp.is_single or cfg.mla is not None or cfg.moe is not None or cfg.hybrid is not None:
+            return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
+        shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
+        from draftgraph.models.sharded_read import read_rank_share
+
+        return cls.from_state_dict(cfg, read_rank_share(path, tp), device, attn_impl, tp, sharded=True)
 
     @classmethod
     def from_hf(

@@ -1,18 +1,15 @@
 """The driver: start one worker process per rank (data_parallel_size replicas of tensor_parallel_size ranks),
-send each call to the ranks it concerns, and answer for them all.
+send each call to the ranks it concerns through a pipe, and answer for them all (ranked.py: the Engine's API
+over ranks, the same for ranks a launcher such as torchrun started, launched.py).
 
-The ranks of one replica get every call alike (SPMD) and the replica's first rank answers. Replicas have
-their own requests: the driver spreads them (router.py: least loaded), returns outputs in the caller's order
-under its own request ids, and adds their stats up. A rank that raises, or whose process dies, ends every
-rank: the driver raises `WorkerError` naming the rank and its exception or exit code, and terminates the
-others (which may be waiting in a collective)."""
+A rank that raises, or whose process dies, ends every rank: the driver raises `WorkerError` naming the rank
+and its exception or exit code, and terminates the others (which may be waiting in a collective)."""
 
 from __future__ import annotations
 
 import contextlib
 import tempfile
 import weakref
-from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -20,16 +17,12 @@ import torch
 
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.preflight import check_checkpoints
-from draftgraph.runtime.request import RequestOutput, SamplingParams
-from draftgraph.runtime.streaming import stream_requests
-from draftgraph.runtime.text import decode_text, encode_prompt, resolve_tokenizer
-from draftgraph.workers.router import Router, merge_stats
+from draftgraph.runtime.text import resolve_tokenizer
+from draftgraph.workers.ranked import RankedEngine, WorkerError
 from draftgraph.workers.sources import portable_sources
 from draftgraph.workers.worker import RankSpec, worker_main
 
-
-class WorkerError(RuntimeError):
-    """A worker rank raised or died; every rank has been stopped."""
+__all__ = ["ParallelEngine", "WorkerError", "start_workers"]
 
 
 def _device_type(config: CompileConfig, world_size: int) -> str:
@@ -53,9 +46,11 @@ def start_workers(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
     tokenizer: Any = None,
+    build_dir: str | None = None,
 ) -> ParallelEngine:
     """Start tensor_parallel_size x data_parallel_size ranks (torch.multiprocessing spawn), each building its
-    engine; return once all are ready (or raise WorkerError naming the first rank that failed)."""
+    engine; return once all are ready (or raise WorkerError naming the first rank that failed). With
+    `build_dir`, each rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
     import torch.multiprocessing as mp
 
     world = config.tensor_parallel_size * config.data_parallel_size
@@ -65,7 +60,15 @@ def start_workers(
     tmp = tempfile.TemporaryDirectory(prefix="draftgraph-workers-")
     target_ref, drafter_ref = portable_sources(target, drafter, tmp.name)
     spec = RankSpec(
-        world, f"file://{tmp.name}/init", device_type, target_ref, drafter_ref, config, artifacts, strict_artifacts
+        world,
+        f"file://{tmp.name}/init",
+        device_type,
+        target_ref,
+        drafter_ref,
+        config,
+        artifacts,
+        strict_artifacts,
+        build_dir=build_dir,
     )
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -97,51 +100,22 @@ def _shutdown(procs, conns, tmp, grace_s: float = 10.0) -> None:
     tmp.cleanup()
 
 
-class ParallelEngine:
-    """The Engine's API over several ranks: add_request, step, has_unfinished, generate, stream, stats,
-    warm_up_report, close (also a context manager). Each call runs on the ranks it concerns (see the module
-    docstring); `config` and `warm_up_report` are rank 0's."""
+class ParallelEngine(RankedEngine):
+    """The Engine's API over worker processes this engine started (ranked.py): each call goes to the ranks
+    it concerns through their pipes; a rank that fails or dies stops them all (WorkerError)."""
 
     def __init__(self, procs, conns, tmp, tokenizer, tensor_parallel_size: int = 1):
         self.procs, self._conns = procs, conns
-        self.world_size = len(procs)
-        self.tp = tensor_parallel_size
-        self.dp = self.world_size // self.tp
-        self.router = Router(self.dp)
-        self.tokenizer = tokenizer
-        self.last_step_tokens: list[tuple[int, list[int]]] = []
         self._closed = False
         # Runs at close(), when the driver is collected, or at interpreter exit (before multiprocessing joins).
         self._finalizer = weakref.finalize(self, _shutdown, procs, conns, tmp)
-        info = self._gather("ready", range(self.world_size))[0]
-        self.config, self.k, self.warm_up_report = info["config"], info["k"], info["warm_up_report"]
-        self.vocab_size, self.eos_token_ids = info["vocab_size"], info["eos_token_ids"]
+        self.world_size = len(procs)
+        infos = self._gather("ready", range(self.world_size))
+        self._setup(len(procs), tensor_parallel_size, tokenizer, [infos[r] for r in range(len(procs))])
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-    def replica_ranks(self, replica: int) -> range:
-        return range(replica * self.tp, (replica + 1) * self.tp)
-
-    # ---- talking to the ranks ---------------------------------------------------------------------
-
-    def _call(self, name: str, *args) -> list:
-        """`name(*args)` on every rank; every rank's answer, in rank order."""
-        got = self._call_each(name, {rank: args for rank in range(self.world_size)})
-        return [got[rank] for rank in range(self.world_size)]
-
-    def _call_replicas(self, name: str, args: dict[int, tuple]) -> dict[int, Any]:
-        """`name(*args[d])` on every rank of each replica d given; each replica's answer (its first rank's,
-        once its ranks are seen to agree when `name` is add_request)."""
-        every = self._call_each(name, {r: a for d, a in args.items() for r in self.replica_ranks(d)})
-        out = {}
-        for d in args:
-            answers = [every[r] for r in self.replica_ranks(d)]
-            if name == "add_request" and len(set(answers)) != 1:
-                raise WorkerError(f"ranks gave one request different ids {answers}: their schedulers diverged")
-            out[d] = answers[0]
-        return out
 
     def _call_each(self, name: str, args: dict[int, tuple]) -> dict[int, Any]:
         """`name(*args[rank])` on each rank given; their answers by rank."""
@@ -197,86 +171,3 @@ class ParallelEngine:
         if found is not None:
             _, func, args, _ = found
             func(*args, grace_s=grace_s)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # ---- the Engine's API -------------------------------------------------------------------------
-
-    def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        return self._call_replicas("check_request", {0: (encode_prompt(self.tokenizer, prompt), params)})[0]
-
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue the request on the least-loaded replica; returns the driver's id for it."""
-        d = self.router.pick()
-        args = (encode_prompt(self.tokenizer, prompt), params or SamplingParams())
-        return self.router.admit(d, self._call_replicas("add_request", {d: args})[d])
-
-    def has_unfinished(self) -> bool:
-        return any(self._call("has_unfinished"))
-
-    def step(self) -> list[RequestOutput]:
-        """One step on every rank (a replica with no request runs none, or a dummy one in lock-step)."""
-        every = self._call("step")
-        done, self.last_step_tokens = [], []
-        for d in range(self.dp):
-            outs, tokens = every[d * self.tp]
-            self.last_step_tokens += [(self.router.global_id(d, rid), new) for rid, new in tokens]
-            done += self.router.finished(d, outs)
-        return self._with_text(done)
-
-    def reset_stats(self) -> None:
-        self._call("reset_stats")
-
-    def generate(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        arrival_steps: Sequence[int] | None = None,
-        progress: bool = False,
-    ) -> list[RequestOutput]:
-        """Engine.generate, the prompts spread over the replicas (one round trip; `progress` is not shown across
-        processes); outputs in the prompts' order. Request i joins its replica at its step arrival_steps[i]."""
-        del progress
-        n = len(prompts)
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
-        if len(params) != n or len(arrivals) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
-        ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        where = self.router.spread(n)
-        mine = {d: [i for i in range(n) if where[i] == d] for d in range(self.dp)}
-        args = {d: ([ids[i] for i in idx], [params[i] for i in idx], [arrivals[i] for i in idx])
-                for d, idx in mine.items()}  # fmt: skip
-        answers = self._call_replicas("generate", args)
-        outputs: list[RequestOutput | None] = [None] * n
-        for d, idx in mine.items():
-            for i, out in zip(idx, answers[d]):
-                outputs[i] = out
-        for rid, out in zip(self.router.new_ids(n), outputs):
-            out.request_id = rid
-        return self._with_text(outputs)
-
-    def stream(self, prompts, sampling=None, arrival_steps=None, progress=False, detokenize=True):
-        """Engine.stream, a round trip to every rank per step."""
-        return stream_requests(self, prompts, sampling, arrival_steps, progress, detokenize)
-
-    def stats(self) -> dict:
-        """The replicas' stats added up (router.merge_stats; `per_replica`: each replica's own, with
-        `dummy_steps`), once the ranks of each replica are seen to have taken the same number of steps."""
-        every = self._call("stats")
-        for d in range(self.dp):
-            steps = [every[r]["steps"] for r in self.replica_ranks(d)]
-            if len(set(steps)) != 1:
-                raise WorkerError(f"ranks took different numbers of steps {steps}: their schedulers diverged")
-        merged = merge_stats([every[d * self.tp] for d in range(self.dp)])
-        return {**merged, "tensor_parallel_size": self.tp, "data_parallel_size": self.dp}
-
-    def _with_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self.tokenizer is not None:
-            for out in outputs:
-                out.text = decode_text(self.tokenizer, out.token_ids)
-        return outputs

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ class RankSpec:
     artifacts: str | None
     strict_artifacts: bool
     timeout_s: float = 600.0  # a collective waiting longer than this raises (a peer died or hung)
+    build_dir: str | None = None  # each rank writes its artifacts into build_dir/rank-R (setup_rank)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,63 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="draftgraph-parent-watch", daemon=True).start()
 
 
+def _build_config(config: CompileConfig, out: str, rank: int) -> CompileConfig:
+    """The config rank `rank` compiles with when it writes artifacts into `out`: on the CPU, Inductor's cache
+    (the built libraries a CPU artifact carries) inside `out`; on CUDA, a cache directory of its own."""
+    from draftgraph.compiler.artifacts import CACHE
+
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return replace(config, cache_dir=os.path.join(out, CACHE))
+    return replace(config, cache_dir=os.path.join(config.cache_dir, f"rank-{rank}") if config.cache_dir else "")
+
+
+def setup_rank(
+    rank: int,
+    world_size: int,
+    config: CompileConfig,
+    target: Any,
+    drafter: Any,
+    artifacts: str | None = None,
+    strict_artifacts: bool = False,
+    build_dir: str | None = None,
+):
+    """In a rank whose default process group is up: its groups and its engine, and what it reports once ready
+    (the driver's `rank_info`). Artifacts of several ranks are per rank (compiler/artifact_ranks.py): rank r
+    loads artifacts/rank-r and, given `build_dir`, writes build_dir/rank-r (its manifest in the report)."""
+    from draftgraph.compiler.artifact_ranks import rank_dir
+
+    if artifacts is not None and world_size > 1:
+        artifacts = rank_dir(artifacts, rank)
+    if build_dir is not None:
+        build_dir = rank_dir(build_dir, rank) if world_size > 1 else build_dir
+        config = _build_config(config, build_dir, rank)
+    groups = make_groups(rank, world_size, config)
+    engine = build_rank_engine(target, drafter, config, groups, artifacts, strict_artifacts)
+    info = {
+        "rank": rank,
+        "config": engine.config,
+        "k": engine.k,
+        "warm_up_report": engine.warm_up_report,
+        "vocab_size": engine.target.cfg.vocab_size,
+        "eos_token_ids": engine.eos_token_ids,
+        "compile": engine.compiled.counters.as_dict() if engine.compiled is not None else None,
+    }
+    if build_dir is not None:
+        from draftgraph.compiler.artifacts import build_artifacts
+
+        info["manifest"] = build_artifacts(engine, build_dir, progress=False)
+    return engine, info
+
+
+def run_command(engine, name: str, args: tuple) -> tuple[str, Any]:
+    """("ok", what the driver's call `name(*args)` returns here), or ("error", the exception and traceback)."""
+    try:
+        return "ok", COMMANDS[name](engine, *args)
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, named
+        return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
 def worker_main(rank: int, spec: RankSpec, conn) -> None:
     """The process's entry point (spawned by driver.start_workers)."""
     import torch.distributed as dist
@@ -161,21 +219,11 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        groups = make_groups(rank, spec.world_size, spec.config)
         target, drafter = open_sources(spec.target, spec.drafter)
-        engine = build_rank_engine(target, drafter, spec.config, groups, spec.artifacts, spec.strict_artifacts)
-        conn.send(
-            (
-                "ok",
-                {
-                    "config": engine.config,
-                    "k": engine.k,
-                    "warm_up_report": engine.warm_up_report,
-                    "vocab_size": engine.target.cfg.vocab_size,
-                    "eos_token_ids": engine.eos_token_ids,
-                },
-            )
+        engine, info = setup_rank(
+            rank, spec.world_size, spec.config, target, drafter, spec.artifacts, spec.strict_artifacts, spec.build_dir
         )
+        conn.send(("ok", info))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver, named
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -187,11 +235,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
                 return
             if msg is None:
                 return
-            name, args = msg
-            try:
-                conn.send(("ok", COMMANDS[name](engine, *args)))
-            except Exception as e:  # noqa: BLE001
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            conn.send(run_command(engine, *msg))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
