@@ -37,6 +37,7 @@ from draftgraph.ops.linear_attention.reference import gated_delta_net_reference
 from draftgraph.ops.linear_attention.triton_gdn import conv_forward, gated_delta_net_triton
 from scripts.bench_full import step_time
 from scripts.bench_piecewise import copy_bandwidth, layer_bytes, target_layer_bytes
+from scripts.bench_sparse_mla import graph_ms
 
 SHAPE = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=8,
@@ -89,16 +90,6 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def graph_timed(fn) -> float:
-    """Median ms of `fn` replayed as a CUDA graph: kernel time alone, as inside the engine's graphs."""
-    fn()  # compile the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-
-
 def layer_case(b, q, ring, cfg, ctx=64):
     """One GDN layer's op inputs: b requests of q tokens at position ctx, random state rings (bf16 x)."""
     la = cfg.hybrid.linear
@@ -148,8 +139,8 @@ def kernel_table(cfg, k, bw, fla_rec: bool):
     for b in SIZES:
         for q in (1, 1 + k):
             args, la = layer_case(b, q, 1 + k, cfg)
-            ours = graph_timed(lambda a=args: gated_delta_net_triton(*a, chunk_fn=None)) * 1e3
-            ref = graph_timed(lambda a=args: gated_delta_net_reference(*a)) * 1e3
+            ours = graph_ms(lambda a=args: gated_delta_net_triton(*a, chunk_fn=None)) * 1e3
+            ref = graph_ms(lambda a=args: gated_delta_net_reference(*a)) * 1e3
             rec = timed(fla_recurrent(args, la)) * 1e3 if fla_rec else float("nan")
             floor = b * (1 + q) * state_bytes(cfg) / bw * 1e6
             print(f"{b:>3} {q:>2} | {ours:>7.1f} {ref:>7.1f} {rec:>7.1f} {floor:>6.1f} {ours / floor:>7.2f} "

@@ -27,24 +27,12 @@ import draftgraph as dg
 from draftgraph.runtime.profiling import profile_steps
 from scripts.bench_full import step_time
 from scripts.bench_piecewise import build_pair, copy_bandwidth, layer_bytes, target_layer_bytes
+from scripts.profile_step import engine as full_engine
 
 
 def engine(target, drafter, sizes, k, ctx, one_graph: bool):
-    max_b = max(sizes)
-    cfg = dg.CompileConfig(
-        mode="FULL",
-        num_speculative_tokens=k if drafter is not None else 0,
-        max_num_seqs=max_b,
-        max_num_batched_tokens=max(max_b * (k + 1), 2048),
-        max_model_len=ctx + 96,
-        device="cuda",
-        gpu_memory_utilization=0.0,
-        progress=False,
-        full_capture_sizes=tuple(sizes),
-        one_graph_step=one_graph,
-    )
     t0 = time.perf_counter()
-    eng = dg.compile_model(target, drafter, cfg)
+    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, one_graph_step=one_graph)
     name = f"{'spec' if drafter is not None else 'plain'} {'one graph' if one_graph else 'two graphs'}"
     print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
     return eng

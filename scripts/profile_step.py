@@ -23,18 +23,23 @@ from draftgraph.runtime.profiling import profile_steps
 from scripts.bench_piecewise import build_pair, copy_bandwidth
 
 
-def engine(target, drafter, b, k, ctx, inductor_options=None):
+def engine(target, drafter, b, k, ctx, inductor_options=None, sizes=None, **over):
+    """A FULL-mode CUDA engine graphing batch sizes `sizes` (default: b alone); `over`: more CompileConfig
+    fields (scripts/bench_step.py: one_graph_step)."""
+    sizes = tuple(sizes) if sizes else (b,)
+    max_b = max(sizes)
     cfg = dg.CompileConfig(
         mode="FULL",
         num_speculative_tokens=k if drafter is not None else 0,
-        max_num_seqs=b,
-        max_num_batched_tokens=max(b * (k + 1), 2048),
+        max_num_seqs=max_b,
+        max_num_batched_tokens=max(max_b * (k + 1), 2048),
         max_model_len=ctx + 96,
         device="cuda",
         gpu_memory_utilization=0.0,
         progress=False,
-        full_capture_sizes=(b,),
+        full_capture_sizes=sizes,
         inductor_options=inductor_options,
+        **over,
     )
     return dg.compile_model(target, drafter, cfg)
 

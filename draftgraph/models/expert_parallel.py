@@ -26,13 +26,12 @@ all_to_all_single op with those fixed splits; routing would then run once per to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import draftgraph.ops.collectives.rows  # noqa: F401  (registers all_gather_rows / reduce_scatter_rows)
 import draftgraph.ops.moe.op  # noqa: F401  (registers draftgraph::moe_experts)
-from draftgraph.models.moe import MoE, route
-from draftgraph.models.qwen3_5 import QwenMoE
+from draftgraph.models.moe import MoE, route_tokens
+from draftgraph.models.qwen3_5 import QwenMoE, qwen_route
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -71,15 +70,8 @@ class ExpertParallelMoE(nn.Module):
     def _route(self, x_all):
         """(weights, global expert ids) [W*T, k], by the family's rule, as its whole layer routes."""
         if self.qwen:
-            logits = F.linear(x_all, self.gate)  # in the model dtype, as QwenMoE
-            weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-            return (weights / weights.sum(dim=-1, keepdim=True)).to(x_all.dtype).float(), ids
-        m = self.m
-        logits = F.linear(x_all.float(), self.gate.float())
-        return route(
-            logits, self.e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
-            m.routed_scaling_factor,
-        )  # fmt: skip
+            return qwen_route(x_all, self.gate, self.top_k)
+        return route_tokens(x_all, self.gate, self.e_score_correction_bias, self.m)
 
     def forward(self, x):  # x [T, H]: T equal on every rank
         group = self.ep.group_name

@@ -47,6 +47,14 @@ def route(
     return weights * scaling, ids
 
 
+def route_tokens(x, gate, e_score_correction_bias, m) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [T, k] of tokens x [T, H] by DeepSeek-V3's router (float32 logits, `route`)."""
+    logits = F.linear(x.float(), gate.float())
+    return route(
+        logits, e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor
+    )
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
         super().__init__()
@@ -63,12 +71,7 @@ class MoE(nn.Module):
         self.attn_impl = attn_impl  # the kernels' implementation: "triton", else the reference (as attention's)
 
     def forward(self, x):
-        m = self.m
-        logits = F.linear(x.float(), self.gate.float())
-        weights, ids = route(
-            logits, self.e_score_correction_bias, m.top_k, m.n_group, m.topk_group, m.norm_topk_prob,
-            m.routed_scaling_factor,
-        )  # fmt: skip
+        weights, ids = route_tokens(x, self.gate, self.e_score_correction_bias, self.m)
         out = torch.ops.draftgraph.moe_experts(x, self.gate_up, self.down, ids, weights, self.attn_impl)
         out = out + self.shared(x) if self.shared is not None else out
         return self.tp.all_reduce(out)  # partial sums over the intermediate slices (x itself for one process)

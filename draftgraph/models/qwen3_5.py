@@ -128,6 +128,13 @@ class GatedAttention(nn.Module):
         return self.o(out)
 
 
+def qwen_route(x, gate, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [T, k] of tokens x [T, H] by Qwen's router: softmax over logits in the model dtype
+    (as transformers), top-k, renormalised."""
+    weights, ids = torch.softmax(F.linear(x, gate).float(), dim=-1).topk(top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).float(), ids
+
+
 class QwenMoE(nn.Module):
     """Softmax router, top-k renormalised, routed experts (the moe_experts op) + sigmoid-gated shared expert."""
 
@@ -145,9 +152,7 @@ class QwenMoE(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        logits = F.linear(x, self.gate)  # [T, E] in the model dtype (as transformers)
-        weights, ids = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).float()
+        weights, ids = qwen_route(x, self.gate, self.top_k)
         out = torch.ops.draftgraph.moe_experts(x, self.gate_up, self.down, ids, weights, self.attn_impl)
         out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return self.tp.all_reduce(out)  # partial sums over the intermediate slices (x itself for one process)

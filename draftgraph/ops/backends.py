@@ -10,6 +10,8 @@ import enum
 import os
 from dataclasses import dataclass
 
+import torch
+
 
 class GraphSupport(enum.IntEnum):
     """How much of a CUDA graph an attention implementation can live inside (ordered)."""
@@ -137,6 +139,15 @@ def get_backend(name: str) -> AttentionBackend:
 
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_dot_settings(dtype) -> tuple[bool, str]:
+    """(DOT_F32, PRECISION) for a Triton kernel whose tl.dot operands have `dtype`: the interpreter (CI) gets
+    bf16 / fp16 dots wrong (triton 3.9: a 16x16 bf16 product off by 1e10), so there the operands are upcast
+    (DOT_F32) and dotted in IEEE float32; on a GPU float32 dots are IEEE too, half-precision ones run on
+    tensor cores ("tf32" leaves them as they are)."""
+    dot_f32 = triton_interpreting() and dtype != torch.float32
+    return dot_f32, "ieee" if dtype == torch.float32 or dot_f32 else "tf32"
 
 
 def check_device(name: str, device_type: str) -> None:

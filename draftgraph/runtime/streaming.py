@@ -31,6 +31,17 @@ class StreamDelta:
     output: RequestOutput | None = None  # the whole result, on the request's last delta
 
 
+def per_prompt_args(
+    n: int, sampling: SamplingParams | Sequence[SamplingParams] | None, arrival_steps: Sequence[int] | None
+) -> tuple[list, list[int]]:
+    """generate()'s sampling and arrival arguments as one entry per prompt (one value for all, or a list of n)."""
+    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
+    if len(params) != n or len(arrivals) != n:
+        raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
+    return params, arrivals
+
+
 def stream_requests(
     engine: Engine,
     prompts: Sequence[str | Sequence[int]],
@@ -44,10 +55,7 @@ def stream_requests(
     prompt without a tokenizer refused) before the first request starts. A caller that stops iterating
     early leaves its unfinished requests in the engine."""
     n = len(prompts)
-    params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-    arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
-    if len(params) != n or len(arrivals) != n:
-        raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
+    params, arrivals = per_prompt_args(n, sampling, arrival_steps)
     params = [p or SamplingParams() for p in params]
     # Every request is checked (and text encoded) before any runs; then stats() reports this call alone.
     encoded = [engine.check_request(prompt, p) for prompt, p in zip(prompts, params)]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from draftgraph.runtime.request import RequestOutput, SamplingParams
-from draftgraph.runtime.streaming import stream_requests
+from draftgraph.runtime.streaming import per_prompt_args, stream_requests
 from draftgraph.runtime.text import decode_text, encode_prompt
 from draftgraph.workers.router import Router, merge_stats
 
@@ -113,10 +113,7 @@ class RankedEngine:
         processes); outputs in the prompts' order. Request i joins its replica at its step arrival_steps[i]."""
         del progress
         n = len(prompts)
-        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
-        arrivals = list(arrival_steps) if arrival_steps is not None else [0] * n
-        if len(params) != n or len(arrivals) != n:
-            raise ValueError(f"{n} prompts but {len(params)} sampling params and {len(arrivals)} arrival steps")
+        params, arrivals = per_prompt_args(n, sampling, arrival_steps)
         ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         where = self.router.spread(n)
         mine = {d: [i for i in range(n) if where[i] == d] for d in range(self.dp)}

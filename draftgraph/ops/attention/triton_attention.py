@@ -22,7 +22,7 @@ import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
 from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import triton_dot_settings
 
 
 @triton.jit
@@ -158,10 +158,7 @@ def attend_triton(
         q = q.contiguous()
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
-    # The Triton interpreter (CI) computes tl.dot on bf16/fp16 operands wrongly (seen with triton 3.9:
-    # a 16x16 bf16 product off by 1e10), so there the operands are upcast; GPUs run the native path.
-    dot_f32 = triton_interpreting() and q.dtype != torch.float32
-    precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
+    dot_f32, precision = triton_dot_settings(q.dtype)
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
         q,
         k_cache,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q, merge_split_partials
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import triton_dot_settings
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
     l_sum = torch.empty_like(m)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
-    # As in triton_attention.py: the interpreter gets bf16/fp16 tl.dot wrong, so there the operands are upcast.
-    dot_f32 = triton_interpreting() and q.dtype != torch.float32
-    precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
+    dot_f32, precision = triton_dot_settings(q.dtype)
     _split_kv_kernel[(num_tokens, num_kv_heads, num_splits)](
         q,
         k_cache,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import triton_dot_settings
 
 BLOCK_M = 64  # query rows per program: the planner tiles each request's rows by this
 
@@ -138,8 +138,7 @@ def mla_decompressed_triton(
     for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"MLA decompressed attention (triton) needs {name} with a unit last stride")
-    dot_f32 = triton_interpreting() and q_nope.dtype != torch.float32
-    precision = "ieee" if q_nope.dtype == torch.float32 or dot_f32 else "tf32"
+    dot_f32, precision = triton_dot_settings(q_nope.dtype)
     wide = max(_pad(head_nope), _pad(head_v)) >= 128
     _mla_decompressed_kernel[(q_blocks.shape[0], num_heads)](
         q_nope,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import merge_split_partials
 from draftgraph.ops.attention.triton_split_kv import SplitKVRule, choose_num_splits, device_sm_count
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import triton_dot_settings
 from draftgraph.ops.mla.triton_absorbed import fold_latent_tile, load_latent_queries
 
 # At most 16 splits (the merge holds S x r float32 partials per head), 64 keys each at least.
@@ -185,8 +185,7 @@ def latent_attention_triton(
     acc = torch.empty(num_tokens, num_heads, num_splits, rank, dtype=torch.float32, device=dev) if split else out
     m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=dev) if split else out
     l_sum = torch.empty_like(m) if split else out
-    dot_f32 = triton_interpreting() and q_lat.dtype != torch.float32  # the interpreter's bf16 dot is wrong
-    precision = "ieee" if q_lat.dtype == torch.float32 or dot_f32 else "tf32"
+    dot_f32, precision = triton_dot_settings(q_lat.dtype)
     _latent_kernel[(num_tokens, head_blocks, num_splits)](
         q_lat, q_pe, latent_cache, rope_cache, idx, acc, m, l_sum, block_tables, token_req, token_kv_len,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), idx.stride(0), out.stride(0),
