@@ -18,7 +18,7 @@ from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, res
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
-from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
+from draftgraph.ops.collectives.op import SINGLE, ExpertGroups, ParallelGroup
 from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
 from draftgraph.runtime.engine import Engine
@@ -103,10 +103,10 @@ def build_engine(
     strict_artifacts: bool = False,
     tokenizer: Any = None,
     tp: ParallelGroup = SINGLE,
-    ep: ParallelGroup = SINGLE,
+    ep: ExpertGroups | None = None,
 ) -> Engine:
     """One process's engine (compile_model's work on one device; each worker rank's, workers/worker.py, with
-    its tensor-parallel group `tp` and, with expert parallelism, its expert-parallel group `ep`)."""
+    its tensor-parallel group `tp` and, with expert parallelism, its expert-parallel groups `ep`)."""
     tok = resolve_tokenizer(tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
     check_checkpoints(target, drafter)
@@ -115,12 +115,14 @@ def build_engine(
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
+    if ep is not None:  # models/expert_parallel.py: experts that split, before any weight loads
+        from draftgraph.models.expert_parallel import check_expert_config, shard_experts
+
+        check_expert_config(tcfg, ep)
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
     experts_note = ""
-    if not ep.is_single:  # this rank's experts only (models/expert_parallel.py), before anything compiles
-        from draftgraph.models.expert_parallel import shard_experts
-
-        experts_note = shard_experts(model, ep)
+    if ep is not None:  # this rank's experts only, before anything compiles
+        experts_note = shard_experts(model, ep, target)
     draft: Drafter | None = None
     if drafter is not None:
         draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE

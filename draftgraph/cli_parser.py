@@ -145,7 +145,8 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expert-parallel",
         action="store_true",
-        help="split a MoE target's experts across the --dp replicas, which then step together (needs --dp >= 2)",
+        help="split a MoE target's experts whole across all --tp x --dp ranks (replicas then step together; "
+        "needs --tp x --dp >= 2)",
     )
 
 

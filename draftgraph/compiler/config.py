@@ -75,8 +75,9 @@ class CompileConfig:
     # Engine replicas, each with its own scheduler and requests, spread by the engine (> 1: worker processes;
     # world = data_parallel_size x tensor_parallel_size ranks).
     data_parallel_size: int = 1
-    # Split a MoE target's experts whole across the data-parallel ranks (which then step together); the
-    # router, attention and the drafter stay replicated. Needs data_parallel_size > 1 and tensor_parallel_size 1.
+    # Split a MoE target's experts whole across all tensor_parallel_size x data_parallel_size ranks (the EP group;
+    # with several replicas they then step together); the router stays replicated, the drafter, attention and
+    # the shared experts as without it. Needs tp x dp >= 2 (models/expert_parallel.py).
     expert_parallel: bool = False
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
@@ -335,20 +336,15 @@ def check_parallel(tp: int, draft_tp: int | None) -> None:
 
 
 def check_data_parallel(dp: int, tp: int, expert_parallel: bool) -> None:
-    """Data-parallel replicas number at least 1; expert parallelism spreads experts over several of them, each
-    of one rank (the experts split across tensor-parallel ranks too is not built yet)."""
+    """Data-parallel replicas number at least 1; expert parallelism spreads the experts over all tp x dp ranks
+    (models/expert_parallel.py), so it needs at least two."""
     if dp < 1:
         raise ValueError(f"data_parallel_size={dp} must be at least 1 (1 = one engine replica, no data parallelism)")
-    if expert_parallel and dp < 2:
+    if expert_parallel and dp * tp < 2:
         raise ValueError(
-            f"expert_parallel=True with data_parallel_size={dp}: experts are split across the data-parallel ranks, "
-            "so it needs data_parallel_size >= 2 (e.g. --dp 2 --expert-parallel), or turn expert_parallel off"
-        )
-    if expert_parallel and tp > 1:
-        raise ValueError(
-            f"expert_parallel=True with tensor_parallel_size={tp}: expert parallelism inside tensor-parallel "
-            "replicas is not supported yet; use tensor_parallel_size=1 with data_parallel_size > 1, or turn "
-            "expert_parallel off (data x tensor parallelism of a replicated model works)"
+            f"expert_parallel=True with tensor_parallel_size={tp} and data_parallel_size={dp}: experts are split "
+            "across the tp x dp ranks, so it needs at least two (e.g. --tp 2 --expert-parallel or --dp 2 "
+            "--expert-parallel), or turn expert_parallel off"
         )
 
 

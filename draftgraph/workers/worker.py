@@ -1,8 +1,9 @@
 """One rank's process: join the process group, build this rank's engine, then run the driver's calls on it
 until told to stop. Rank r is tensor-parallel rank r % tp of data-parallel replica r // tp. The ranks of a
 replica run the same scheduler on the same requests (SPMD), so they take the same steps and replay the same
-graphs; replicas have their own requests. With expert parallelism (tp = 1) every rank is an expert-parallel
-rank and their steps agree on one shape (runtime/lockstep.py)."""
+graphs; replicas have their own requests. With expert parallelism every rank is an expert-parallel rank (EP =
+tp x dp, models/expert_parallel.py): a replica's TP ranks split its experts, and with several replicas each TP
+rank gathers the tokens of its peers in the others, so the replicas' steps agree on one shape (runtime/lockstep.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from draftgraph.compiler.config import CompileConfig
-from draftgraph.ops.collectives.op import ParallelGroup, register_group
+from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup, register_group
 from draftgraph.workers.sources import SourceRef, open_sources
 
 
@@ -39,11 +40,11 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class RankGroups:
-    """This rank's groups: tensor-parallel (within its replica), expert-parallel and the lock-step's CPU
-    group (across replicas); "" where there is none."""
+    """This rank's groups: tensor-parallel (within its replica), expert-parallel (None without expert
+    parallelism) and the lock-step's CPU group (across replicas; "" where there is none)."""
 
     tp: ParallelGroup
-    ep: ParallelGroup
+    ep: ExpertGroups | None = None
     lockstep: str = ""
 
 
@@ -52,22 +53,28 @@ def make_groups(rank: int, world_size: int, config: CompileConfig) -> RankGroups
     import torch.distributed as dist
 
     tp_size = config.tensor_parallel_size
-    tp = ep = ParallelGroup.single()
+    tp = replicas = ParallelGroup.single()
     for first in range(0, world_size, tp_size):  # replica first // tp_size
         ranks = list(range(first, first + tp_size))
         group = dist.new_group(ranks) if tp_size > 1 else None
         if group is not None and rank in ranks:
             register_group(group.group_name, group)  # what the collective ops find by name
             tp = ParallelGroup(rank - first, tp_size, group.group_name)
+    if not config.expert_parallel:
+        return RankGroups(tp)
+    dp = world_size // tp_size
     lockstep = ""
-    if config.expert_parallel:  # tp = 1 (CompileConfig checks): every rank is an expert-parallel rank
-        group = dist.new_group(list(range(world_size)))
-        register_group(group.group_name, group)
-        ep = ParallelGroup(rank, world_size, group.group_name)
+    if dp > 1:  # expert parallelism across replicas: each tp rank's peers in the others, and the lock-step
+        for t in range(tp_size):
+            ranks = list(range(t, world_size, tp_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                register_group(group.group_name, group)
+                replicas = ParallelGroup(rank // tp_size, dp, group.group_name)
         counts = dist.new_group(list(range(world_size)), backend="gloo")  # step counts: host values, no device
         register_group(counts.group_name, counts)
         lockstep = counts.group_name
-    return RankGroups(tp, ep, lockstep)
+    return RankGroups(tp, ExpertGroups(replicas, tp), lockstep)
 
 
 def build_rank_engine(

@@ -137,3 +137,23 @@ def _(x, group_name):
 
 
 SINGLE = ParallelGroup()  # one process, no collectives: the default of every `tp` argument
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's place in expert parallelism over EP = tensor_parallel_size x data_parallel_size ranks (what
+    vLLM and SGLang call the EP group): `tp`, its replica's tensor-parallel group (the experts' all_reduce), and
+    `replicas`, its peers of the same tensor-parallel rank in the other data-parallel replicas (the tokens'
+    all_gather_rows / reduce_scatter_rows; single with one replica). Its EP rank is replicas.rank x tp size +
+    tp.rank, the global rank of workers/worker.py's layout (rank r: tp rank r % tp of replica r // tp)."""
+
+    replicas: ParallelGroup = SINGLE
+    tp: ParallelGroup = SINGLE
+
+    @property
+    def rank(self) -> int:
+        return self.replicas.rank * self.tp.world_size + self.tp.rank
+
+    @property
+    def size(self) -> int:
+        return self.replicas.world_size * self.tp.world_size
