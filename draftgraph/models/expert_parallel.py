@@ -134,7 +134,8 @@ def shard_experts(model: nn.Module, ep: ExpertGroups, source: Any = None) -> str
     """Replace every MoE layer of `model` by this rank's ExpertParallelMoE share; returns what this rank holds,
     in words. With tensor parallelism (`ep.tp`) `model` is a TP share, so the whole local experts are read from
     `source` (the target's checkpoint directory or transformers object: models/expert_weights.py) and the
-    loaded slices dropped. Refuses a model with no MoE layer, naming it."""
+    loaded slices dropped (the TP load still reads them first: transient, a TP share's worth of experts).
+    Refuses a model with no MoE layer, naming it."""
     found = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, (MoE, QwenMoE))]
     if not found:
         cfg = getattr(model, "cfg", None)

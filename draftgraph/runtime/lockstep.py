@@ -1,5 +1,5 @@
-"""Lock-step for data-parallel ranks that must step together (expert parallelism: every target forward holds
-collectives over all of them, models/expert_parallel.py).
+"""Lock-step for data-parallel ranks that must step together (expert parallelism over replicas: every target
+forward holds collectives across them, models/expert_parallel.py).
 
 Each rank has its own scheduler and requests. At every `Engine.step`, after scheduling, the ranks agree on
 one step shape with one small all-reduce (MAX) of their counts over a CPU (gloo) group, never a device sync:
@@ -15,8 +15,10 @@ one step shape with one small all-reduce (MAX) of their counts over a CPU (gloo)
   (nothing written, nothing visible): a uniform plan in a FULL mode runs the one-graph step (verify, acceptance
   and the draft loop in one graph) of the agreed variant; otherwise the target's verify forward, then (for a
   drafter reading the target's hidden states) its first draft step over the same rows, as the busy ranks'
-  first draft step runs. The drafter is replicated (no collectives), so its later draft steps need no
-  agreement. `dummy_steps` counts them.
+  first draft step runs. `dummy_steps` counts them. The drafter holds no expert-parallel collective
+  (replicated, or split within its replica only), so its later draft steps need no agreement across replicas.
+  With tensor parallelism the TP ranks of a replica vote the same counts (one scheduler, SPMD), so they run
+  the same steps, dummy ones too.
 - `drain()` steps until no rank has unfinished requests: a rank whose own requests are done keeps answering
   the others' steps (a rank's `generate` ends with it; the driver's `step()` reaches every rank anyway).
 
