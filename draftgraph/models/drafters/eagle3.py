@@ -21,6 +21,7 @@ from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import embedding
+from draftgraph.models.shard_cut import take
 from draftgraph.models.weights import assign_weights, convert_layer
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
@@ -158,6 +159,7 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
             f"EAGLE-3 head layout: lm_head has {head.shape[0]} rows but d2t maps {d2t.shape[0]} draft "
             "tokens; they must agree (draft_vocab_size)"
         )
+    d2t = take(d2t, None)  # its values are checked: read whole when still stored (it is replicated)
     top = int((torch.arange(d2t.shape[0]) + d2t).max()) if d2t.numel() else -1
     if top >= target.vocab_size:
         raise mismatch(
