@@ -126,6 +126,8 @@ class Eagle3Drafter(Drafter):
     ) -> Eagle3Drafter:
         """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
+        if "d2t" in state:  # its values are checked: read now if still stored (replicated, small)
+            state["d2t"] = take(state["d2t"], None)
         draft_vocab = check_pair(cfg, state, target.cfg)
         cfg, state = head_share("eagle3", cfg, state, target, tp, ("embed_tokens.weight", None),
                                 ("embed_tokens.weight", "lm_head.weight"))  # fmt: skip
@@ -159,7 +161,6 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
             f"EAGLE-3 head layout: lm_head has {head.shape[0]} rows but d2t maps {d2t.shape[0]} draft "
             "tokens; they must agree (draft_vocab_size)"
         )
-    d2t = take(d2t, None)  # its values are checked: read whole when still stored (it is replicated)
     top = int((torch.arange(d2t.shape[0]) + d2t).max()) if d2t.numel() else -1
     if top >= target.vocab_size:
         raise mismatch(
