@@ -7,6 +7,8 @@ exactly the replicated tensors plus 1/W of the split ones. The share equals the 
 for tensor, and its greedy tokens equal the one-process engine's.
 """
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ import draftgraph.models.sharded_read as sharded_read
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import shard_dim
-from draftgraph.models.weights import read_target_config, weight_files
+from draftgraph.models.weights import read_checkpoint, read_target_config, weight_files
 from draftgraph.ops.collectives.op import ParallelGroup
 from tests.helpers import tiny_hf_model
 from tests.test_tensor_parallel import spawn
@@ -32,12 +34,12 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-class _Recording:
-    """A safe_open handle that records (name, bytes, whole) for every read and refuses whole reads of split
-    tensors."""
+class Recording:
+    """A safe_open handle that records (name, bytes, whole) for every read and refuses whole reads of the
+    tensors `split(name)` says are cut."""
 
-    def __init__(self, handle, log):
-        self.handle, self.log = handle, log
+    def __init__(self, handle, log, split):
+        self.handle, self.log, self.split = handle, log, split
 
     def __enter__(self):
         self.handle.__enter__()
@@ -50,7 +52,7 @@ class _Recording:
         return self.handle.keys()
 
     def get_tensor(self, name):
-        if shard_dim(name) is not None:
+        if self.split(name):
             raise AssertionError(f"{name} is split over ranks but was read whole")
         t = self.handle.get_tensor(name)
         self.log.append((name, t.nbytes, True))
@@ -71,17 +73,22 @@ class _Recording:
         return Slice()
 
 
-def _load_and_generate(tp: ParallelGroup, path: str):
-    real, log = sharded_read.safe_open, []
-    sharded_read.safe_open = lambda file: _Recording(real(file), log)
+@contextmanager
+def recorded_reads(log: list, split):
+    """Every safetensors read of draftgraph's sharded loads recorded into `log` (see Recording)."""
+    real = sharded_read.safe_open
+    sharded_read.safe_open = lambda file: Recording(real(file), log, split)
     try:
-        shard = CausalLM.from_pretrained(path, tp=tp)
+        yield
     finally:
         sharded_read.safe_open = real
-    whole = {}
-    for file in weight_files(path):
-        with real(file) as f:
-            whole.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not iterable
+
+
+def _load_and_generate(tp: ParallelGroup, path: str):
+    log = []
+    with recorded_reads(log, lambda name: shard_dim(name) is not None):
+        shard = CausalLM.from_pretrained(path, tp=tp)
+    whole = read_checkpoint(path)
     split = {k for k in whole if shard_dim(k) is not None}
     assert split and {name for name, _, full in log if not full} == split  # every split tensor sliced
     assert {name for name, _, full in log if full} == whole.keys() - split  # the rest read whole, once

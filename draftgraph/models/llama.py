@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
     ) -> CausalLM:
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`) and the full
         model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied), or
-        `state` as it is when `sharded` (already this rank's share: sharded_read.read_rank_share)."""
+        `state` as it is when `sharded` (already this rank's share: sharded_read.read_target_share)."""
         local_cfg = shard_config(cfg, tp)  # refuses families and sizes tp cannot split
         state = dict(state) if sharded else shard_state(dict(state), tp, cfg)
         cfg = local_cfg
@@ -173,16 +173,16 @@ class CausalLM(nn.Module):
     def from_pretrained(
         cls, path: str, dtype=None, device="cpu", attn_impl="reference", tp: ParallelGroup = SINGLE
     ) -> CausalLM:
-        """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its slices of the
-        split tensors (models/sharded_read.py; families with other split rules read whole, then slice)."""
+        """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its share of the
+        split tensors (models/sharded_read.py, every family)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
-        if tp.is_single or cfg.mla is not None or cfg.moe is not None or cfg.hybrid is not None:
+        if tp.is_single:
             return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
-        from draftgraph.models.sharded_read import read_rank_share
+        from draftgraph.models.sharded_read import read_target_share
 
-        return cls.from_state_dict(cfg, read_rank_share(path, tp), device, attn_impl, tp, sharded=True)
+        return cls.from_state_dict(cfg, read_target_share(path, cfg, tp), device, attn_impl, tp, sharded=True)
 
     @classmethod
     def from_hf(

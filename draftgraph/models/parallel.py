@@ -13,7 +13,9 @@ With a `ParallelGroup` of world size W, rank r holds:
 
 The per-rank `ModelConfig` (`shard_config`) says num_heads, num_kv_heads and intermediate_size per rank and
 `tp_size = W`; `kv_entry_shapes` and the KV cache's sizing follow from it. vocab_size stays the full
-vocabulary (what the logits have). Every family splits.
+vocabulary (what the logits have). Every family splits. How each stored tensor is cut is one description
+(`tensor_cut`, a models/shard_cut.Cut): `shard_state` applies it to whole tensors in memory, and
+models/sharded_read.py reads only that share from a safetensors checkpoint.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.parallel_hybrid import hybrid_shard, hybrid_sizes, scale_hybrid_config
-from draftgraph.models.parallel_mla import deepseek_shard, mla_sizes, scale_mla_config
+from draftgraph.models.parallel_hybrid import hybrid_cut, hybrid_sizes, scale_hybrid_config
+from draftgraph.models.parallel_mla import deepseek_cut, mla_sizes, scale_mla_config
+from draftgraph.models.shard_cut import Cut, split_cut, take
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -146,25 +149,25 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
-def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup, cfg: ModelConfig | None = None) -> torch.Tensor:
-    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed);
+def tensor_cut(name: str, shape: tuple[int, ...], tp: ParallelGroup, cfg: ModelConfig | None = None) -> Cut | None:
+    """How rank `tp.rank` cuts the transformers-named tensor of (whole) `shape`, None when it holds all of it:
     DeepSeek's MLA and expert names by parallel_mla's rules, Qwen3.5's by parallel_hybrid's (which need the
-    whole model's `cfg`)."""
+    whole model's `cfg`), the rest by the Llama family's (`shard_dim`)."""
     if tp.is_single:
-        return t
-    special = deepseek_shard(name, t, tp.rank, tp.world_size)
-    if special is None and cfg is not None and cfg.hybrid is not None:
-        special = hybrid_shard(name, t, tp.rank, tp.world_size, cfg.hybrid.linear)
-    if special is not None:
-        return special
+        return None
+    cut = deepseek_cut(name, shape, tp.rank, tp.world_size)
+    if cut is None and cfg is not None and cfg.hybrid is not None:
+        cut = hybrid_cut(name, shape, tp.rank, tp.world_size, cfg.hybrid.linear)
+    if cut is not None:
+        return cut
     dim = shard_dim(name)
-    if dim is None:
-        return t
-    size = t.shape[dim]
-    if size % tp.world_size:
-        raise ValueError(f"{name} has {size} entries along dim {dim}, not divisible by tp={tp.world_size}")
-    n = size // tp.world_size
-    return t.narrow(dim, tp.rank * n, n).clone()
+    return None if dim is None else split_cut(name, shape, dim, tp.rank, tp.world_size)
+
+
+def shard_tensor(name: str, t: torch.Tensor, tp: ParallelGroup, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """Rank `tp.rank`'s slice of the transformers-named tensor (a copy, so the full tensor can be freed; the
+    tensor itself when every rank holds all of it), by `tensor_cut`."""
+    return take(t, tensor_cut(name, tuple(t.shape), tp, cfg))
 
 
 def shard_state(

@@ -12,18 +12,17 @@ With a `ParallelGroup` of world size W, rank r holds:
   expert's sigmoid gate replicated (the gate scales this rank's partial, so the sum is the gated whole);
   one all_reduce per layer. A dense MLP as the Llama family's.
 
-`scale_hybrid_config` divides heads and intermediate sizes by W (or multiplies them back); `hybrid_shard`
-slices the transformers-named tensors only Qwen3.5 has.
+`scale_hybrid_config` divides heads and intermediate sizes by W (or multiplies them back); `hybrid_cut` says
+how a rank cuts the transformers-named tensors only Qwen3.5 has (models/shard_cut.py: in memory or read).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.hybrid_config import LinearAttentionConfig
+from draftgraph.models.shard_cut import Cut, split_cut
 
 
 def hybrid_sizes(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
@@ -69,27 +68,18 @@ def scale_hybrid_config(cfg: ModelConfig, w: int, up: bool) -> ModelConfig:
     )
 
 
-def _part(t: torch.Tensor, rank: int, w: int) -> torch.Tensor:
-    n = t.shape[0] // w
-    return t.narrow(0, rank * n, n)
-
-
 _V_HEAD_ROWS = ("linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
                 "linear_attn.A_log", "linear_attn.dt_bias")  # fmt: skip
 _SHARED = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
 
 
-def hybrid_shard(name: str, t: torch.Tensor, rank: int, w: int, la: LinearAttentionConfig) -> torch.Tensor | None:
-    """Rank `rank`'s slice (a copy) of a Qwen3.5-only tensor name, None for names other rules cover. `la` is
-    the whole model's linear-attention shape (the part sizes of the fused qkv rows)."""
+def hybrid_cut(name: str, shape: tuple[int, ...], rank: int, w: int, la: LinearAttentionConfig) -> Cut | None:
+    """How rank `rank` of `w` cuts a Qwen3.5-only tensor name (None for names other rules cover). `la` is the
+    whole model's linear-attention shape (the part sizes of the fused qkv rows)."""
     if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):  # [q | k | v] rows
-        q, k, v = t.split([la.key_dim, la.key_dim, la.value_dim], dim=0)
-        return torch.cat([_part(q, rank, w), _part(k, rank, w), _part(v, rank, w)], dim=0)
+        return split_cut(name, shape, 0, rank, w, parts=(la.key_dim, la.key_dim, la.value_dim))
     if name.endswith(_V_HEAD_ROWS) or name.endswith(_SHARED):
-        if t.shape[0] % w:
-            raise ValueError(f"{name} has {t.shape[0]} rows, not divisible by tp={w}")
-        return _part(t, rank, w).clone()
+        return split_cut(name, shape, 0, rank, w)
     if name.endswith(("linear_attn.out_proj.weight", "mlp.shared_expert.down_proj.weight")):
-        n = t.shape[1] // w
-        return t.narrow(1, rank * n, n).clone()
+        return split_cut(name, shape, 1, rank, w)
     return None

@@ -17,9 +17,10 @@ With a `ParallelGroup` of world size W, rank r holds:
   cache beside the whole latent. Its heads are summed inside the top-k op, so splitting them would need the
   scores all-reduced before the selection: not done.
 
-`shard_mla_config` divides num_heads, num_kv_heads, intermediate_size and moe_intermediate_size by W;
-`deepseek_shard` slices the transformers-named tensors the Llama rules do not cover (q_b / kv_b, experts in
-the hub's per-expert layout or transformers' fused one, shared experts).
+`scale_mla_config` divides num_heads, num_kv_heads, intermediate_size and moe_intermediate_size by W;
+`deepseek_cut` says how a rank cuts the transformers-named tensors the Llama rules do not cover (q_b / kv_b,
+experts in the hub's per-expert layout or transformers' fused one, shared experts): models/shard_cut.py
+applies it to a whole tensor or reads only that share from safetensors.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import torch
-
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.shard_cut import Cut, split_cut
 
 _EXPERT = re.compile(r"mlp\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HEAD_ROWS = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")
@@ -62,23 +62,16 @@ def scale_mla_config(cfg: ModelConfig, w: int, up: bool) -> ModelConfig:
     )
 
 
-def _narrow(t: torch.Tensor, dim: int, rank: int, w: int, name: str) -> torch.Tensor:
-    if t.shape[dim] % w:
-        raise ValueError(f"{name} has {t.shape[dim]} entries along dim {dim}, not divisible by tp={w}")
-    n = t.shape[dim] // w
-    return t.narrow(dim, rank * n, n)
-
-
-def deepseek_shard(name: str, t: torch.Tensor, rank: int, w: int) -> torch.Tensor | None:
-    """Rank `rank`'s slice (a copy) of a DeepSeek-V3-only tensor name, None for names the Llama rules cover."""
+def deepseek_cut(name: str, shape: tuple[int, ...], rank: int, w: int) -> Cut | None:
+    """How rank `rank` of `w` cuts a DeepSeek-V3-only tensor name (None for names the Llama rules cover)."""
     if name.endswith(_HEAD_ROWS):  # [H * (per-head width), in]: whole heads
-        return _narrow(t, 0, rank, w, name).clone()
+        return split_cut(name, shape, 0, rank, w)
     if name.endswith("mlp.experts.gate_up_proj"):  # fused [E, 2I, H]: this rank's gate rows, then its up rows
-        gate, up = t.chunk(2, dim=1)
-        return torch.cat([_narrow(gate, 1, rank, w, name), _narrow(up, 1, rank, w, name)], dim=1)
+        gate = -(-shape[1] // 2)  # torch.chunk's first part
+        return split_cut(name, shape, 1, rank, w, parts=(gate, shape[1] - gate))
     if name.endswith("mlp.experts.down_proj"):  # fused [E, H, I]
-        return _narrow(t, 2, rank, w, name).contiguous()
+        return split_cut(name, shape, 2, rank, w)
     m = _EXPERT.search(name)
     if m is not None:  # per-expert or shared-expert gate / up rows, down columns
-        return _narrow(t, 1 if m.group(2) == "down_proj" else 0, rank, w, name).clone()
+        return split_cut(name, shape, 1 if m.group(2) == "down_proj" else 0, rank, w)
     return None

@@ -38,12 +38,16 @@ _COMMON = {
 }
 
 
+# Stored names that are not the text model's: the MTP head and the vision tower (a rank's target read skips them).
+NOT_TEXT_MODEL = ("mtp.", "model.visual.", "visual.")
+
+
 def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text model's weights under `model.*` / `lm_head.*` (the multimodal layout's prefix removed, the
     vision tower and the MTP head dropped)."""
     out = {}
     for k, v in state.items():
-        if k.startswith(("mtp.", "model.visual.", "visual.")):
+        if k.startswith(NOT_TEXT_MODEL):
             continue
         out["model." + k[len("model.language_model.") :] if k.startswith("model.language_model.") else k] = v
     return out

@@ -21,6 +21,7 @@ from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import embedding
+from draftgraph.models.shard_cut import take
 from draftgraph.models.weights import assign_weights, convert_layer
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
@@ -125,6 +126,8 @@ class Eagle3Drafter(Drafter):
     ) -> Eagle3Drafter:
         """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
+        if "d2t" in state:  # its values are checked: read now if still stored (replicated, small)
+            state["d2t"] = take(state["d2t"], None)
         draft_vocab = check_pair(cfg, state, target.cfg)
         cfg, state = head_share("eagle3", cfg, state, target, tp, ("embed_tokens.weight", None),
                                 ("embed_tokens.weight", "lm_head.weight"))  # fmt: skip

@@ -16,8 +16,9 @@ from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
 from draftgraph.models.drafters.parallel_heads import check_draft_group
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import full_config
-from draftgraph.models.weights import read_checkpoint, read_config, read_target_config
+from draftgraph.models.parallel import full_config, shard_config
+from draftgraph.models.sharded_read import model_share, open_checkpoint
+from draftgraph.models.weights import read_config, read_target_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -56,7 +57,8 @@ def load_drafter(
     Tensor parallelism: `tp` is the drafter's group (the target's, or one process: replicated). Draft models
     load their share (from a checkpoint dir or a transformers object) or the whole model replicated. Heads
     (EAGLE, EAGLE-3, MTP) over a split target are split like it, or replicated with the target's embedding
-    and LM head gathered once (drafters/parallel_heads.py)."""
+    and LM head gathered once (drafters/parallel_heads.py). From a safetensors checkpoint each rank reads
+    only its share of the tensors the drafter keeps (models/sharded_read.py)."""
     device = device if device is not None else target.embed_tokens.weight.device
     attn_impl = attn_impl or target.layers[0].attn.attn_impl
     dtype = dtype or target.cfg.dtype
@@ -72,20 +74,28 @@ def load_drafter(
             )
         check_draft_pair(source, target)
         return DraftModelDrafter(source)
-    if isinstance(source, str):
-        config, state = read_config(source), read_checkpoint(source)
-    elif isinstance(source, nn.Module):
-        config = _config_dict(getattr(source, "config", None))
-        state = source.state_dict()
-    else:
+    if isinstance(source, str):  # stored tensors: each read (as this rank's share) only where it is kept
+        with open_checkpoint(source, tp, "drafter") as state:
+            return _from_state(source, read_config(source), state, target, kind, device, attn_impl, dtype,
+                               aux_layers, tp)  # fmt: skip
+    if not isinstance(source, nn.Module):
         raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
+    config = _config_dict(getattr(source, "config", None))
+    return _from_state(source, config, source.state_dict(), target, kind, device, attn_impl, dtype, aux_layers, tp)
+
+
+def _from_state(source, config: dict, state: dict, target, kind, device, attn_impl, dtype, aux_layers, tp) -> Drafter:
+    """A drafter of upstream-named `state` (tensors, or sharded_read.StoredTensors of an open checkpoint)."""
     kind = kind or detect_kind(config, state.keys())
     if kind != "draft_model":
         check_draft_group(kind, target, tp)  # before any weight is cut or gathered
     if kind == "draft_model":
         if isinstance(source, str):
             config = read_target_config(source)  # a whole model: every key a target needs
-        draft = CausalLM.from_state_dict(ModelConfig.from_hf(config, dtype=dtype), state, device, attn_impl, tp)
+        cfg = ModelConfig.from_hf(config, dtype=dtype)
+        shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
+        share = model_share(state, cfg, tp)  # this rank's share (read now when stored)
+        draft = CausalLM.from_state_dict(cfg, share, device, attn_impl, tp, sharded=True)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
     if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head

@@ -21,11 +21,14 @@ Any other draft TP is refused (`check_draft_group`; CompileConfig refuses it bef
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import shard_config, shard_tensor
+from draftgraph.models.parallel import shard_config, tensor_cut
+from draftgraph.models.shard_cut import Cut, split_cut, take
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -47,40 +50,40 @@ def gather_rows(weight: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
     return tp.all_gather_last(weight.detach().t().contiguous()).t().contiguous()
 
 
-def shard_head_state(
-    state: dict[str, torch.Tensor], vocab_keys: tuple[str, ...], tp: ParallelGroup, cfg: ModelConfig | None = None
-) -> dict[str, torch.Tensor]:
-    """A head's upstream-named tensors cut to rank `tp.rank`'s share: `vocab_keys` (its own embedding / LM
-    head) by vocabulary rows, its decoder-layer tensors by the target family's rules (parallel.shard_tensor),
-    everything else (fc, eh_proj, norms, d2t / t2d) whole."""
+def head_cut(
+    name: str, shape: tuple[int, ...], vocab_keys: tuple[str, ...], tp: ParallelGroup, cfg: ModelConfig | None
+) -> Cut | None:
+    """How rank `tp.rank` cuts a head's upstream-named tensor: `vocab_keys` (its own embedding / LM head) by
+    vocabulary rows, its decoder-layer tensors by the target family's rules (parallel.tensor_cut), everything
+    else (fc, eh_proj, norms, d2t / t2d) whole (None)."""
     if tp.is_single:
-        return dict(state)
-    out = {}
-    for name, t in state.items():
-        if name in vocab_keys:
-            if t.shape[0] % tp.world_size:
-                raise ValueError(
-                    f"{name} has {t.shape[0]} vocabulary rows, not divisible by draft_tensor_parallel_size="
-                    f"{tp.world_size}; use draft_tensor_parallel_size=1 (the head replicated on every rank)"
-                )
-            n = t.shape[0] // tp.world_size
-            out[name] = t.narrow(0, tp.rank * n, n).clone()
-        else:
-            out[name] = shard_tensor(name, t, tp, cfg)
-    return out
+        return None
+    if name in vocab_keys:
+        fix = "use draft_tensor_parallel_size=1 (the head replicated on every rank)"
+        return split_cut(name, shape, 0, tp.rank, tp.world_size, fix=fix)
+    return tensor_cut(name, shape, tp, cfg)
+
+
+def shard_head_state(
+    state: dict[str, Any], vocab_keys: tuple[str, ...], tp: ParallelGroup, cfg: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """A head's upstream-named tensors cut to rank `tp.rank`'s share (`head_cut`): tensors in memory sliced,
+    stored ones (sharded_read.StoredTensor) read as that share only."""
+    return {name: take(t, head_cut(name, tuple(t.shape), vocab_keys, tp, cfg)) for name, t in state.items()}
 
 
 def head_share(
     kind: str,
     cfg: ModelConfig,
-    state: dict[str, torch.Tensor],
+    state: dict[str, Any],
     target: CausalLM,
     tp: ParallelGroup,
     borrowed: tuple[str | None, str | None],
     own_vocab: tuple[str, ...] = (),
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """This rank's config and tensors of a head drafter whose full config is `cfg` and whose upstream-named
-    (already checked) tensors are `state`.
+    (already checked) tensors are `state`: tensors in memory, or stored ones not read yet (a checkpoint
+    directory: sharded_read.StoredTensor, only their shapes checked so far), read here as this rank's share.
 
     `borrowed`: the keys its embedding and LM head take in `state` when it has its own (None: it never owns
     that one). Replicated over a split target (draft TP = 1), the missing ones are filled with the target's
