@@ -116,12 +116,30 @@ def build_engine(
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
     if ep is not None:  # models/expert_parallel.py: experts that split, before any weight loads
-        from draftgraph.models.expert_parallel import check_expert_config, shard_experts
+        from draftgraph.models.expert_parallel import check_expert_config
 
         check_expert_config(tcfg, ep)
+    from draftgraph.compiler.compile_pool import start_pool
+
+    # Compile workers start now, so their start overlaps the weights' loading (compiler/compile_pool.py).
+    pool = start_pool(rc, config.cache_dir, config.progress) if artifacts is None else None
+    try:
+        engine = _assemble(target, drafter, config, rc, artifacts, strict_artifacts, tp, ep, pool)
+    except BaseException:
+        if pool is not None:
+            pool.close()
+        raise
+    engine.tokenizer = tok
+    return engine
+
+
+def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_artifacts, tp, ep, pool) -> Engine:
+    """build_engine's weights, compiled functions, KV cache and warm-up (the pool is closed by the warm-up)."""
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
     experts_note = ""
     if ep is not None:  # this rank's experts only, before anything compiles
+        from draftgraph.models.expert_parallel import shard_experts
+
         experts_note = shard_experts(model, ep, target)
     draft: Drafter | None = None
     if drafter is not None:
@@ -149,6 +167,7 @@ def build_engine(
             config.check_addresses,
             config.dump_graphs_dir,
             config.progress,
+            pool,
         )
 
     artifact_note = ""
@@ -164,7 +183,6 @@ def build_engine(
     else:
         engine = Engine(model, draft, rc, compiled)
     engine.memory_plan = plan
-    engine.tokenizer = tok
     if compiled is not None:
         engine.warm_up_report = engine.warm_up()
     if plan is not None:

@@ -41,6 +41,7 @@ def _config(args, **over):
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
+        compile_workers=getattr(args, "compile_workers", None),
         tensor_parallel_size=getattr(args, "tp", 1),
         draft_tensor_parallel_size=getattr(args, "draft_tp", None),
         data_parallel_size=getattr(args, "dp", 1),

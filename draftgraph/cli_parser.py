@@ -91,6 +91,14 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         help="a torch._inductor.config setting for every compile, e.g. triton.autotune_pointwise=False; "
         "repeatable; any given replaces draftgraph's defaults (VALUE is a Python literal)",
     )
+    p.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes compiling pieces in parallel while tracing goes on (default: auto, half the cores "
+        "on CUDA, at most 8; 0 = every compile in this process)",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
     p.add_argument(
         "--capture",

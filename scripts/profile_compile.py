@@ -5,7 +5,8 @@ to 32 requests, from empty Inductor / Triton caches (set them in the environment
 Prints each unique piece's compile seconds and the functions with the most cumulative time. `--no-cprofile`:
 the timings alone, without the profiler's overhead (what a user waits for).
 Usage: TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python scripts/profile_compile.py
-       [--builtin] [--no-cprofile]
+       [--builtin] [--no-cprofile] [--workers N] [--dump FILE]
+`--workers N`: CompileConfig.compile_workers (default: auto; 0 = every compile in this process).
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from scripts.bench_piecewise import build_pair
 
 
 def main():
+    workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else None
     if "--builtin" in sys.argv:
         from draftgraph.models.builtin import builtin_pair
 
         target, drafter = builtin_pair(device="cuda", attn_impl="triton")
-        config = dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0)
+        config = dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0, compile_workers=workers)
     else:
         target, drafter = build_pair()
         config = dg.CompileConfig(
             mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=32, max_num_batched_tokens=512,
-            max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0,
+            max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0, compile_workers=workers,
         )  # fmt: skip
     profile = "--no-cprofile" not in sys.argv
     prof = cProfile.Profile()
@@ -43,11 +45,17 @@ def main():
     torch.cuda.synchronize()
     c = engine.compiled.counters
     print(f"ready in {time.perf_counter() - t0:.1f} s: {engine.warm_up_report}")
-    print(f"traces {dict(c.traces)}, Inductor compiles {c.inductor_compiles}, unique pieces {c.unique_pieces}")
+    print(f"traces {dict(c.traces)}, Inductor compiles {c.inductor_compiles}, unique pieces {c.unique_pieces}, "
+          f"compile workers {c.compile_workers} ({c.compile_worker_failures} failed), warm-up phases "
+          f"{ {k: round(v, 1) for k, v in c.warmup_seconds.items()} }")  # fmt: skip
+    out = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]], dg.SamplingParams(max_tokens=16))
+    print("tokens", [o.token_ids for o in out])
     for key, s in sorted(c.piece_compile_seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {s:6.2f} s  {key}")
     if not profile:
         return
+    if "--dump" in sys.argv:  # the whole profile, for pstats elsewhere
+        prof.dump_stats(sys.argv[sys.argv.index("--dump") + 1])
     pstats.Stats(prof).sort_stats("cumulative").print_stats(60)
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 

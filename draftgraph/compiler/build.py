@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
@@ -30,6 +31,21 @@ class CompiledModels:
     loop_backend: PiecewiseBackend | None = None  # the fused draft loop's backend (FULL modes with a drafter)
     loops: tuple | None = None  # the fused loop's CompiledLoops, one per LOOP_VARIANTS entry
     full: bool = False  # whole-forward graphs (a FULL mode on CUDA)
+    pool: CompilePool | None = None  # compile workers, until the compile phase ends (finish_compiles)
+
+    def finish_compiles(self) -> None:
+        """End of the compile phase: wait for the pool's compiles, load them, stop its workers. From here on
+        every piece runs its compiled code (before, a piece still compiling ran its FX graph in warm-up)."""
+        if self.pool is None:
+            return
+        pool, self.pool = self.pool, None
+        try:
+            pool.wait_all()
+            for p in pool.pending:
+                self.counters.piece_compile_seconds[p.name] = p.seconds
+            self.counters.compile_worker_failures += pool.failures
+        finally:
+            pool.close()
 
     @property
     def whole_graphs(self) -> CudaGraphs | None:
@@ -47,6 +63,7 @@ def build_compiled(
     check_addresses: bool,
     dump_dir: str,
     progress: bool,
+    pool: CompilePool | None = None,
 ) -> CompiledModels:
     """`loop_fns`: the fused draft loop's functions (one per LOOP_VARIANTS entry) when rc fuses the loop."""
     counters = CompileCounters()
@@ -57,8 +74,9 @@ def build_compiled(
 
     def backend(name):
         return PiecewiseBackend(
-            name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared, rc.inductor_options
-        )
+            name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared, rc.inductor_options,
+            pool,
+        )  # fmt: skip
 
     ct = CompiledTarget(target, backend("target"))
     cd = CompiledDrafter(drafter, backend("drafter")) if drafter is not None else None
@@ -69,4 +87,5 @@ def build_compiled(
         backend_l = backend("draft_loop")
         loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", backend_l) for fn, v in zip(loop_fns, LOOP_VARIANTS))
     full = rc.graphs_enabled and rc.mode in FULL_MODES
-    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full)
+    counters.compile_workers = len(pool.workers) if pool is not None else 0
+    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full, pool)

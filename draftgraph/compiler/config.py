@@ -104,6 +104,9 @@ class CompileConfig:
     # Inductor settings for every piece: None = draftgraph's measured defaults (compiler/inductor_options.py),
     # () = Inductor's own, or (key, value) pairs of torch._inductor.config.
     inductor_options: tuple[tuple[str, object], ...] | None = None
+    # Processes that compile unique pieces in parallel while tracing goes on (compiler/compile_pool.py):
+    # None = auto (on CUDA half the cores, at most 8; on the CPU none), 0 = compile in this process.
+    compile_workers: int | None = None
 
     def __post_init__(self):
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
@@ -145,6 +148,11 @@ class CompileConfig:
             raise ValueError(f"capture_sizes={self.capture_sizes} must all be >= 1")
         if any(s < 1 for s in self.compile_sizes):
             raise ValueError(f"compile_sizes={self.compile_sizes} must all be >= 1")
+        if self.compile_workers is not None and not 0 <= self.compile_workers <= 64:
+            raise ValueError(
+                f"compile_workers={self.compile_workers} must lie in 0..64 (0 = compile in this process, "
+                "None = auto: half the cores on CUDA, at most 8)"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
@@ -186,6 +194,7 @@ class ResolvedConfig:
     draft_tensor_parallel_size: int = 1  # the target's or 1
     data_parallel_size: int = 1
     expert_parallel: bool = False
+    compile_workers: int = 0  # processes compiling pieces in parallel (0: in this process)
 
     @property
     def lookahead(self) -> int:
@@ -200,6 +209,16 @@ class ResolvedConfig:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-(self.max_model_len + self.lookahead) // self.block_size)
+
+
+def _compile_workers(config: CompileConfig, mode: CUDAGraphMode, device: torch.device) -> int:
+    if mode == CUDAGraphMode.NONE or config.compile_backend != "inductor":
+        return 0
+    if config.compile_workers is not None:
+        return config.compile_workers
+    from draftgraph.compiler.compile_pool import auto_workers
+
+    return auto_workers(device.type, config.tensor_parallel_size * config.data_parallel_size)
 
 
 def resolve(
@@ -292,6 +311,7 @@ def resolve(
         draft_tensor_parallel_size=config.draft_tensor_parallel_size or config.tensor_parallel_size,
         data_parallel_size=config.data_parallel_size,
         expert_parallel=config.expert_parallel,
+        compile_workers=_compile_workers(config, mode, device),
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "

@@ -19,6 +19,9 @@ class CompileCounters:
     compiled_runs: Counter = field(default_factory=Counter)  # key "fn/size" -> piece runs without a graph
     dynamic_runs: Counter = field(default_factory=Counter)  # key "fn" -> piece runs past the captured sizes
     compile_seconds: float = 0.0
+    warmup_seconds: dict = field(default_factory=dict)  # warm-up phase -> seconds (runtime/warmup.py)
+    compile_workers: int = 0  # processes that compiled pieces in parallel (compiler/compile_pool.py)
+    compile_worker_failures: int = 0  # pieces a worker could not compile (compiled in-process instead)
     piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
     capture_seconds: float = 0.0
     graph_memory_bytes: int = 0
@@ -35,6 +38,9 @@ class CompileCounters:
             "compiled_runs": dict(self.compiled_runs),
             "dynamic_runs": dict(self.dynamic_runs),
             "compile_seconds": round(self.compile_seconds, 2),
+            "warmup_seconds": {k: round(v, 2) for k, v in self.warmup_seconds.items()},
+            "compile_workers": self.compile_workers,
+            "compile_worker_failures": self.compile_worker_failures,
             "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
             "capture_seconds": round(self.capture_seconds, 2),
             "graph_memory_bytes": self.graph_memory_bytes,

@@ -36,7 +36,7 @@ BUILTIN_NAMES = frozenset({
 })
 TORCH_EXTRA = frozenset({
     "arange", "empty", "empty_strided", "full", "ones", "zeros", "tensor", "scalar_tensor", "_assert", "_check",
-    "_check_is_size", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sum",
+    "_check_is_size", "sym_float", "sym_int", "sym_ite", "sym_max", "sym_min", "sym_not", "sym_sum", "Size",
 })
 # Tensor methods that reach storage, hooks, autograd, other processes or Python objects.
 METHOD_DENY = frozenset({

@@ -11,6 +11,7 @@ target's or the drafter's compiled layers. Per-size compiles happen only for the
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,11 +23,14 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
+from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
+
+log = logging.getLogger("draftgraph")
 
 
 @dataclass
@@ -63,6 +67,7 @@ class PiecewiseBackend:
         compile_sizes: tuple[int, ...] = (),
         shared: PieceCache | None = None,
         inductor_options: tuple[tuple[str, object], ...] = (),
+        pool: CompilePool | None = None,
     ):
         if compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={compile_backend!r} is unknown; choose 'inductor' or 'eager'")
@@ -71,6 +76,7 @@ class PiecewiseBackend:
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
         self.shared = shared if shared is not None else PieceCache()
         self.inductor_options = inductor_options
+        self.pool = pool  # compile workers (compiler/compile_pool.py); None: every compile in this process
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
         # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
@@ -101,7 +107,7 @@ class PiecewiseBackend:
         with _cache_dir(self.cache_dir):
             for p in todo:
                 t1 = time.perf_counter()
-                self.shared.compiled[p.key] = self._compile(p, token, bar)
+                self.shared.compiled[p.key] = self._compile(p, token, bar, f"{self.fn_name}/{p.name}/{p.key[:8]}")
                 self.shared.owner[p.key] = self.fn_name
                 counters.piece_compile_seconds[f"{self.fn_name}/{p.name}/{p.key[:8]}"] = time.perf_counter() - t1
         bar.close()
@@ -124,7 +130,7 @@ class PiecewiseBackend:
         split.module.recompile()
         return _recorded(self, len(self.records) - 1, split.module)
 
-    def _compile(self, piece: Piece, token, bar) -> CompiledPiece:
+    def _compile(self, piece: Piece, token, bar, name: str) -> CompiledPiece:
         gm = piece.graph
         multi = _returns_tuple(gm)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
@@ -148,11 +154,33 @@ class PiecewiseBackend:
                     )
                     self.ctx.counters.inductor_compiles += 1
                     bar.update(1)
-        with inductor_patch(self.inductor_options):
-            dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
+        dynamic = self._submit(gm, fakes, name) if self.pool is not None else None
+        if dynamic is None:
+            with inductor_patch(self.inductor_options):
+                dynamic = standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
         self.ctx.counters.inductor_compiles += 1
         bar.update(1)
         return CompiledPiece(per_size, dynamic, multi)
+
+    def _submit(self, gm: fx.GraphModule, fakes: list, name: str):
+        """The symbolic-size compile of one piece, queued on the compile pool (None: it cannot travel)."""
+        from draftgraph.compiler.fx_serialize import encode_module
+        from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs
+
+        try:
+            graph, inputs = encode_module(gm), encode_inputs(fakes)
+        except (TypeError, NotPortable) as e:
+            log.info("piece %s compiles in this process: %s", name, e)
+            return None
+        mode, options = torch._guards.TracingContext.get().fake_mode, self.inductor_options
+
+        def in_process():
+            from torch._inductor import standalone_compile
+
+            with torch._guards.tracing(torch._guards.TracingContext(mode)), inductor_patch(options):
+                return standalone_compile(gm, fakes, dynamic_shapes="from_tracing_context")
+
+        return self.pool.submit(name, gm, graph, inputs, options, in_process)
 
 
 def _recorded(backend: PiecewiseBackend, index: int, module):

@@ -77,8 +77,6 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
     the engine then holds the sized cache, with its graphs captured again."""
     free_cuda()
     rc = engine.config
-    free, total = torch.cuda.mem_get_info()
-    outside = total - free - torch.cuda.memory_reserved()
     probe_blocks = rc.num_kv_blocks
     torch.cuda.reset_peak_memory_stats()
     # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
@@ -87,6 +85,10 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
     engine.runner.dummy_run(rc.max_num_batched_tokens)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
+    # What this process holds outside the allocator (its context, libraries), measured after warm-up: the
+    # compile workers (compiler/compile_pool.py) have exited by then, and other processes' memory counts.
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
     bpb = kv_bytes_per_block(engine.runner)
     graphs = engine.compiled.counters.graph_memory_bytes if engine.compiled is not None else 0
     plan = plan_blocks(total, utilization, outside, peak - probe_blocks * bpb, graphs, bpb,

@@ -48,11 +48,17 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     register_in_place(engine)
     t0 = time.perf_counter()
     compiles_before = counters.inductor_compiles
+    phases = counters.warmup_seconds
     with tqdm(total=1, desc="tracing and compiling", disable=not graphs.progress, leave=False) as bar:
         runner.dummy_run(rc.warmup_tokens)  # the first call traces and compiles every unique piece once
+        phases["forwards"] = time.perf_counter() - t0
         if compiled.loops is not None and rc.full_capture_sizes:
             runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (no capture yet)
+            phases["draft_loops"] = time.perf_counter() - t0 - phases["forwards"]
         bar.update(1)
+    t_wait = time.perf_counter()
+    compiled.finish_compiles()  # the compile workers' pieces: loaded before any graph is captured
+    phases["compile_workers_wait"] = time.perf_counter() - t_wait
     compile_s = time.perf_counter() - t0
     capture_s, graph_bytes = 0.0, 0
     if rc.graphs_enabled and lazy:

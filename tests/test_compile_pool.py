@@ -1,0 +1,93 @@
+"""Compile workers (compiler/compile_pool.py): pieces compiled in other processes give the tokens of the
+uncompiled engine, every piece goes to a worker (no fallback), artifacts save and load from them; a piece's
+inputs travel as data with their symbols; a dead worker's piece compiles in-process; bad settings named."""
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.compiler.artifacts import build_artifacts
+from draftgraph.compiler.compile_pool import CompilePool, auto_workers
+from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild_inputs
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+
+def _tokens(engine):
+    prompts, params, arrivals = ragged(8)
+    return [o.token_ids for o in engine.generate(prompts, params, arrivals)]
+
+
+def test_pieces_compiled_by_workers_match_and_save(tmp_path):
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    drafter = make_drafter("eagle", target)
+    base = dict(num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+    ref = _tokens(dg.compile_model(target, drafter, dg.CompileConfig(mode="NONE", **base)))
+    config = dg.CompileConfig(mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, **base)
+    engine = dg.compile_model(target, drafter, config)
+    c = engine.stats()["compile"]
+    assert c["compile_workers"] == 2 and c["compile_worker_failures"] == 0
+    # one symbolic compile per unique piece with kernels, each done by a worker and timed there
+    assert c["inductor_compiles"] == len(c["piece_compile_seconds"]) - _host_only(engine) >= 2
+    assert engine.compiled.pool is None  # closed when the compile phase ended
+    assert _tokens(engine) == ref
+    build_artifacts(engine, str(tmp_path / "a"))  # the workers' artifacts are what gets written
+    loaded = dg.compile_model(target, drafter, config, artifacts=str(tmp_path / "a"), strict_artifacts=True)
+    assert loaded.compiled.counters.inductor_compiles == 0 and not loaded.compiled.counters.traces
+    assert _tokens(loaded) == ref
+
+
+def _host_only(engine) -> int:
+    return sum(p.host_only for p in engine.compiled.pieces.compiled.values())
+
+
+def test_inputs_travel_with_their_symbols():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    with env.ignore_fresh_unbacked_symbols():
+        u = env.create_unbacked_symint()
+    env.constrain_symbol_range(u.node.expr, compiler_min=0, compiler_max=4096)
+    with mode:
+        hidden = torch.empty(u, 8)
+        pair = torch.empty(2 * u, 3, dtype=torch.bfloat16)[:, 1:]  # a strided view with an offset
+    data = encode_inputs([hidden, u, pair, 7, None])
+    (sym,) = data["symbols"]
+    assert sym["unbacked"] and (sym["min"], sym["max"]) == (0, 4096)
+    _, (h2, u2, p2, seven, none) = rebuild_inputs(data)
+    name = sym["name"]
+    assert data["inputs"][0]["shape"] == [name, "8"] and data["inputs"][2]["shape"] == [f"2*{name}", "2"]
+    assert (seven, none) == (7, None) and p2.dtype == torch.bfloat16 and p2.storage_offset() == 1
+    assert p2.stride() == (3, 1) and h2.shape[1] == 8
+    again = encode_inputs([h2, u2, p2, 7, None])
+    assert again["inputs"] == [{**x, **_renamed(x, name, again["symbols"][0]["name"])} for x in data["inputs"]]
+    with pytest.raises(NotPortable, match="object"):
+        encode_inputs([object()])
+
+
+def _renamed(x: dict, old: str, new: str) -> dict:
+    return {k: [d.replace(old, new) for d in v] for k, v in x.items() if k in ("shape", "stride")}
+
+
+def test_a_dead_worker_compiles_in_process():
+    pool = CompilePool(1, "cpu", progress=False)
+    try:
+        pool.workers[0].proc.kill()
+        marker = torch.nn.Identity()
+        piece = pool.submit("t/submod_1/abc", None, {"nodes": [], "submodules": {}}, {"inputs": [], "symbols": []},
+                            (), lambda: marker)  # fmt: skip
+        pool.timeout_s = 60.0
+        pool.wait_all()
+        assert piece.fn is marker and pool.failures == 1 and not pool.warming
+    finally:
+        pool.close()
+
+
+def test_settings():
+    assert auto_workers("cpu") == 0 and 1 <= auto_workers("cuda") <= 8
+    with pytest.raises(ValueError, match="compile_workers=-1 must lie in 0..64"):
+        dg.CompileConfig(compile_workers=-1)
