@@ -139,9 +139,12 @@ class CompilePool:
                 if self._bar is not None:
                     self._bar.update(1)
 
+    def _all_dead(self) -> bool:
+        return all(w.proc.poll() is not None for w in self.workers)
+
     def _drain(self, error: Exception) -> None:
         """A dead worker: when no worker is left alive, fail what is queued (it compiles in-process)."""
-        if all(w.proc.poll() is not None for w in self.workers):
+        if self._all_dead():
             while True:
                 try:
                     item = self.jobs.get_nowait()
@@ -163,7 +166,7 @@ class CompilePool:
         future: Future = Future()
         piece = PendingPiece(self, name, gm, future, out, fallback)
         self.pending.append(piece)
-        if all(w.proc.poll() is not None for w in self.workers):  # none left to take it: compile in-process
+        if self._all_dead():  # none left to take it: compile in-process
             future.set_exception(RuntimeError("no compile worker is running (see the worker logs)"))
         else:
             self.jobs.put((job, future))

@@ -6,9 +6,10 @@ way the tracing process would (token count symbolic), saves the compiled artifac
 one line on its protocol channel: {"id", "ok", "seconds"} or {"id", "ok": false, "error"}. Anything else
 the compile prints goes to stderr (the pool sends it to a log file), never into the protocol.
 
-At start it registers draftgraph's ops and compiles one small graph on its device, so that the one-time
-costs of a first compile (Inductor's registrations, Triton's first build) are paid while the tracing
-process is still loading weights and tracing.
+Each job names the draftgraph modules the tracing process has imported; the worker imports the ones it
+lacks, which registers every custom op a graph may call. At start it compiles one small graph on its
+device, so that the one-time costs of a first compile (Inductor's registrations, Triton's first build) are
+paid while the tracing process is still loading weights and tracing.
 """
 
 from __future__ import annotations
@@ -16,24 +17,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import pkgutil
 import sys
 import time
 import traceback
-
-
-def register_ops() -> None:
-    """Import every op family's schema (draftgraph/ops/*/op.py) and the split-point op."""
-    import draftgraph.ops as ops
-
-    importlib.import_module("draftgraph.ops.splitting")
-    for info in pkgutil.iter_modules(ops.__path__):
-        if info.ispkg:
-            try:
-                importlib.import_module(f"draftgraph.ops.{info.name}.op")
-            except ModuleNotFoundError as e:  # a family without an op module of its own
-                if e.name != f"draftgraph.ops.{info.name}.op":
-                    raise
 
 
 def prewarm(device: str) -> None:
@@ -92,7 +78,6 @@ def main() -> None:
     import torch
 
     torch.set_grad_enabled(False)
-    register_ops()
     device = os.environ.get("DRAFTGRAPH_COMPILE_DEVICE", "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
