@@ -5,7 +5,9 @@ The cold one compiles and writes the artifacts; the warm ones load them with str
 every graph at start (warm) or each at the first step that needs it (warm_lazy). Both generate the same prompts,
 and their tokens are compared.
 
-Usage: python scripts/bench_startup.py [--k 4] [--max-num-seqs 32]
+Usage: python scripts/bench_startup.py [--k 4] [--max-num-seqs 32] [--compile-workers N] [--phases cold,warm]
+
+A phase that runs past --timeout is stopped with SIGABRT; Python's faulthandler then prints every thread's stack.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,7 @@ def config(args, **kw):
         device="cuda",
         gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         progress=False,
+        compile_workers=args.compile_workers,
         **kw,
     )
 
@@ -81,6 +85,10 @@ def phase(args) -> None:
                 "inductor_compiles": c.inductor_compiles,
                 "graphs_captured": c.graphs_captured,
                 "capture_s": round(c.capture_seconds, 2),
+                "compile_workers": c.compile_workers,
+                "kernel_variants": c.kernel_variants,
+                "worker_failures": c.compile_worker_failures,
+                "warmup_s": {k: round(v, 2) for k, v in c.warmup_seconds.items()},
                 "report": engine.warm_up_report,
                 "tokens": [o.token_ids for o in outs],
             }
@@ -94,6 +102,9 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--phase", choices=["cold", "warm", "warm_lazy"])
     ap.add_argument("--dir")
+    ap.add_argument("--compile-workers", type=int, default=None, help="CompileConfig.compile_workers (None: auto)")
+    ap.add_argument("--phases", default="cold,warm,warm_lazy", help="which phases to run, in order (cold first)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per phase before its stacks are dumped")
     args = ap.parse_args()
     if args.phase:
         phase(args)
@@ -101,26 +112,36 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         art = os.path.join(tmp, "artifacts")
         res = {}
-        for name in ("cold", "warm", "warm_lazy"):
+        phases = args.phases.split(",")
+        for name in phases:
             # Each process starts from empty Inductor and Triton caches: a warm start reads the artifacts only.
             caches = {
                 v: os.path.join(tmp, f"{name}_{v.lower()}") for v in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
             }
-            env = {**os.environ, **caches, "PYTHONPATH": os.getcwd()}
+            env = {**os.environ, **caches, "PYTHONPATH": os.getcwd(), "PYTHONFAULTHANDLER": "1"}
             cmd = [sys.executable, "-m", "scripts.bench_startup", "--phase", name, "--dir", art]
             cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs)]
+            if args.compile_workers is not None:
+                cmd += ["--compile-workers", str(args.compile_workers)]
             t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if r.returncode:
-                print(r.stderr[-4000:])
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            try:
+                out, err = proc.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack to stderr
+                out, err = proc.communicate()
+                print(err[-12000:])
+                raise SystemExit(f"{name} phase ran past {args.timeout:.0f} s: the stacks are above") from None
+            if proc.returncode:
+                print(err[-4000:])
                 raise SystemExit(f"{name} phase failed")
-            res[name] = json.loads(r.stdout.strip().splitlines()[-1])
+            res[name] = json.loads(out.strip().splitlines()[-1])
             res[name]["process_s"] = round(time.perf_counter() - t0, 1)
         files = sum(len(f) for _, _, f in os.walk(art))
         size = sum(os.path.getsize(os.path.join(d, x)) for d, _, fs in os.walk(art) for x in fs)
-    cold, warm, lazy = res["cold"], res["warm"], res["warm_lazy"]
+    cold = res["cold"]
     print(f"artifact directory: {files} files, {size / 2**20:.1f} MiB; written in {cold['write_s']} s")
-    for r in (cold, warm, lazy):
+    for r in res.values():
         print(
             f"{r['phase']:>9}: engine ready in {r['ready_s']:7.2f} s, then generate {r['generate_s']:.2f} s "
             f"(capture {r['capture_s']} s, {r['graphs_captured']} graphs, {r['fallbacks']} fallbacks), "
@@ -128,7 +149,10 @@ def main():
             f"(model build {r['model_build_s']} s)"
         )
         print(f"           {r['report']}")
-    for r in (warm, lazy):
+        workers = f"compile workers {r['compile_workers']} ({r['worker_failures']} failed)"
+        print(f"           {workers}, warm-up {r['warmup_s']}")
+        print(f"           draftgraph's Triton kernel variants compiled: {r['kernel_variants']}")
+    for r in [r for name, r in res.items() if name != "cold"]:
         print(
             f"{r['phase']}: ready {cold['ready_s'] / r['ready_s']:.1f}x faster than cold; ready + generate "
             f"{(cold['ready_s'] + cold['generate_s']) / (r['ready_s'] + r['generate_s']):.1f}x; "

@@ -24,6 +24,9 @@ class CompileCounters:
     compile_worker_failures: int = 0  # pieces a worker could not compile (compiled in-process instead)
     piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
     capture_seconds: float = 0.0
+    # compiled variants of draftgraph's own Triton kernels that warm-up and capture added (ops/kernel_variants.py):
+    # a number that grows with the capture sizes is a launcher specialising on the batch size
+    kernel_variants: dict = field(default_factory=dict)
     graph_memory_bytes: int = 0
     static_buffer_bytes: int = 0  # input buffers graphs copy into before replay (activations only)
 
@@ -43,6 +46,7 @@ class CompileCounters:
             "compile_worker_failures": self.compile_worker_failures,
             "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
             "capture_seconds": round(self.capture_seconds, 2),
+            "kernel_variants": dict(self.kernel_variants),
             "graph_memory_bytes": self.graph_memory_bytes,
             "static_buffer_bytes": self.static_buffer_bytes,
         }

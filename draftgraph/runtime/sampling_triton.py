@@ -174,7 +174,7 @@ def _matches(u, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
         return (u >> (32 - BITS * PASS)) == prefix
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, ix_ptr, V, S, chunk,
                 PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
@@ -231,7 +231,7 @@ def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S,
     return greedy, temp, k, top_p, m, all_k, t_k, r_k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
                 V, S, chunk,
                 PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
@@ -298,7 +298,7 @@ def _tie_quota(n_in, above, tie_prob, top_p):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
            ix_ptr, out_ptr, V, S, chunk, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
            BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
@@ -375,7 +375,10 @@ def probabilities_triton(logits, temperature, top_k, top_p, splits=None, blocks=
     out = torch.empty(n, vocab, dtype=torch.float32, device=dev)
     params = (temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32))
     grid, accurate = (n, s), not triton_interpreting()
-    sizes = dict(V=vocab, S=s, chunk=chunk, BITS=bits, PASSES=passes, S_BLOCK=triton.next_power_of_2(s))
+    # S_BLOCK from the vocabulary (the most splits choose_splits gives), not from this call's S, and S not
+    # specialised: the 2 * PASSES + 1 kernels compile once for every row count (S varies with the rows)
+    s_block = triton.next_power_of_2(max(s, triton.cdiv(vocab, MIN_CHUNK)))
+    sizes = dict(V=vocab, S=s, chunk=chunk, BITS=bits, PASSES=passes, S_BLOCK=s_block)
     for p in range(passes):
         _top_k_pass[grid](logits, logits.stride(0), *params, hk, kst, mx, ix, PASS=p, BLOCK=block, **sizes)
     for p in range(passes):

@@ -17,6 +17,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from draftgraph.ops.kernel_variants import compiled_variants
+
 log = logging.getLogger("draftgraph")
 
 
@@ -48,6 +50,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     register_in_place(engine)
     t0 = time.perf_counter()
     compiles_before = counters.inductor_compiles
+    variants_before = compiled_variants()
     phases = counters.warmup_seconds
     with tqdm(total=1, desc="tracing and compiling", disable=not graphs.progress, leave=False) as bar:
         runner.dummy_run(rc.warmup_tokens)  # the first call traces and compiles every unique piece once
@@ -106,9 +109,12 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     else:
         graphs_line = "CUDA graphs off (use_cuda_graphs=False)"
     compiles = counters.inductor_compiles - compiles_before
+    variants = {k: n - variants_before.get(k, 0) for k, n in compiled_variants().items()}
+    counters.kernel_variants = {k: n for k, n in variants.items() if n}
+    kernels = f", {sum(variants.values())} variants of draftgraph's Triton kernels" if counters.kernel_variants else ""
     line = (
         f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique, {compiles} Inductor compiles, "
-        f"token count symbolic) in {compile_s:.1f} s; {graphs_line}"
+        f"token count symbolic{kernels}) in {compile_s:.1f} s; {graphs_line}"
     )
     log.info(line)
     return line

@@ -100,7 +100,7 @@ def _chunk_bounds(kv_len, window, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return start, c0, c1, tl.cdiv(span, chunk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # one variant for every S of the rule
 def _split_kv_kernel(
     q_ptr,
     k_cache_ptr,
@@ -156,7 +156,7 @@ def _split_kv_kernel(
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & (d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _merge_kernel(
     acc_ptr,
     m_ptr,

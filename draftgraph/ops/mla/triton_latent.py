@@ -39,7 +39,7 @@ def _chunk(n_keys, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return c0, tl.minimum(c0 + chunk, n_keys), tl.cdiv(n_keys, chunk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])  # one variant for every S of the rule
 def _latent_kernel(
     q_lat_ptr,
     q_pe_ptr,
@@ -123,7 +123,7 @@ def _latent_kernel(
             tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=hr_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _merge_kernel(
     acc_ptr,
     m_ptr,

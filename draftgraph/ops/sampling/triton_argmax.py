@@ -102,7 +102,7 @@ def _merge(acc_v, acc_i):
     return tl.where(any_nan, nan_value, m), i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # S varies with the row count: one compiled variant for all of them
 def _stage1(x_ptr, stride_row, stride_col, V, chunk, val_ptr, idx_ptr, out_ptr, S, ONE_STAGE: tl.constexpr,
             BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -124,7 +124,7 @@ def _stage1(x_ptr, stride_row, stride_col, V, chunk, val_ptr, idx_ptr, out_ptr, 
         tl.store(idx_ptr + row * S + split, i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _stage2(val_ptr, idx_ptr, out_ptr, S, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     acc_v = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -177,6 +177,9 @@ def argmax_triton(
     indices = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _stage1[(rows, splits)](logits, logits.stride(0), logits.stride(1), vocab, chunk, values, indices, out, splits,
                             ONE_STAGE=False, BLOCK=block, num_warps=warps)  # fmt: skip
-    _stage2[(rows,)](values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(splits)),
+    # BLOCK from the vocabulary only (the most splits the rule gives), not from this call's splits: one
+    # compiled stage-2 variant serves every row count (the loop covers more splits if a caller forces them)
+    most = triton.cdiv(vocab, (rule or DEFAULT_ARGMAX_RULE).min_chunk)
+    _stage2[(rows,)](values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
                      num_warps=4)  # fmt: skip
     return out
