@@ -7,6 +7,7 @@ so that imports flow one way: models <- passes <- compiler <- runtime <- api / c
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -122,6 +123,7 @@ def build_engine(
     from draftgraph.compiler.compile_pool import start_pool
 
     # Compile workers start now, so their start overlaps the weights' loading (compiler/compile_pool.py).
+    started = time.time()  # artifacts.py bundles the Triton launchers built from here on
     pool = start_pool(rc, config.cache_dir, config.progress) if artifacts is None else None
     try:
         engine = _assemble(target, drafter, config, rc, artifacts, strict_artifacts, tp, ep, pool)
@@ -130,6 +132,7 @@ def build_engine(
             pool.close()
         raise
     engine.tokenizer = tok
+    engine.build_started = started
     return engine
 
 
@@ -194,7 +197,6 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
 
 def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
     """Load the artifacts into `compiled`, or say why not (and raise when strict)."""
-    import time
 
     t0 = time.perf_counter()
     fns = {"target": model.forward}

@@ -52,6 +52,7 @@ from draftgraph.compiler.manifest_check import (
     field_mismatches,
     piece_file,
 )
+from draftgraph.compiler.triton_bundle import restore_kernels, save_kernels
 
 log = logging.getLogger("draftgraph")
 
@@ -196,10 +197,14 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
                 saved[key] = entry
             pieces[key] = saved[key]
         functions[fn_name] = {"traces": traces, "pieces": pieces, "backend": backend.compile_backend}
+    # draftgraph's own Triton kernels and their launchers, compiled (triton_bundle.py): no JIT at a warm start
+    since = getattr(engine, "build_started", None) if engine.config.device.type == "cuda" else None
+    kernels = save_kernels(out, since)
     fields = expected_fields(engine.config, engine.target, engine.drafter)
     files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
     manifest = {**fields, "config": config_fields(engine.config), "functions": functions, "files": files}
     manifest["parallel"] = parallel_fields(engine.config, this_rank(engine.config))  # artifact_ranks.py
+    manifest["triton_kernels"] = {k: len(v) for k, v in kernels.items()}
     manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     (out / SUMMARY).write_text(summary_text(manifest))
@@ -379,6 +384,10 @@ def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
 
     from draftgraph.compiler.piecewise import _cache_dir
 
+    restored = restore_kernels(Path(path))  # draftgraph's own compiled Triton kernels, into Triton's cache
+    compiled.counters.kernels_restored = restored
+    if restored:
+        log.info("restored %d compiled Triton kernels and launchers from %s", restored, path)
     cache = Path(path) / CACHE
     cache = cache.resolve() if cache.is_dir() else None
     with _cache_dir(str(cache) if cache else None):

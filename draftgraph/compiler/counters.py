@@ -27,6 +27,7 @@ class CompileCounters:
     # compiled variants of draftgraph's own Triton kernels that warm-up and capture added (ops/kernel_variants.py):
     # a number that grows with the capture sizes is a launcher specialising on the batch size
     kernel_variants: dict = field(default_factory=dict)
+    kernels_restored: int = 0  # compiled kernels and launchers put into Triton's cache from artifacts
     graph_memory_bytes: int = 0
     static_buffer_bytes: int = 0  # input buffers graphs copy into before replay (activations only)
 
@@ -47,6 +48,7 @@ class CompileCounters:
             "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
             "capture_seconds": round(self.capture_seconds, 2),
             "kernel_variants": dict(self.kernel_variants),
+            "kernels_restored": self.kernels_restored,
             "graph_memory_bytes": self.graph_memory_bytes,
             "static_buffer_bytes": self.static_buffer_bytes,
         }

@@ -62,6 +62,7 @@ class Engine:
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
         self.tokenizer = None  # set by compile_model when the target has one (runtime/text.py)
+        self.build_started: float | None = None  # time.time() when compile_model began (artifacts.py)
         self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
         self._next_id = 0
         self._rng = random.Random(rc.seed)

@@ -1,6 +1,8 @@
 """GPU tier: artifacts built on CUDA (Inductor code with Triton kernels) load with no trace and no Inductor
 compile, capture their graphs, and give the tokens of the engine that built them."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,11 +39,19 @@ def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
     build_artifacts(built, str(out))
     assert not (out / CACHE).exists()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty_cache"))  # nothing to find there
+    # draftgraph's own kernels come with the artifact (compiler/triton_bundle.py): a fresh Triton cache gets them
+    index = json.loads((out / "triton" / "index.json").read_text())
+    bundled = {k["kernel"].rsplit(".", 1)[1] for k in index["kernels"].values()}
+    assert {"_paged_attention_kernel", "_write_kv_kernel"} <= bundled
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty_triton_cache"))
     cfg = dg.CompileConfig(capture=capture, **base)
     eng = dg.compile_model(target, drafter, cfg, artifacts=str(out), strict_artifacts=True)
     print(eng.warm_up_report)
     c = eng.compiled.counters
     assert not c.traces and c.inductor_compiles == 0
+    assert c.kernels_restored >= len(index["kernels"])  # and the launchers built with them
+    for h in index["kernels"]:
+        assert any((tmp_path / "empty_triton_cache" / h).iterdir())
     assert (c.graphs_captured == 0) if capture == "lazy" else (c.graphs_captured > 0)
     assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == ref
     if capture == "lazy":  # the steps captured what they needed, and only that

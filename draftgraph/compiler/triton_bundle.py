@@ -1,0 +1,94 @@
+"""draftgraph's own Triton kernels, compiled, inside an artifact directory (issue 16: warm start in seconds).
+
+Inductor's artifacts carry the Triton kernels Inductor generated; draftgraph's hand-written kernels
+(attention, sampling, argmax, ...) are compiled by Triton's JIT at their first call, which on a warm start
+from artifacts cost ~10 s of the 1B pair's 17 s (docs/benchmarks.md, session 10). `save_kernels` copies
+each of those compiled kernels (its Triton cache entry: binary, IR, metadata) and the launcher modules Triton
+built for them into `triton/` of the artifact directory; `restore_kernels` puts them back into the running
+Triton cache, where the JIT finds them at the first call instead of compiling. An entry is keyed by Triton's
+own hash (source, signature, specialisation, options, target, Triton version), so an entry for another GPU or
+Triton is simply never looked up; the manifest already refuses such a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from draftgraph.ops.kernel_variants import _jit_functions
+
+TRITON_DIR = "triton"
+INDEX = "index.json"
+LAUNCHER = "__triton_launcher"  # the module name Triton builds a per-signature launcher under
+
+
+def _cache_root() -> str | None:
+    try:
+        from triton import knobs
+
+        return knobs.cache.dir
+    except (ImportError, AttributeError):
+        from triton.runtime.cache import default_cache_dir
+
+        return default_cache_dir()
+
+
+def save_kernels(out: Path, since: float | None) -> dict:
+    """Copy the compiled variants of draftgraph's kernels this process holds, and the launcher modules built
+    since `since` (a time.time(); None: none), into out/triton; returns the index written."""
+    kernels, launchers = {}, {}
+    dest = out / TRITON_DIR
+    for name, fn in sorted(_jit_functions().items()):
+        for entry in (getattr(fn, "device_caches", None) or {}).values():
+            for kernel in list(entry[0].values()):
+                group, h = getattr(kernel, "metadata_group", None), getattr(kernel, "hash", None)
+                if not group or not h or h in kernels:
+                    continue  # a compile still in flight, or a variant already copied
+                meta = [f for f in group if f.endswith(".json")]
+                if len(meta) != 1 or not all(os.path.isfile(p) for p in group.values()):
+                    continue  # not a cache group this code knows how to restore
+                (dest / h).mkdir(parents=True, exist_ok=True)
+                for filename, path in group.items():
+                    shutil.copyfile(path, dest / h / filename)
+                kernels[h] = {"kernel": name, "metadata": meta[0], "files": sorted(group)}
+    root = _cache_root()
+    if since is not None and root and os.path.isdir(root):
+        for key in sorted(os.listdir(root)):
+            d = os.path.join(root, key)
+            files = [f for f in os.listdir(d) if f.startswith(LAUNCHER)] if os.path.isdir(d) else []
+            if len(files) == 1 and os.path.getmtime(os.path.join(d, files[0])) >= since:
+                (dest / key).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(os.path.join(d, files[0]), dest / key / files[0])
+                launchers[key] = files[0]
+    index = {"kernels": kernels, "launchers": launchers}
+    if kernels or launchers:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
+    return index
+
+
+def restore_kernels(root: Path) -> int:
+    """Put the kernels and launchers of root/triton into this process's Triton cache (those it lacks);
+    returns how many entries were written. The files' checksums were verified with the manifest."""
+    src = root / TRITON_DIR
+    if not (src / INDEX).is_file():
+        return 0
+    from triton.runtime.cache import get_cache_manager
+
+    index = json.loads((src / INDEX).read_text())
+    written = 0
+    for h, info in index.get("kernels", {}).items():
+        cache = get_cache_manager(h)
+        if cache.get_group(info["metadata"]) is not None:
+            continue
+        paths = {f: cache.put((src / h / f).read_bytes(), f, binary=True) for f in info["files"]}
+        cache.put_group(info["metadata"], paths)
+        written += 1
+    for key, filename in index.get("launchers", {}).items():
+        cache = get_cache_manager(key)
+        if cache.get_file(filename) is None:
+            cache.put((src / key / filename).read_bytes(), filename, binary=True)
+            written += 1
+    return written
