@@ -86,9 +86,15 @@ def restore_kernels(root: Path) -> int:
         paths = {f: cache.put((src / h / f).read_bytes(), f, binary=True) for f in info["files"]}
         cache.put_group(info["metadata"], paths)
         written += 1
-    for key, filename in index.get("launchers", {}).items():
-        cache = get_cache_manager(key)
-        if cache.get_file(filename) is None:
-            cache.put((src / key / filename).read_bytes(), filename, binary=True)
+    cache_root = _cache_root() or ""
+    for key, filename in index.get("launchers", {}).items() if cache_root else ():
+        # Launchers are stored under their cache directory's own name (Triton derives it from a hash of the
+        # launcher's source, in a way that changed across versions): written back there, atomically.
+        target = os.path.join(cache_root, key, filename)
+        if not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.tmp.{os.getpid()}"
+            shutil.copyfile(src / key / filename, tmp)
+            os.replace(tmp, target)
             written += 1
     return written
