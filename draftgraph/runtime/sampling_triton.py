@@ -141,7 +141,7 @@ def _store_state(st_ptr, row, q, prefix, above, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _next_top_k(hk_ptr, kst_ptr, row, S, k, Q: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr,
+def _next_top_k(hk_ptr, kst_ptr, row, S, k, Q, BITS: tl.constexpr, PASSES: tl.constexpr,
                 S_BLOCK: tl.constexpr):  # fmt: skip
     """The top-k cut's (prefix, count above) after Q + 1 picks, from the state after Q and pass Q's counts."""
     prefix, above = _state(kst_ptr, row, Q, PASSES + 1, False)
@@ -151,7 +151,7 @@ def _next_top_k(hk_ptr, kst_ptr, row, S, k, Q: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, tie_u, tie_mass, Q: tl.constexpr, BITS: tl.constexpr,
+def _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, tie_u, tie_mass, Q, BITS: tl.constexpr,
                 PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
     """The top-p cut's (prefix, unnormalised mass above) after Q + 1 picks; the top-k cut's kept ties
     (tie_mass in all) counted in the bin of tie_u."""
@@ -159,36 +159,40 @@ def _next_top_p(hp_ptr, pst_ptr, row, S, top_p, total, tie_u, tie_mass, Q: tl.co
     bins = tl.arange(0, BINS)
     prefix, above = _state(pst_ptr, row, Q, PASSES, True)
     h = _histogram_of(hp_ptr, row, Q, S, PASSES, BINS, S_BLOCK)
-    tie_bin = bins == ((tie_u >> (32 - BITS * (Q + 1))) & (BINS - 1)).to(tl.int32)
+    tie_bin = bins == ((tie_u >> _shift(32 - BITS * (Q + 1))) & (BINS - 1)).to(tl.int32)
     if Q > 0:
-        tie_bin = tie_bin & ((tie_u >> (32 - BITS * Q)) == prefix)
+        tie_bin = tie_bin & ((tie_u >> _shift(32 - BITS * Q)) == prefix)
     d, above = _pick(h + tl.where(tie_bin, tie_mass, 0.0), above, top_p, total, True, BINS)
     return (prefix << BITS) | d.to(tl.uint32), above
 
 
 @triton.jit
-def _matches(u, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
-    if PASS == 0:
-        return u == u
-    else:
-        return (u >> (32 - BITS * PASS)) == prefix
+def _shift(n):
+    """A shift amount as uint32: uint32 keys shift logically whether n is a constant or a run-time pass."""
+    return tl.cast(n, tl.uint32)
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit
+def _matches(u, prefix, PASS, BITS: tl.constexpr):
+    """Keys whose upper PASS digits equal prefix (every key at pass 0; the shift by 32 it would take there
+    is clamped, and its result not used)."""
+    return (PASS == 0) | ((u >> _shift(tl.minimum(32 - BITS * PASS, 31))) == prefix)
+
+
+@triton.jit(do_not_specialize=["S", "PASS"])  # PASS at run time: one compiled kernel serves every pass
 def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, ix_ptr, V, S, chunk,
-                PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
+                PASS, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """Pass PASS of the top-k cut: counts of digit PASS among keys matching the prefix; pass 0 also the max."""
     row, split = tl.program_id(0), tl.program_id(1)
     greedy, temp, k, top_p = _row_params(temp_ptr, topk_ptr, topp_ptr, row, V)
     work = (k < V) & ~greedy
-    if tl.full((), PASS == 0, tl.int1) | work:
+    if (PASS == 0) | work:
         prefix = tl.zeros((), tl.uint32)
-        if PASS > 0:  # noqa: SIM102 (a compile-time test around a run-time one)
-            if work:
-                prefix, above = _next_top_k(hk_ptr, kst_ptr, row, S, k, PASS - 1, BITS, PASSES, S_BLOCK)
-                if split == 0:
-                    _store_state(kst_ptr, row, PASS, prefix, above, PASSES + 1)
+        if (PASS > 0) & work:
+            prefix, above = _next_top_k(hk_ptr, kst_ptr, row, S, k, PASS - 1, BITS, PASSES, S_BLOCK)
+            if split == 0:
+                _store_state(kst_ptr, row, PASS, prefix, above, PASSES + 1)
         hist = tl.zeros((1 << BITS,), tl.int32)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.zeros((), tl.int32)
@@ -197,7 +201,7 @@ def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
             inb = cols < V
             x, u = _keys(logits_ptr, row, stride, cols, inb, temp)
             if work:
-                digit = ((u >> (32 - BITS * (PASS + 1))) & ((1 << BITS) - 1)).to(tl.int32)
+                digit = ((u >> _shift(32 - BITS * (PASS + 1))) & ((1 << BITS) - 1)).to(tl.int32)
                 hist += tl.histogram(digit, 1 << BITS, mask=inb & _matches(u, prefix, PASS, BITS))
             if PASS == 0:
                 bm, bi = tl.max(tl.where(inb, x, float("-inf")), axis=0, return_indices=True)
@@ -212,7 +216,7 @@ def _top_k_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
 
 
 @triton.jit
-def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S, FIRST: tl.constexpr,
+def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S, FIRST,
                BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr):  # fmt: skip
     """What every top-p / write program needs: parameters, the max, the top-k cut (the last pick made by the
     FIRST top-p pass, which stores it; the later kernels load it) and how many ties at it are kept."""
@@ -231,10 +235,10 @@ def _row_state(temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, mx_ptr, row, V, S,
     return greedy, temp, k, top_p, m, all_k, t_k, r_k
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "PASS"])
 def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp_ptr, pst_ptr, hc_ptr, mx_ptr,
                 V, S, chunk,
-                PASS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
+                PASS, BITS: tl.constexpr, PASSES: tl.constexpr, S_BLOCK: tl.constexpr,
                 BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
     """Pass PASS of the top-p cut: unnormalised masses (exp(x - max), keys above the top-k cut) of digit PASS
     among keys matching the prefix; pass 0 runs for every sampled row (its total is the top-k softmax sum)."""
@@ -265,7 +269,7 @@ def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
             # keys below the top-k cut have no mass, and the top-p cut is at or above it (or nothing is kept)
             live = inb & _matches(u, prefix, PASS, BITS) & (u >= t_k)
             if tl.max(live.to(tl.int32), axis=0) > 0:  # else skip the block (most, with a small top-k)
-                digit = ((u >> (32 - BITS * (PASS + 1))) & (BINS - 1)).to(tl.int32)
+                digit = ((u >> _shift(32 - BITS * (PASS + 1))) & (BINS - 1)).to(tl.int32)
                 w = tl.where(live & (all_k | (u > t_k)), _exp(x - m, ACCURATE), 0.0)
                 acc += tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0)
                 if PASS == PASSES - 1:  # the tie counts at the top-p cut, for the ranks
