@@ -36,7 +36,7 @@ def test_kernels_and_launchers_round_trip(tmp_path, monkeypatch):
     b = _compiled_kernel(tmp_path, "_write", b"\x01cubin-b")
     pending = object()  # a compile still in flight has no cache group: skipped
     fn = types.SimpleNamespace(device_caches={0: ({"k1": a, "k2": b, "k3": pending}, {}, None, None, None)})
-    monkeypatch.setattr(triton_bundle, "_jit_functions", lambda: {"draftgraph.ops.x._kernels": fn})
+    monkeypatch.setattr(triton_bundle, "jit_functions", lambda: {"draftgraph.ops.x._kernels": fn})
     build_cache = tmp_path / "triton_build"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(build_cache))
     since = time.time() - 1
@@ -73,7 +73,7 @@ def test_kernels_and_launchers_round_trip(tmp_path, monkeypatch):
 
 
 def test_no_kernels_no_bundle(tmp_path, monkeypatch):
-    monkeypatch.setattr(triton_bundle, "_jit_functions", dict)
+    monkeypatch.setattr(triton_bundle, "jit_functions", dict)
     assert triton_bundle.save_kernels(tmp_path, None) == {"kernels": {}, "launchers": {}}
     assert not (tmp_path / "triton").exists()  # a CPU artifact has no triton/ directory
     assert triton_bundle.restore_kernels(tmp_path) == 0
@@ -82,5 +82,5 @@ def test_no_kernels_no_bundle(tmp_path, monkeypatch):
 def test_compiled_variants_counts_every_device(monkeypatch):
     fn = types.SimpleNamespace(device_caches={0: ({"a": 1, "b": 2}, {}), 1: ({"c": 3}, {})})
     idle = types.SimpleNamespace(device_caches={})
-    monkeypatch.setattr(kernel_variants, "_jit_functions", lambda: {"m.k": fn, "m.helper": idle})
+    monkeypatch.setattr(kernel_variants, "jit_functions", lambda: {"m.k": fn, "m.helper": idle})
     assert kernel_variants.compiled_variants() == {"m.k": 3}

@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from draftgraph.ops.kernel_variants import _jit_functions
+from draftgraph.ops.kernel_variants import jit_functions
 
 TRITON_DIR = "triton"
 INDEX = "index.json"
@@ -40,7 +40,7 @@ def save_kernels(out: Path, since: float | None) -> dict:
     since `since` (a time.time(); None: none), into out/triton; returns the index written."""
     kernels, launchers = {}, {}
     dest = out / TRITON_DIR
-    for name, fn in sorted(_jit_functions().items()):
+    for name, fn in sorted(jit_functions().items()):
         for entry in (getattr(fn, "device_caches", None) or {}).values():
             for kernel in list(entry[0].values()):
                 group, h = getattr(kernel, "metadata_group", None), getattr(kernel, "hash", None)

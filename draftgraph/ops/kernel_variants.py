@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 
-def _jit_functions() -> dict[str, object]:
+def jit_functions() -> dict[str, object]:
     """Every Triton JIT function defined in a loaded draftgraph module, by its qualified name (kernels and
     device functions alike; device functions never hold compiled variants). Triton is never imported here."""
     jit = sys.modules.get("triton.runtime.jit")
@@ -35,7 +35,7 @@ def _jit_functions() -> dict[str, object]:
 def compiled_variants() -> dict[str, int]:
     """{kernel: compiled variants held by this process} for draftgraph's kernels that compiled at least once."""
     out = {}
-    for name, fn in sorted(_jit_functions().items()):
+    for name, fn in sorted(jit_functions().items()):
         caches = getattr(fn, "device_caches", None) or {}
         n = sum(len(entry[0]) for entry in caches.values())  # (kernel cache, key cache, target, backend, binder)
         if n:
