@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The next session's GPU calls (session 10 left these open; docs/benchmarks.md, session 10):
-#   bash scripts/gpu_next.sh                      the 1B pair's cold start without compile workers, then with
+#   bash scripts/gpu_next.sh                      the sampling kernels' tests on CUDA (the pass became a run-time
+#                                                 argument in session 10: 10 of 20 ran there), then
+#                                                 the 1B pair's cold start without compile workers, then with
 #                                                 them (auto) and its lazy warm start: does the pool still pay?
 #   STEP=gpu_tests WORKERS=0 bash scripts/gpu_next.sh   `pytest tests/gpu` timed with engines' compile workers
 #   STEP=gpu_tests bash scripts/gpu_next.sh              forced to 0, then (second call) at auto (issue 16:
@@ -17,8 +19,11 @@ step() {  # name, timeout, command...
 }
 if [ "${PIP:-0}" = 1 ]; then pip install -q --no-index --no-deps .whl/*.whl; fi
 if [ "${STEP:-startup}" = startup ]; then
-  TAIL=8 step startup_noworkers 200 python3 scripts/bench_startup.py --compile-workers 0 --phases cold --timeout 150
-  TAIL=12 step startup 250 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150
+  ( export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+    TAIL=6 step sampling_cuda 200 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=5 \
+      tests/test_sampling_triton.py tests/test_sampling.py )
+  TAIL=8 step startup_noworkers 160 python3 scripts/bench_startup.py --compile-workers 0 --phases cold --timeout 150
+  TAIL=12 step startup 230 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150
 else
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
   W=${WORKERS:+--compile-workers $WORKERS}
