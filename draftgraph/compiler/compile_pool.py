@@ -56,6 +56,12 @@ def start_pool(rc, cache_dir: str = "", progress: bool = True) -> CompilePool | 
     return pool
 
 
+def draftgraph_modules() -> list[str]:
+    """The draftgraph modules this process has imported (a worker imports them: custom ops register where
+    they are defined)."""
+    return sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
+
+
 class _Worker:
     def __init__(self, index: int, device: str, log_path: str, cache_dir: str = "", threads: int = 1):
         import draftgraph
@@ -65,6 +71,9 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         env["DRAFTGRAPH_COMPILE_DEVICE"] = device
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
+        # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them)
+        # are imported by the worker right after its prewarm, not at its first job, which is on the critical path
+        env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(draftgraph_modules())
         if cache_dir:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the process lives
@@ -121,6 +130,8 @@ class CompilePool:
             ready = worker.ask(None)
             if "error" in ready:
                 log.info("compile worker %d: %s", worker.index, ready["error"])
+            log.debug("compile worker %d ready: prewarm %.1f s, imports %.1f s", worker.index,
+                      ready.get("seconds", 0.0), ready.get("import_seconds", 0.0))  # fmt: skip
         except RuntimeError as e:
             log.warning("%s", e)
             return self._drain(e)
@@ -160,7 +171,7 @@ class CompilePool:
             out = os.path.join(self.dir, f"piece{self._next}.bin")
         # The worker imports every draftgraph module this process has: a graph's custom ops are registered
         # where they are defined (ops/, and a few in runtime/, e.g. the sampling probabilities).
-        modules = sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
+        modules = draftgraph_modules()
         job = {"id": self._next, "graph": encoded_graph, "inputs": encoded_inputs, "out": out,
                "options": [list(kv) for kv in options], "modules": modules}  # fmt: skip
         future: Future = Future()

@@ -9,7 +9,8 @@ the compile prints goes to stderr (the pool sends it to a log file), never into 
 Each job names the draftgraph modules the tracing process has imported; the worker imports the ones it
 lacks, which registers every custom op a graph may call. At start it compiles one small graph on its
 device, so that the one-time costs of a first compile (Inductor's registrations, Triton's first build) are
-paid while the tracing process is still loading weights and tracing.
+paid while the tracing process is still loading weights and tracing, and imports the modules the tracing
+process had when it started the worker (DRAFTGRAPH_COMPILE_MODULES), for the same reason.
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def main() -> None:
         ready["seconds"] = time.perf_counter() - t0
     except Exception as e:  # not fatal: the first job pays the costs instead
         ready["error"] = f"prewarm failed: {e!r}"
+    t1 = time.perf_counter()
+    for name in filter(None, os.environ.get("DRAFTGRAPH_COMPILE_MODULES", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # not fatal here: a job that needs the module imports it and reports
+            ready["error"] = f"import of {name} failed: {e!r}"
+    ready["import_seconds"] = time.perf_counter() - t1
     proto.write(json.dumps(ready) + "\n")
     for line in sys.stdin:
         job = json.loads(line)
