@@ -7,7 +7,7 @@ import torch
 
 import draftgraph as dg
 from draftgraph.compiler.artifacts import build_artifacts
-from draftgraph.compiler.compile_pool import CompilePool, auto_workers
+from draftgraph.compiler.compile_pool import CompilePool, auto_workers, wait_stopped
 from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild_inputs
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
@@ -32,6 +32,7 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     # one symbolic compile per unique piece with kernels, each done by a worker and timed there
     assert c["inductor_compiles"] == len(c["piece_compile_seconds"]) - _host_only(engine) >= 2
     assert engine.compiled.pool is None  # closed when the compile phase ended
+    assert wait_stopped() == 0  # and its processes gone (the KV cache is sized after this on CUDA)
     assert _tokens(engine) == ref
     build_artifacts(engine, str(tmp_path / "a"))  # the workers' artifacts are what gets written
     loaded = dg.compile_model(target, drafter, config, artifacts=str(tmp_path / "a"), strict_artifacts=True)

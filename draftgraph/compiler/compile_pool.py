@@ -62,6 +62,21 @@ def draftgraph_modules() -> list[str]:
     return sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
 
 
+_stopping: list = []  # killed workers' processes not yet seen to exit (wait_stopped)
+
+
+def wait_stopped(timeout_s: float = 10.0) -> int:
+    """Wait, at most timeout_s in all, until every killed compile worker has exited: a worker's CUDA context
+    (from its prewarm) leaves the device only then, and runtime/memory.py measures the device after this.
+    Returns how many are still running."""
+    deadline = time.monotonic() + timeout_s
+    for proc in list(_stopping):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    _stopping[:] = [p for p in _stopping if p.poll() is None]
+    return len(_stopping)
+
+
 class _Worker:
     def __init__(self, index: int, device: str, log_path: str, cache_dir: str = "", threads: int = 1):
         import draftgraph
@@ -99,6 +114,7 @@ class _Worker:
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
         self.proc.kill()
+        _stopping[:] = [p for p in _stopping if p.poll() is None] + [self.proc]
         threading.Thread(target=self.proc.wait, daemon=True).start()  # reaped in the background
         self.log.close()
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.compiler.compile_pool import wait_stopped
+
 log = logging.getLogger("draftgraph")
 
 
@@ -85,8 +87,11 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
     engine.runner.dummy_run(rc.max_num_batched_tokens)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    # What this process holds outside the allocator (its context, libraries), measured after warm-up: the
-    # compile workers (compiler/compile_pool.py) have exited by then, and other processes' memory counts.
+    # What this process holds outside the allocator (its context, libraries), measured after warm-up and
+    # after the compile workers (compiler/compile_pool.py), stopped when compiling ended, have exited with
+    # their CUDA contexts; other processes' memory counts.
+    if (left := wait_stopped()) > 0:
+        log.warning("%d compile worker processes are still exiting: their memory counts as used", left)
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
     bpb = kv_bytes_per_block(engine.runner)
