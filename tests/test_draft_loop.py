@@ -195,3 +195,21 @@ def test_profile_steps_on_cpu_runs_the_steps(target):
     s = profile_steps(eng, 3)
     assert s.steps == 3 and not s.cuda and "no GPU kernels" in s.format()
     assert eng.stats()["steps"] == 3
+
+
+def test_loop_pieces_do_not_grow_with_k(target):
+    """The step index and positions advance as tensors: the code between two drafter steps is one piece at
+    every step, so the loop compiles the same number of unique pieces at K = 3 and K = 6 (greedy and sampled
+    variants, one-graph step off so the loop is its own function), with mode NONE's tokens."""
+    drafter = make_drafter("eagle", target)
+    unique = {}
+    for k in (3, 6):
+        config = cfg("FULL_AND_PIECEWISE", num_speculative_tokens=k, one_graph_step=False)
+        eng, toks = run(target, drafter, config, sampled=True)
+        assert toks == run(target, drafter, cfg("NONE", num_speculative_tokens=k), sampled=True)[1]
+        keys = {key for key in eng.stats()["compile"]["piece_compile_seconds"] if key.startswith("draft_loop/")}
+        pieces = eng.compiled.counters.pieces
+        unique[k] = (len(keys), pieces)
+    # the same unique pieces (4 per variant: before the first drafter step, after it, between two steps,
+    # after the last), while the pieces themselves grow with K
+    assert unique[3][0] == unique[6][0] == 8 and unique[6][1] > unique[3][1]

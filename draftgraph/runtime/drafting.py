@@ -58,7 +58,8 @@ class Chooser:
     def __init__(self, drafter: Drafter, target_vocab: int):
         self.drafter, self.target_vocab = drafter, target_vocab
 
-    def __call__(self, logit_h, rows, pred_pos, step: int, sampling: dict | None, slots, draft_probs):
+    def __call__(self, logit_h, rows, pred_pos, step, sampling: dict | None, slots, draft_probs):
+        """`step`: the draft step's index, a 0-dim tensor when sampling (its column of draft_probs)."""
         drafter = self.drafter
         logits = drafter.compute_logits(logit_h, rows)
         greedy_ids = greedy_argmax(logits)
@@ -67,7 +68,9 @@ class Chooser:
         st = SamplingTensors(**sampling, greedy_rows=())
         q = probabilities(logits, st)
         drawn = sample_from_probs(q, st.seeds, pred_pos, SALT_DRAFT)
-        draft_probs[slots, step] = drafter.draft_probs_to_target(q, self.target_vocab)
+        # a tensor step as [1], broadcast against slots (a 0-dim index would be read as an int)
+        col = step.reshape(1) if isinstance(step, torch.Tensor) else step
+        draft_probs[slots, col] = drafter.draft_probs_to_target(q, self.target_vocab)
         return drafter.to_target_ids(torch.where(st.temperature <= 0, greedy_ids, drawn))
 
 
@@ -96,13 +99,17 @@ def draft_loop(
     which sits at position p_i, so draft j predicts position p_i + j + shift (shift: 2 for drafters
     that pair the target's hidden at i with the token at i + 1, 1 for a draft model)."""
     next_h, logit_h = first(input_ids, positions, hidden, meta)
-    row_pos = positions[sample_rows]
+    pos = positions[sample_rows]
     h = next_h[sample_rows]
-    out = [choose(logit_h, sample_rows, row_pos + shift, 0, sampling, slots, draft_probs)]
-    for j in range(1, k):
-        pos, step_meta = advance(tables, row_pos + j, valid, block_size)
+    # The step index and the positions advance as tensors (j and row position + j are never constants):
+    # the code between two drafter steps is then the same graph at every step, and compiles once.
+    j = torch.zeros((), dtype=torch.long, device=pos.device) if sampling is not None else 0
+    out = [choose(logit_h, sample_rows, pos + shift, j, sampling, slots, draft_probs)]
+    for _ in range(1, k):
+        pos, step_meta = advance(tables, pos + 1, valid, block_size)
+        j = j + 1
         h, logit_h = step(out[-1], pos, h if feed_hidden else None, step_meta)
-        out.append(choose(logit_h, None, row_pos + j + shift, j, sampling, slots, draft_probs))
+        out.append(choose(logit_h, None, pos + shift, j, sampling, slots, draft_probs))
     return torch.stack(out, dim=1)
 
 
