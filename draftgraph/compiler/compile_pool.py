@@ -78,7 +78,8 @@ def wait_stopped(timeout_s: float = 10.0) -> int:
 
 
 class _Worker:
-    def __init__(self, index: int, device: str, log_path: str, cache_dir: str = "", threads: int = 1):
+    def __init__(self, index: int, device: str, log_path: str, cache_dir: str = "", threads: int = 1,
+                 modules: tuple[str, ...] = ()):  # fmt: skip
         import draftgraph
 
         root = os.path.dirname(os.path.dirname(draftgraph.__file__))
@@ -88,7 +89,7 @@ class _Worker:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
         # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them)
         # are imported by the worker right after its prewarm, not at its first job, which is on the critical path
-        env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(draftgraph_modules())
+        env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
         if cache_dir:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the process lives
@@ -125,8 +126,10 @@ class CompilePool:
             raise ValueError(f"a compile pool needs at least 1 worker, got {workers}")
         self.dir = tempfile.mkdtemp(prefix="draftgraph-compile-")
         threads = max(1, (os.cpu_count() or 1) // workers)
+        modules = tuple(draftgraph_modules())
         self.workers = [
-            _Worker(i, device, os.path.join(self.dir, f"worker{i}.log"), cache_dir, threads) for i in range(workers)
+            _Worker(i, device, os.path.join(self.dir, f"worker{i}.log"), cache_dir, threads, modules)
+            for i in range(workers)
         ]
         self.jobs: queue.Queue = queue.Queue()
         self.pending: list[PendingPiece] = []

@@ -59,7 +59,8 @@ class Chooser:
         self.drafter, self.target_vocab = drafter, target_vocab
 
     def __call__(self, logit_h, rows, pred_pos, step, sampling: dict | None, slots, draft_probs):
-        """`step`: the draft step's index, a 0-dim tensor when sampling (its column of draft_probs)."""
+        """`step`: the draft step's index, a 0-dim tensor when sampling (its column of draft_probs; draft_loop
+        passes an int, unused, to greedy choices)."""
         drafter = self.drafter
         logits = drafter.compute_logits(logit_h, rows)
         greedy_ids = greedy_argmax(logits)
@@ -68,8 +69,7 @@ class Chooser:
         st = SamplingTensors(**sampling, greedy_rows=())
         q = probabilities(logits, st)
         drawn = sample_from_probs(q, st.seeds, pred_pos, SALT_DRAFT)
-        # a tensor step as [1], broadcast against slots (a 0-dim index would be read as an int)
-        col = step.reshape(1) if isinstance(step, torch.Tensor) else step
+        col = step.reshape(1)  # [1], broadcast against slots (a 0-dim index would be read as an int)
         draft_probs[slots, col] = drafter.draft_probs_to_target(q, self.target_vocab)
         return drafter.to_target_ids(torch.where(st.temperature <= 0, greedy_ids, drawn))
 
