@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The next session's GPU calls (session 10 left these open; docs/benchmarks.md, session 10):
-#   bash scripts/gpu_next.sh                      the sampling kernels' tests on CUDA (the pass became a run-time
-#                                                 argument in session 10: 10 of 20 ran there), then
-#                                                 the 1B pair's cold start without compile workers, then with
-#                                                 them (auto) and its lazy warm start: does the pool still pay?
+#   bash scripts/gpu_next.sh                      the built-in pair's cold start under the sampling profiler and
+#                                                 as `draftgraph generate --device cuda` (issue 16: <= 15 s),
+#                                                 then the 1B pair's cold and lazy warm start (<= 30 s, <= 5 s);
+#                                                 SAMPLING=1: then the sampling kernels' tests on CUDA
 #   STEP=gpu_tests WORKERS=0 bash scripts/gpu_next.sh   `pytest tests/gpu` timed with engines' compile workers
 #   STEP=gpu_tests bash scripts/gpu_next.sh              forced to 0, then (second call) at auto (issue 16:
 #                                                        the tier in <= 204 s on an H100)
@@ -19,15 +19,20 @@ step() {  # name, timeout, command...
 }
 if [ "${PIP:-0}" = 1 ]; then pip install -q --no-index --no-deps .whl/*.whl; fi
 if [ "${STEP:-startup}" = startup ]; then
-  ( export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
-    TAIL=6 step sampling_cuda 200 python3 -m pytest -q -p no:cacheprovider --tb=short --durations=5 \
-      tests/test_sampling_triton.py tests/test_sampling.py )
-  TAIL=8 step startup_noworkers 160 python3 scripts/bench_startup.py --compile-workers 0 --phases cold --timeout 150
+  fresh() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }  # empty caches
+  TAIL=60 step builtin_profile 150 $(fresh) python3 scripts/profile_compile.py --builtin --no-cprofile --sample
+  TAIL=8 step builtin_generate 150 $(fresh) python3 -m draftgraph generate --device cuda
   TAIL=12 step startup 230 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150
+  if [ "${SAMPLING:-0}" = 1 ]; then
+    TAIL=6 step sampling_cuda 200 $(fresh) python3 -m pytest -q -p no:cacheprovider --tb=short --durations=5 \
+      tests/test_sampling_triton.py tests/test_sampling.py
+  fi
 else
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
   W=${WORKERS:+--compile-workers $WORKERS}
   IGN=$([ "${PIP:-0}" = 1 ] || echo "--ignore=tests/gpu/test_qwen3_5_cuda.py")
-  TAIL=30 step gpu_tests 590 python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short --durations=15 \
-    tests/gpu $IGN $W
+  export DRAFTGRAPH_TEST_TIMES=$OUT/test_times.txt  # each test's time, written as it ends (tests/gpu/conftest.py)
+  TAIL=30 step gpu_tests ${LIMIT:-590} python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+    --durations=15 ${TESTS:-tests/gpu $IGN} $W
+  sort -rn "$OUT/test_times.txt" | head -${TOP:-40}
 fi

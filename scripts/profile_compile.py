@@ -7,10 +7,13 @@ the timings alone, without the profiler's overhead (what a user waits for).
 Usage: TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python scripts/profile_compile.py
        [--builtin] [--no-cprofile] [--workers N] [--dump FILE]
 `--workers N`: CompileConfig.compile_workers (default: auto; 0 = every compile in this process).
+`--sample`: with --no-cprofile, a wall-clock sampling profile of the main thread (scripts/sample_profile.py):
+where the engine process waits, subprocesses and locks included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import sys
@@ -20,6 +23,7 @@ import torch
 
 import draftgraph as dg
 from scripts.bench_piecewise import build_pair
+from scripts.sample_profile import SampleProfiler
 
 
 def main():
@@ -37,10 +41,12 @@ def main():
         )  # fmt: skip
     profile = "--no-cprofile" not in sys.argv
     prof = cProfile.Profile()
+    sampler = SampleProfiler() if "--sample" in sys.argv and not profile else contextlib.nullcontext()
     t0 = time.perf_counter()
     if profile:
         prof.enable()
-    engine = dg.compile_model(target, drafter, config)
+    with sampler:
+        engine = dg.compile_model(target, drafter, config)
     prof.disable()
     torch.cuda.synchronize()
     c = engine.compiled.counters
@@ -52,6 +58,8 @@ def main():
     print("tokens", [o.token_ids for o in out])
     for key, s in sorted(c.piece_compile_seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {s:6.2f} s  {key}")
+    if isinstance(sampler, SampleProfiler):
+        print(sampler.report())
     if not profile:
         return
     if "--dump" in sys.argv:  # the whole profile, for pstats elsewhere

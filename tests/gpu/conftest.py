@@ -18,3 +18,14 @@ def _compile_workers(request, monkeypatch):
         from draftgraph.compiler import compile_pool
 
         monkeypatch.setattr(compile_pool, "auto_workers", lambda device_type, local_ranks=1: n)
+
+
+def pytest_runtest_logreport(report):
+    """`DRAFTGRAPH_TEST_TIMES=FILE`: each test phase over a second is appended to FILE as it ends (a run
+    stopped at its time limit still tells where the time went; --durations prints only at the end)."""
+    import os
+
+    path = os.environ.get("DRAFTGRAPH_TEST_TIMES")
+    if path and report.duration >= 1.0:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:7.1f} s  {report.when:<8} {report.outcome:<7} {report.nodeid}\n")

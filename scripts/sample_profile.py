@@ -1,0 +1,77 @@
+"""A wall-clock sampling profiler of one thread (the main thread by default), for where a cold start waits.
+
+cProfile counts CPU time of Python calls and slows them several-fold; a cold start also waits on subprocesses
+(ptxas, compile workers), locks and the GPU. This samples the thread's stack every `interval` seconds from a
+second thread and reports the share of wall time each of draftgraph's functions was on the stack (inclusive), and
+the innermost frame of the packages named (the rest, e.g. the standard library, folds into its caller).
+
+    with SampleProfiler() as prof:
+        work()
+    print(prof.report())
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+
+PACKAGES = ("draftgraph", "torch/_dynamo", "torch/_inductor", "torch/fx", "torch/_subclasses", "triton", "scripts")
+
+
+class SampleProfiler:
+    def __init__(self, interval: float = 0.01, packages: tuple[str, ...] = PACKAGES, thread_id: int | None = None):
+        self.interval, self.packages = interval, packages
+        self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
+        self.inclusive: collections.Counter = collections.Counter()
+        self.self_time: collections.Counter = collections.Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _key(self, code) -> str | None:
+        path = code.co_filename.replace("\\", "/")
+        for p in self.packages:
+            at = path.rfind(p)
+            if at >= 0:
+                return f"{path[at:]}:{code.co_firstlineno}({code.co_name})"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.thread_id)
+            if frame is None:
+                continue
+            self.samples += 1
+            seen, top = set(), None
+            while frame is not None:
+                key = self._key(frame.f_code)
+                if key is not None:
+                    top = top or key
+                    seen.add(key)
+                frame = frame.f_back
+            self.inclusive.update(k for k in seen if k.startswith(("draftgraph", "scripts")))
+            self.self_time[top or "(outside the packages)"] += 1
+
+    def __enter__(self) -> SampleProfiler:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.perf_counter() - self._t0
+
+    def report(self, top: int = 45, min_share: float = 0.01) -> str:
+        n = max(1, self.samples)
+        lines = [f"sampled {self.samples} stacks over {self.seconds:.1f} s (every {self.interval * 1e3:.0f} ms)"]
+        views = (("draftgraph, inclusive", self.inclusive), ("innermost frame of the packages", self.self_time))
+        for title, counter in views:
+            lines.append(f"-- {title}: seconds, share, function")
+            for key, c in counter.most_common(top):
+                if c / n < min_share:
+                    break
+                lines.append(f"{c / n * self.seconds:7.2f} s {c / n:6.1%}  {key}")
+        return "\n".join(lines)
