@@ -98,7 +98,7 @@ class _Worker:
         env["DRAFTGRAPH_COMPILE_DEVICE"] = device
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
         # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them)
-        # are imported by the worker at its start, not at its first job, which is on the critical path
+        # are imported by the worker right after its prewarm, not at its first job, which is on the critical path
         env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
         if cache_dir:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -145,8 +145,7 @@ class CompilePool:
             for i in range(workers)
         ]
         self.jobs: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, (job, future) or None)
-        self.ready = 0  # workers past their start (imports; the prewarm follows when a worker is idle)
-        self._ready = threading.Event()
+        self.ready = 0  # workers past their start (prewarm and imports)
         self.op_runs: dict[str, Future] = {}  # op_warmup call (as JSON) -> its run in a worker
         self.pending: list[PendingPiece] = []
         self.warming = True  # until wait_all: unfinished pieces run their FX graph eagerly
@@ -165,14 +164,13 @@ class CompilePool:
             ready = worker.ask(None)
             if "error" in ready:
                 log.info("compile worker %d: %s", worker.index, ready["error"])
-            log.debug("compile worker %d ready: imports %.1f s", worker.index, ready.get("import_seconds", 0.0))
+            log.debug("compile worker %d ready: prewarm %.1f s, imports %.1f s", worker.index,
+                      ready.get("seconds", 0.0), ready.get("import_seconds", 0.0))  # fmt: skip
         except RuntimeError as e:
             log.warning("%s", e)
-            self._ready.set()  # nobody waits for a worker that died at its start (submit_ops checks who lives)
             return self._drain(e)
         with self._lock:
             self.ready += 1
-        self._ready.set()
         while (item := self.jobs.get()[2]) is not None:
             job, future = item
             try:
@@ -227,14 +225,12 @@ class CompilePool:
             order = self._next
         self.jobs.put((priority, order, item))
 
-    ready_s = 15.0
-
     def submit_ops(self, calls: list[dict]) -> list[Future]:
         """Queue these op calls (compiler/op_warmup.py) ahead of any queued piece compile: a worker runs each
         once, and the kernels it launches land in the Triton cache this process reads. A call sent before is
-        not sent again. Waits up to `ready_s` for a worker to start (its imports take seconds); when none has,
-        nothing is sent (this process then compiles those kernels itself, as without workers)."""
-        if not calls or not self._ready.wait(self.ready_s) or self._all_dead():
+        not sent again. Nothing is sent before a worker has started (this process then compiles those kernels
+        itself, as without workers)."""
+        if not self.ready:
             return []
         futures = []
         for call in calls:

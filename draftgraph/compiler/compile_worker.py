@@ -9,11 +9,10 @@ Triton kernels into the Triton cache the tracing process reads. Anything else
 the compile prints goes to stderr (the pool sends it to a log file), never into the protocol.
 
 Each job names the draftgraph modules the tracing process has imported; the worker imports the ones it
-lacks, which registers every custom op a graph may call. At start it imports the modules the tracing
-process had when it started the worker (DRAFTGRAPH_COMPILE_MODULES) and says it is ready: op calls, which
-the tracing process waits for, run from then on. When no job waits it compiles one small graph on its
+lacks, which registers every custom op a graph may call. At start it compiles one small graph on its
 device, so that the one-time costs of a first compile (Inductor's registrations, Triton's first build) are
-paid while the tracing process is still loading weights and tracing, not by the first piece.
+paid while the tracing process is still loading weights and tracing, and imports the modules the tracing
+process had when it started the worker (DRAFTGRAPH_COMPILE_MODULES), for the same reason.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import sys
 import time
 import traceback
@@ -99,6 +97,12 @@ def main() -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     ready = {"id": None, "ok": True}
+    try:
+        t0 = time.perf_counter()
+        prewarm(device)
+        ready["seconds"] = time.perf_counter() - t0
+    except Exception as e:  # not fatal: the first job pays the costs instead
+        ready["error"] = f"prewarm failed: {e!r}"
     t1 = time.perf_counter()
     for name in filter(None, os.environ.get("DRAFTGRAPH_COMPILE_MODULES", "").split(",")):
         try:
@@ -106,21 +110,8 @@ def main() -> None:
         except Exception as e:  # not fatal here: a job that needs the module imports it and reports
             ready["error"] = f"import of {name} failed: {e!r}"
     ready["import_seconds"] = time.perf_counter() - t1
-    proto.write(json.dumps(ready) + "\n")  # op calls can run from here on; pieces compile after the prewarm
-    jobs, warm = _Lines(sys.stdin.fileno()), False
-    while True:
-        if not warm and not jobs.pending():  # idle: pay the first compile's fixed costs now
-            warm = True
-            try:
-                t0 = time.perf_counter()
-                prewarm(device)
-                print(f"prewarm took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-            except Exception:  # not fatal: the first compile pays the costs instead
-                traceback.print_exc()
-            continue
-        line = jobs.readline()
-        if line is None:
-            return
+    proto.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
         job = json.loads(line)
         try:
             seconds = op_job(job, device) if "op_call" in job else compile_job(job)
@@ -129,25 +120,6 @@ def main() -> None:
             traceback.print_exc()
             reply = {"id": job["id"], "ok": False, "error": f"{type(e).__name__}: {e}"}
         proto.write(json.dumps(reply) + "\n")
-
-
-class _Lines:
-    """Lines from a file descriptor, and whether one is waiting (a buffered reader would hide what it read)."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buf = fd, b""
-
-    def pending(self) -> bool:
-        return b"\n" in self.buf or bool(select.select([self.fd], [], [], 0)[0])
-
-    def readline(self) -> str | None:
-        while b"\n" not in self.buf:
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk:
-                return None
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
-        return line.decode()
 
 
 if __name__ == "__main__":
