@@ -20,7 +20,6 @@ step() {  # name, timeout, command...
 if [ "${PIP:-0}" = 1 ]; then pip install -q --no-index --no-deps .whl/*.whl; fi
 if [ "${STEP:-startup}" = startup ]; then
   fresh() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }  # empty caches
-  if [ -n "${PRE:-}" ]; then TAIL=8 step pre_tests 240 $(fresh) python3 -m pytest -q -p no:cacheprovider --tb=short $PRE; fi  # PRE: tests first
   TAIL=60 step builtin_profile 150 $(fresh) python3 scripts/profile_compile.py --builtin --no-cprofile --sample
   TAIL=8 step builtin_generate 150 $(fresh) python3 -m draftgraph generate --device cuda
   TAIL=12 step startup 230 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150

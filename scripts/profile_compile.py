@@ -52,8 +52,7 @@ def main():
     c = engine.compiled.counters
     print(f"ready in {time.perf_counter() - t0:.1f} s: {engine.warm_up_report}")
     print(f"traces {dict(c.traces)}, Inductor compiles {c.inductor_compiles}, unique pieces {c.unique_pieces}, "
-          f"compile workers {c.compile_workers} ({c.compile_worker_failures} failed, {c.worker_op_calls} op calls), "
-          f"warm-up phases "
+          f"compile workers {c.compile_workers} ({c.compile_worker_failures} failed), warm-up phases "
           f"{ {k: round(v, 1) for k, v in c.warmup_seconds.items()} }")  # fmt: skip
     out = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11]], dg.SamplingParams(max_tokens=16))
     print("tokens", [o.token_ids for o in out])

@@ -62,16 +62,6 @@ def draftgraph_modules() -> list[str]:
     return sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
 
 
-def _triton_cache_dir() -> str:
-    """The directory this process's Triton JIT caches kernels in ('' without Triton)."""
-    try:
-        from triton import knobs
-
-        return knobs.cache.dir or ""
-    except (ImportError, AttributeError):
-        return os.environ.get("TRITON_CACHE_DIR", "")
-
-
 _stopping: list = []  # killed workers' processes not yet seen to exit (wait_stopped)
 
 
@@ -102,9 +92,6 @@ class _Worker:
         env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
         if cache_dir:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-        triton_dir = _triton_cache_dir()
-        if triton_dir:  # the kernels a worker compiles for op_warmup's calls are found here by this process
-            env["TRITON_CACHE_DIR"] = triton_dir
         self.log = open(log_path, "w")  # noqa: SIM115 - open while the process lives
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "draftgraph.compiler.compile_worker"],
@@ -144,9 +131,7 @@ class CompilePool:
             _Worker(i, device, os.path.join(self.dir, f"worker{i}.log"), cache_dir, threads, modules)
             for i in range(workers)
         ]
-        self.jobs: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, (job, future) or None)
-        self.ready = 0  # workers past their start (prewarm and imports)
-        self.op_runs: dict[str, Future] = {}  # op_warmup call (as JSON) -> its run in a worker
+        self.jobs: queue.Queue = queue.Queue()
         self.pending: list[PendingPiece] = []
         self.warming = True  # until wait_all: unfinished pieces run their FX graph eagerly
         self.failures = 0
@@ -169,9 +154,7 @@ class CompilePool:
         except RuntimeError as e:
             log.warning("%s", e)
             return self._drain(e)
-        with self._lock:
-            self.ready += 1
-        while (item := self.jobs.get()[2]) is not None:
+        while (item := self.jobs.get()) is not None:
             job, future = item
             try:
                 reply = worker.ask(job)
@@ -183,7 +166,7 @@ class CompilePool:
             else:
                 future.set_exception(RuntimeError(f"{reply['error']} (worker log: {worker.log_path})"))
             with self._lock:
-                if self._bar is not None and "graph" in job:
+                if self._bar is not None:
                     self._bar.update(1)
 
     def _all_dead(self) -> bool:
@@ -194,7 +177,7 @@ class CompilePool:
         if self._all_dead():
             while True:
                 try:
-                    item = self.jobs.get_nowait()[2]
+                    item = self.jobs.get_nowait()
                 except queue.Empty:
                     return
                 if item is not None:
@@ -216,46 +199,8 @@ class CompilePool:
         if self._all_dead():  # none left to take it: compile in-process
             future.set_exception(RuntimeError("no compile worker is running (see the worker logs)"))
         else:
-            self._put(1, (job, future))
+            self.jobs.put((job, future))
         return piece
-
-    def _put(self, priority: int, item) -> None:
-        with self._lock:
-            self._next += 1
-            order = self._next
-        self.jobs.put((priority, order, item))
-
-    def submit_ops(self, calls: list[dict]) -> list[Future]:
-        """Queue these op calls (compiler/op_warmup.py) ahead of any queued piece compile: a worker runs each
-        once, and the kernels it launches land in the Triton cache this process reads. A call sent before is
-        not sent again. Nothing is sent before a worker has started (this process then compiles those kernels
-        itself, as without workers)."""
-        if not self.ready:
-            return []
-        futures = []
-        for call in calls:
-            key = json.dumps(call, sort_keys=True)
-            if key in self.op_runs:
-                continue
-            with self._lock:
-                self._next += 1
-                job = {"id": self._next, "op_call": call, "modules": draftgraph_modules()}
-            self.op_runs[key] = future = Future()
-            futures.append(future)
-            self._put(0, (job, future))
-        return futures
-
-    def wait_ops(self, futures: list[Future], timeout_s: float = 120.0) -> int:
-        """Wait for op calls from `submit_ops`; returns how many ran. A failure is not fatal: this process
-        compiles that op's kernels at its first call."""
-        t0, done = time.perf_counter(), 0
-        for f in futures:
-            try:
-                f.result(timeout=max(0.0, timeout_s - (time.perf_counter() - t0)))
-                done += 1
-            except Exception as e:
-                log.info("an op call in a compile worker failed (%s); its kernels compile in this process", e)
-        return done
 
     def wait_all(self) -> float:
         """End of the compile phase: wait for every queued compile and load it; returns the seconds waited."""
@@ -275,7 +220,7 @@ class CompilePool:
 
     def close(self) -> None:
         for _ in self.workers:
-            self._put(9, None)
+            self.jobs.put(None)
         for w in self.workers:
             w.close()
         shutil.rmtree(self.dir, ignore_errors=True)

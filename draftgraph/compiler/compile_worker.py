@@ -3,9 +3,7 @@
 It reads one job per line on stdin (JSON: a piece's FX graph as fx_serialize writes it, its inputs as
 piece_inputs writes them, the Inductor settings, the file to write), compiles the piece with Inductor the
 way the tracing process would (token count symbolic), saves the compiled artifact to the file and answers
-one line on its protocol channel: {"id", "ok", "seconds"} or {"id", "ok": false, "error"}. A job with an
-"op_call" instead runs one call of a draftgraph op on zero inputs (op_warmup.py), which compiles the op's
-Triton kernels into the Triton cache the tracing process reads. Anything else
+one line on its protocol channel: {"id", "ok", "seconds"} or {"id", "ok": false, "error"}. Anything else
 the compile prints goes to stderr (the pool sends it to a log file), never into the protocol.
 
 Each job names the draftgraph modules the tracing process has imported; the worker imports the ones it
@@ -50,18 +48,6 @@ def example_values(gm, mode, fakes) -> None:
     for n in gm.graph.nodes:
         if "val" in n.meta:
             n.meta["example_value"] = n.meta["val"]
-
-
-def op_job(job: dict, device: str) -> float:
-    """Run one op call (compiler/op_warmup.py) on zero inputs: its Triton kernels compile into the shared cache."""
-    from draftgraph.compiler.op_warmup import run_op_call
-
-    t0 = time.perf_counter()
-    for name in job.get("modules", ()):
-        if name not in sys.modules:
-            importlib.import_module(name)
-    run_op_call(job["op_call"], device)
-    return time.perf_counter() - t0
 
 
 def compile_job(job: dict) -> float:
@@ -114,8 +100,7 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            seconds = op_job(job, device) if "op_call" in job else compile_job(job)
-            reply = {"id": job["id"], "ok": True, "seconds": seconds}
+            reply = {"id": job["id"], "ok": True, "seconds": compile_job(job)}
         except Exception as e:
             traceback.print_exc()
             reply = {"id": job["id"], "ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -26,7 +26,6 @@ from tqdm import tqdm
 from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
-from draftgraph.compiler.op_warmup import op_calls
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
@@ -105,9 +104,6 @@ class PiecewiseBackend:
             disable=per_piece == 0 or not self.ctx.progress,
             leave=False,
         )
-        # draftgraph's own kernels compile in the workers while this process compiles or queues the pieces
-        # (on CUDA, where they are Triton kernels; on the CPU a call compiles nothing)
-        ops = self.pool.submit_ops(op_calls([gm.graph])) if self.pool is not None else []
         with _cache_dir(self.cache_dir):
             for p in todo:
                 t1 = time.perf_counter()
@@ -115,12 +111,6 @@ class PiecewiseBackend:
                 self.shared.owner[p.key] = self.fn_name
                 counters.piece_compile_seconds[f"{self.fn_name}/{p.name}/{p.key[:8]}"] = time.perf_counter() - t1
         bar.close()
-        if ops:
-            t_ops = time.perf_counter()
-            counters.worker_op_calls += self.pool.wait_ops(ops)
-            counters.warmup_seconds["op_calls_wait"] = counters.warmup_seconds.get("op_calls_wait", 0.0) + (
-                time.perf_counter() - t_ops
-            )
         for p in pieces:
             self._compiled[p.key] = self.shared.compiled[p.key]
         runners = [PieceRunner(self.fn_name, p, self._compiled[p.key], token, self.ctx) for p in pieces]
