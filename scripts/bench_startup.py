@@ -88,7 +88,6 @@ def phase(args) -> None:
                 "compile_workers": c.compile_workers,
                 "kernel_variants": c.kernel_variants,
                 "worker_failures": c.compile_worker_failures,
-                "kernel_calls_ahead": c.kernel_calls_ahead,
                 "warmup_s": {k: round(v, 2) for k, v in c.warmup_seconds.items()},
                 "report": engine.warm_up_report,
                 "tokens": [o.token_ids for o in outs],
@@ -150,8 +149,7 @@ def main():
             f"(model build {r['model_build_s']} s)"
         )
         print(f"           {r['report']}")
-        workers = f"compile workers {r['compile_workers']} ({r['worker_failures']} failed); "
-        workers += f"{r['kernel_calls_ahead']} op calls compiled our kernels ahead"
+        workers = f"compile workers {r['compile_workers']} ({r['worker_failures']} failed)"
         print(f"           {workers}, warm-up {r['warmup_s']}")
         print(f"           draftgraph's Triton kernel variants compiled: {r['kernel_variants']}")
     for r in [r for name, r in res.items() if name != "cold"]:

@@ -7,7 +7,6 @@ Compiling happens at the first call of each function (the runtime's warm-up, run
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +15,6 @@ from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, 
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
-from draftgraph.compiler.op_warmup import KernelWarmer
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
 from draftgraph.passes.manager import PassManager
 
@@ -34,15 +32,10 @@ class CompiledModels:
     loops: tuple | None = None  # the fused loop's CompiledLoops, one per LOOP_VARIANTS entry
     full: bool = False  # whole-forward graphs (a FULL mode on CUDA)
     pool: CompilePool | None = None  # compile workers, until the compile phase ends (finish_compiles)
-    warmer: KernelWarmer | None = None  # our kernels compiled ahead in threads (CUDA), until finish_compiles
 
     def finish_compiles(self) -> None:
         """End of the compile phase: wait for the pool's compiles, load them, stop its workers. From here on
         every piece runs its compiled code (before, a piece still compiling ran its FX graph in warm-up)."""
-        if self.warmer is not None:
-            warmer, self.warmer = self.warmer, None
-            warmer.close()
-            self.counters.kernel_calls_ahead = warmer.done
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
@@ -78,15 +71,11 @@ def build_compiled(
     ctx = CudaGraphs(counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, check_addresses, progress)
     passes = PassManager(dump_dir=dump_dir or None)
     shared = PieceCache()
-    # draftgraph's Triton kernels compile side by side in threads before traced code first calls them (CUDA)
-    warmer = (
-        KernelWarmer(str(rc.device), max(2, min(8, (os.cpu_count() or 2) // 2))) if rc.device.type == "cuda" else None
-    )
 
     def backend(name):
         return PiecewiseBackend(
             name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared, rc.inductor_options,
-            pool, warmer,
+            pool,
         )  # fmt: skip
 
     ct = CompiledTarget(target, backend("target"))
@@ -99,4 +88,4 @@ def build_compiled(
         loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", backend_l) for fn, v in zip(loop_fns, LOOP_VARIANTS))
     full = rc.graphs_enabled and rc.mode in FULL_MODES
     counters.compile_workers = len(pool.workers) if pool is not None else 0
-    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full, pool, warmer)
+    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full, pool)

@@ -22,7 +22,6 @@ class CompileCounters:
     warmup_seconds: dict = field(default_factory=dict)  # warm-up phase -> seconds (runtime/warmup.py)
     compile_workers: int = 0  # processes that compiled pieces in parallel (compiler/compile_pool.py)
     compile_worker_failures: int = 0  # pieces a worker could not compile (compiled in-process instead)
-    kernel_calls_ahead: int = 0  # op calls run in threads to compile our kernels ahead (compiler/op_warmup.py)
     piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
     capture_seconds: float = 0.0
     # compiled variants of draftgraph's own Triton kernels that warm-up and capture added (ops/kernel_variants.py):
@@ -46,7 +45,6 @@ class CompileCounters:
             "warmup_seconds": {k: round(v, 2) for k, v in self.warmup_seconds.items()},
             "compile_workers": self.compile_workers,
             "compile_worker_failures": self.compile_worker_failures,
-            "kernel_calls_ahead": self.kernel_calls_ahead,
             "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
             "capture_seconds": round(self.capture_seconds, 2),
             "kernel_variants": dict(self.kernel_variants),

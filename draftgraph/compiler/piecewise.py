@@ -26,7 +26,6 @@ from tqdm import tqdm
 from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
-from draftgraph.compiler.op_warmup import KernelWarmer, op_calls
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
@@ -69,7 +68,6 @@ class PiecewiseBackend:
         shared: PieceCache | None = None,
         inductor_options: tuple[tuple[str, object], ...] = (),
         pool: CompilePool | None = None,
-        warmer: KernelWarmer | None = None,
     ):
         if compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={compile_backend!r} is unknown; choose 'inductor' or 'eager'")
@@ -79,7 +77,6 @@ class PiecewiseBackend:
         self.shared = shared if shared is not None else PieceCache()
         self.inductor_options = inductor_options
         self.pool = pool  # compile workers (compiler/compile_pool.py); None: every compile in this process
-        self.warmer = warmer  # compiles our ops' kernels ahead (compiler/op_warmup.py); None: at first call
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
         # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
@@ -107,8 +104,6 @@ class PiecewiseBackend:
             disable=per_piece == 0 or not self.ctx.progress,
             leave=False,
         )
-        # draftgraph's own kernels compile in threads while the pieces compile (or go to the workers)
-        ahead = self.warmer.submit(op_calls([gm.graph])) if self.warmer is not None else []
         with _cache_dir(self.cache_dir):
             for p in todo:
                 t1 = time.perf_counter()
@@ -116,11 +111,6 @@ class PiecewiseBackend:
                 self.shared.owner[p.key] = self.fn_name
                 counters.piece_compile_seconds[f"{self.fn_name}/{p.name}/{p.key[:8]}"] = time.perf_counter() - t1
         bar.close()
-        if ahead:
-            waited = self.warmer.wait(ahead)
-            counters.warmup_seconds["kernels_ahead_wait"] = (
-                counters.warmup_seconds.get("kernels_ahead_wait", 0) + waited
-            )
         for p in pieces:
             self._compiled[p.key] = self.shared.compiled[p.key]
         runners = [PieceRunner(self.fn_name, p, self._compiled[p.key], token, self.ctx) for p in pieces]
