@@ -3,7 +3,8 @@
 #   bash scripts/gpu_next.sh                      the built-in pair's cold start under the sampling profiler and
 #                                                 as `draftgraph generate --device cuda` (issue 16: <= 15 s),
 #                                                 then the 1B pair's cold and lazy warm start (<= 30 s, <= 5 s);
-#                                                 SAMPLING=1: then the sampling kernels' tests on CUDA
+#                                                 SAMPLING=1: then the sampling kernels' tests on CUDA;
+#                                                 PRE="tests/gpu/x.py ...": those tests first; GENERATE=0: no CLI run
 #   STEP=gpu_tests WORKERS=0 bash scripts/gpu_next.sh   `pytest tests/gpu` timed with engines' compile workers
 #   STEP=gpu_tests bash scripts/gpu_next.sh              forced to 0, then (second call) at auto (issue 16:
 #                                                        the tier in <= 204 s on an H100)
@@ -20,8 +21,9 @@ step() {  # name, timeout, command...
 if [ "${PIP:-0}" = 1 ]; then pip install -q --no-index --no-deps .whl/*.whl; fi
 if [ "${STEP:-startup}" = startup ]; then
   fresh() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }  # empty caches
+  if [ -n "${PRE:-}" ]; then TAIL=8 step pre_tests 240 $(fresh) python3 -m pytest -q -p no:cacheprovider --tb=short $PRE; fi
   TAIL=60 step builtin_profile 150 $(fresh) python3 scripts/profile_compile.py --builtin --no-cprofile --sample
-  TAIL=8 step builtin_generate 150 $(fresh) python3 -m draftgraph generate --device cuda
+  [ "${GENERATE:-1}" = 1 ] && TAIL=8 step builtin_generate 150 $(fresh) python3 -m draftgraph generate --device cuda
   TAIL=12 step startup 230 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150
   if [ "${SAMPLING:-0}" = 1 ]; then
     TAIL=6 step sampling_cuda 200 $(fresh) python3 -m pytest -q -p no:cacheprovider --tb=short --durations=5 \
