@@ -197,7 +197,6 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
 
 def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
     """Load the artifacts into `compiled`, or say why not (and raise when strict)."""
-
     t0 = time.perf_counter()
     fns = {"target": model.forward}
     if draft is not None:

@@ -5,6 +5,7 @@ kernels, a fresh cache, a warm start without JIT compiles) is tests/gpu/test_art
 import hashlib
 import json
 import os
+import sys
 import time
 import types
 from pathlib import Path
@@ -77,6 +78,10 @@ def test_no_kernels_no_bundle(tmp_path, monkeypatch):
     assert triton_bundle.save_kernels(tmp_path, None) == {"kernels": {}, "launchers": {}}
     assert not (tmp_path / "triton").exists()  # a CPU artifact has no triton/ directory
     assert triton_bundle.restore_kernels(tmp_path) == 0
+    # Triton is not a runtime dependency: without it there is no cache directory, and a bundle is still empty
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert triton_bundle._cache_root() is None
+    assert triton_bundle.save_kernels(tmp_path, 0.0) == {"kernels": {}, "launchers": {}}
 
 
 def test_compiled_variants_counts_every_device(monkeypatch):

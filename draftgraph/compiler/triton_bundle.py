@@ -25,14 +25,12 @@ LAUNCHER = "__triton_launcher"  # the module name Triton builds a per-signature 
 
 
 def _cache_root() -> str | None:
+    """Triton's cache directory in this process; None without Triton (it is not a runtime dependency)."""
     try:
         from triton import knobs
-
-        return knobs.cache.dir
-    except (ImportError, AttributeError):
-        from triton.runtime.cache import default_cache_dir
-
-        return default_cache_dir()
+    except ImportError:
+        return None
+    return knobs.cache.dir
 
 
 def save_kernels(out: Path, since: float | None) -> dict:
@@ -53,8 +51,8 @@ def save_kernels(out: Path, since: float | None) -> dict:
                 for filename, path in group.items():
                     shutil.copyfile(path, dest / h / filename)
                 kernels[h] = {"kernel": name, "metadata": meta[0], "files": sorted(group)}
-    root = _cache_root()
-    if since is not None and root and os.path.isdir(root):
+    root = _cache_root() if since is not None else None
+    if root and os.path.isdir(root):
         for key in sorted(os.listdir(root)):
             d = os.path.join(root, key)
             files = [f for f in os.listdir(d) if f.startswith(LAUNCHER)] if os.path.isdir(d) else []
