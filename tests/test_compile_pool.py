@@ -2,6 +2,9 @@
 uncompiled engine, every piece goes to a worker (no fallback), artifacts save and load from them; a piece's
 inputs travel as data with their symbols; a dead worker's piece compiles in-process; bad settings named."""
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -32,6 +35,11 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     # one symbolic compile per unique piece with kernels, each done by a worker and timed there
     assert c["inductor_compiles"] == len(c["piece_compile_seconds"]) - _host_only(engine) >= 2
     assert engine.compiled.pool is None  # closed when the compile phase ended
+    t = c["compile_pool"]  # the workers' timeline: ready, first sent, last done, in seconds from their start
+    assert t["workers"] == 2 and t["pieces"] == c["inductor_compiles"] and t["threads_per_worker"] >= 1
+    assert 0 < t["ready_s"][0] <= t["ready_s"][1] and t["first_submitted_s"] < t["last_done_s"]
+    assert 0 < t["piece_seconds"][0] <= t["piece_seconds"][1] <= t["piece_seconds"][2]
+    assert "waiting for 2 compile workers" in engine.warm_up_report
     assert wait_stopped() == 0  # and its processes gone (the KV cache is sized after this on CUDA)
     assert _tokens(engine) == ref
     build_artifacts(engine, str(tmp_path / "a"))  # the workers' artifacts are what gets written
@@ -77,7 +85,7 @@ def _renamed(x: dict, old: str, new: str) -> dict:
 def test_a_dead_worker_compiles_in_process():
     pool = CompilePool(1, "cpu", progress=False)
     try:
-        pool.workers[0].proc.kill()
+        os.killpg(pool.parent.pid, signal.SIGKILL)  # the workers' parent and any worker it forked
         marker = torch.nn.Identity()
         piece = pool.submit("t/submod_1/abc", None, {"nodes": [], "submodules": {}}, {"inputs": [], "symbols": []},
                             (), lambda: marker)  # fmt: skip

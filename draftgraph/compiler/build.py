@@ -7,6 +7,7 @@ Compiling happens at the first call of each function (the runtime's warm-up, run
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, 
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
+from draftgraph.compiler.kernels_ahead import KernelsAhead, async_compile_mode
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
 from draftgraph.passes.manager import PassManager
 
@@ -32,10 +34,14 @@ class CompiledModels:
     loops: tuple | None = None  # the fused loop's CompiledLoops, one per LOOP_VARIANTS entry
     full: bool = False  # whole-forward graphs (a FULL mode on CUDA)
     pool: CompilePool | None = None  # compile workers, until the compile phase ends (finish_compiles)
+    ahead: KernelsAhead | None = None  # our kernels compiled ahead in threads (CUDA), until finish_compiles
 
     def finish_compiles(self) -> None:
         """End of the compile phase: wait for the pool's compiles, load them, stop its workers. From here on
         every piece runs its compiled code (before, a piece still compiling ran its FX graph in warm-up)."""
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            self.counters.kernels_ahead = ahead.close()
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
@@ -44,6 +50,7 @@ class CompiledModels:
             for p in pool.pending:
                 self.counters.piece_compile_seconds[p.name] = p.seconds
             self.counters.compile_worker_failures += pool.failures
+            self.counters.compile_pool = pool.timeline()
         finally:
             pool.close()
 
@@ -71,11 +78,12 @@ def build_compiled(
     ctx = CudaGraphs(counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, check_addresses, progress)
     passes = PassManager(dump_dir=dump_dir or None)
     shared = PieceCache()
+    ahead = kernels_ahead(rc)
 
     def backend(name):
         return PiecewiseBackend(
             name, ctx, passes, compile_backend, cache_dir or None, rc.compile_sizes, shared, rc.inductor_options,
-            pool,
+            pool, ahead,
         )  # fmt: skip
 
     ct = CompiledTarget(target, backend("target"))
@@ -87,5 +95,15 @@ def build_compiled(
         backend_l = backend("draft_loop")
         loops = tuple(CompiledLoop(fn, f"draft_loop_{v}", backend_l) for fn, v in zip(loop_fns, LOOP_VARIANTS))
     full = rc.graphs_enabled and rc.mode in FULL_MODES
-    counters.compile_workers = len(pool.workers) if pool is not None else 0
-    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full, pool)
+    counters.compile_workers = pool.n if pool is not None else 0
+    return CompiledModels(counters, ctx, ct, cd, shared, backend_l, loops, full, pool, ahead)
+
+
+def kernels_ahead(rc: ResolvedConfig) -> KernelsAhead | None:
+    """Our Triton kernels compiled ahead in threads (compiler/kernels_ahead.py): on CUDA with Triton's
+    AsyncCompileMode, unless DRAFTGRAPH_KERNELS_AHEAD=0."""
+    if rc.device.type != "cuda" or os.environ.get("DRAFTGRAPH_KERNELS_AHEAD", "1") == "0":
+        return None
+    if async_compile_mode() is None:
+        return None
+    return KernelsAhead(str(rc.device), max(2, min(8, os.cpu_count() or 2)))

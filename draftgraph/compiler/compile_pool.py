@@ -22,6 +22,9 @@ import logging
 import os
 import queue
 import shutil
+import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,15 @@ def auto_workers(device_type: str, local_ranks: int = 1) -> int:
     if device_type != "cuda":
         return 0
     return max(1, min(8, (os.cpu_count() or 2) // 2 // max(1, local_ranks)))
+
+
+def worker_threads(workers: int) -> int:
+    """Inductor's compile threads in each worker (TORCHINDUCTOR_COMPILE_THREADS there): the cores shared out.
+    More than 1 makes each worker start a pool of its own Triton-compile subprocesses."""
+    env = os.environ.get("DRAFTGRAPH_WORKER_COMPILE_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 def start_pool(rc, cache_dir: str = "", progress: bool = True) -> CompilePool | None:
@@ -62,7 +74,22 @@ def draftgraph_modules() -> list[str]:
     return sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
 
 
-_stopping: list = []  # killed workers' processes not yet seen to exit (wait_stopped)
+_stopping: list[int] = []  # killed workers' process ids not yet seen to exit (wait_stopped)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def wait_stopped(timeout_s: float = 10.0) -> int:
@@ -70,87 +97,149 @@ def wait_stopped(timeout_s: float = 10.0) -> int:
     (from its prewarm) leaves the device only then, and runtime/memory.py measures the device after this.
     Returns how many are still running."""
     deadline = time.monotonic() + timeout_s
-    for proc in list(_stopping):
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    _stopping[:] = [p for p in _stopping if p.poll() is None]
-    return len(_stopping)
+    while True:
+        _stopping[:] = [pid for pid in _stopping if _pid_alive(pid)]
+        if not _stopping or time.monotonic() >= deadline:
+            return len(_stopping)
+        time.sleep(0.02)
+
+
+def worker_env(device: str, cache_dir: str, threads: int, modules: tuple[str, ...]) -> dict:
+    import draftgraph
+
+    root = os.path.dirname(os.path.dirname(draftgraph.__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    env["DRAFTGRAPH_COMPILE_DEVICE"] = device
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
+    # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them) are
+    # imported by the workers before their first job, which is on the critical path
+    env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
+    if cache_dir:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    return env
 
 
 class _Worker:
-    def __init__(self, index: int, device: str, log_path: str, cache_dir: str = "", threads: int = 1,
-                 modules: tuple[str, ...] = ()):  # fmt: skip
-        import draftgraph
+    """One forked worker process, talked to over its connection to the pool's socket (one JSON line each way)."""
 
-        root = os.path.dirname(os.path.dirname(draftgraph.__file__))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        env["DRAFTGRAPH_COMPILE_DEVICE"] = device
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
-        # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them)
-        # are imported by the worker right after its prewarm, not at its first job, which is on the critical path
-        env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
-        if cache_dir:
-            env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-        self.log = open(log_path, "w")  # noqa: SIM115 - open while the process lives
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "draftgraph.compiler.compile_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1,
-        )  # fmt: skip
-        self.index, self.log_path = index, log_path
+    def __init__(self, index: int, pid: int, conn: socket.socket, log_path: str):
+        self.index, self.pid, self.conn, self.log_path = index, pid, conn, log_path
+        self.reader = conn.makefile("r", encoding="utf-8")
+        self.writer = conn.makefile("w", encoding="utf-8")
+        self.ready_s: float | None = None  # seconds from the pool's start until the worker said it was ready
+        self.phases: dict = {}  # the worker's start, phase by phase (its ready message)
 
     def ask(self, job: dict | None) -> dict:
         """Send a job (None: only read the next reply) and wait for its reply; raises when the worker died."""
-        if job is not None:
-            self.proc.stdin.write(json.dumps(job) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        try:
+            if job is not None:
+                self.writer.write(json.dumps(job) + "\n")
+                self.writer.flush()
+            line = self.reader.readline()
+        except OSError:
+            line = ""
         if not line:
-            raise RuntimeError(f"compile worker {self.index} exited (code {self.proc.poll()}); see {self.log_path}")
+            raise RuntimeError(f"compile worker {self.index} (pid {self.pid}) exited; see {self.log_path}")
         return json.loads(line)
+
+    def alive(self) -> bool:
+        return _pid_alive(self.pid)
 
     def close(self) -> None:
         """Stop the process without waiting for it: every answer is in, and an interpreter with Inductor and
         CUDA loaded takes seconds to exit (measured: 11 s for 8 workers when waited for one by one)."""
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        self.proc.kill()
-        _stopping[:] = [p for p in _stopping if p.poll() is None] + [self.proc]
-        threading.Thread(target=self.proc.wait, daemon=True).start()  # reaped in the background
-        self.log.close()
+            os.kill(self.pid, signal.SIGKILL)
+        _stopping.append(self.pid)
+        for f in (self.reader, self.writer, self.conn):
+            with contextlib.suppress(OSError):
+                f.close()
 
 
 class CompilePool:
+    """`workers` compile processes, forked from one parent process that imported torch, Inductor and the
+    engine's draftgraph modules once (before any CUDA call, so the children may use CUDA): eight processes
+    importing all that side by side took 20 s to be ready on 16 cores (docs/benchmarks.md, session 12)."""
+
     def __init__(self, workers: int, device: str, progress: bool = True, cache_dir: str = ""):
         if workers < 1:
             raise ValueError(f"a compile pool needs at least 1 worker, got {workers}")
-        self.dir = tempfile.mkdtemp(prefix="draftgraph-compile-")
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        modules = tuple(draftgraph_modules())
-        self.workers = [
-            _Worker(i, device, os.path.join(self.dir, f"worker{i}.log"), cache_dir, threads, modules)
-            for i in range(workers)
-        ]
+        self.t0 = time.perf_counter()
+        self.n = workers
+        self.dir = tempfile.mkdtemp(prefix="draftgraph-compile-")  # private (0700): the socket lives here
+        threads = worker_threads(workers)
+        address = os.path.join(self.dir, "workers.sock")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(address)
+        self.server.listen(workers)
+        self.server.settimeout(0.2)
+        env = worker_env(device, cache_dir, threads, tuple(draftgraph_modules()))
+        env["DRAFTGRAPH_COMPILE_ADDRESS"] = address
+        env["DRAFTGRAPH_COMPILE_FORKS"] = str(workers)
+        self.log_path = os.path.join(self.dir, "workers.log")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the processes live
+        self.parent = subprocess.Popen(
+            [sys.executable, "-m", "draftgraph.compiler.compile_worker"],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, env=env, start_new_session=True,
+        )  # fmt: skip
+        self.workers: list[_Worker] = []  # as they connect
         self.jobs: queue.Queue = queue.Queue()
         self.pending: list[PendingPiece] = []
         self.warming = True  # until wait_all: unfinished pieces run their FX graph eagerly
         self.failures = 0
+        self.threads_per_worker = threads
+        self.waited_s = 0.0
         self.timeout_s = 600.0  # the longest wait for one piece's compile before compiling it in this process
         self.progress = progress
+        self.closed = False
+        self.accepting = True  # until every worker connected, or the parent process is gone
         self._bar = None
         self._next = 0
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._serve, args=(w,), daemon=True) for w in self.workers]
-        for t in self.threads:
-            t.start()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        """Take the forked workers' connections as they come; each gets a thread that feeds it jobs."""
+        gone_at = None
+        try:
+            while len(self.workers) < self.n and not self.closed:
+                try:
+                    conn, _ = self.server.accept()
+                except TimeoutError:
+                    if self.parent.poll() is not None:  # no more forks; a child's connection may still be queued
+                        gone_at = gone_at or time.monotonic()
+                        if time.monotonic() - gone_at > 1.0:
+                            break
+                    continue
+                except OSError:  # closed
+                    break
+                conn.settimeout(None)
+                try:
+                    hello = json.loads(conn.makefile("r", encoding="utf-8").readline())
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                worker = _Worker(hello["index"], hello["pid"], conn, self.log_path)
+                with self._lock:
+                    self.workers.append(worker)
+                    if self.closed:  # closed while this one connected
+                        worker.close()
+                        break
+                threading.Thread(target=self._serve, args=(worker,), daemon=True).start()
+        finally:
+            self.accepting = False
+            if not self.closed and self._all_dead():
+                self._drain(RuntimeError(f"no compile worker started (see {self.log_path})"))
 
     def _serve(self, worker: _Worker) -> None:
         try:
             ready = worker.ask(None)
+            worker.ready_s = time.perf_counter() - self.t0
+            worker.phases = ready.get("phases", {})
             if "error" in ready:
                 log.info("compile worker %d: %s", worker.index, ready["error"])
-            log.debug("compile worker %d ready: prewarm %.1f s, imports %.1f s", worker.index,
-                      ready.get("seconds", 0.0), ready.get("import_seconds", 0.0))  # fmt: skip
+            log.debug("compile worker %d ready after %.1f s: %s", worker.index, worker.ready_s, worker.phases)
         except RuntimeError as e:
             log.warning("%s", e)
             return self._drain(e)
@@ -161,6 +250,7 @@ class CompilePool:
             except RuntimeError as e:
                 future.set_exception(e)
                 return self._drain(e)
+            future.done_s = time.perf_counter() - self.t0
             if reply["ok"]:
                 future.set_result(reply["seconds"])
             else:
@@ -170,7 +260,10 @@ class CompilePool:
                     self._bar.update(1)
 
     def _all_dead(self) -> bool:
-        return all(w.proc.poll() is not None for w in self.workers)
+        """No worker runs, and none can still connect."""
+        if self.accepting and self.parent.poll() is None:
+            return False
+        return not any(w.alive() for w in self.workers)
 
     def _drain(self, error: Exception) -> None:
         """A dead worker: when no worker is left alive, fail what is queued (it compiles in-process)."""
@@ -194,6 +287,7 @@ class CompilePool:
         job = {"id": self._next, "graph": encoded_graph, "inputs": encoded_inputs, "out": out,
                "options": [list(kv) for kv in options], "modules": modules}  # fmt: skip
         future: Future = Future()
+        future.submitted_s = time.perf_counter() - self.t0
         piece = PendingPiece(self, name, gm, future, out, fallback)
         self.pending.append(piece)
         if self._all_dead():  # none left to take it: compile in-process
@@ -208,7 +302,7 @@ class CompilePool:
         left = [p for p in self.pending if not p.future.done()]
         with self._lock:
             self._bar = tqdm(total=len(self.pending), initial=len(self.pending) - len(left), leave=False,
-                             desc=f"compiling pieces in {len(self.workers)} processes", unit="piece",
+                             desc=f"compiling pieces in {self.n} processes", unit="piece",
                              disable=not self.progress or not left)  # fmt: skip
         for p in self.pending:
             p.load()
@@ -216,13 +310,62 @@ class CompilePool:
         with self._lock:
             self._bar.close()
             self._bar = None
-        return time.perf_counter() - t0
+        self.waited_s = time.perf_counter() - t0
+        log.info("%s", self.timeline_text())
+        return self.waited_s
+
+    def timeline(self) -> dict:
+        """When the workers were ready and the pieces compiled, in seconds from the pool's start (stats'
+        `compile.compile_pool`): what a cold start waited for."""
+        ready = [w.ready_s for w in self.workers if w.ready_s is not None]
+        futures = [p.future for p in self.pending]
+        seconds = [p.seconds for p in self.pending if p.seconds is not None]
+        done = [f.done_s for f in futures if hasattr(f, "done_s")]
+        return {
+            "workers": self.n,
+            "connected": len(self.workers),
+            "phases_s": {
+                k: round(statistics.median(w.phases[k] for w in self.workers if k in w.phases), 2)
+                for k in sorted({k for w in self.workers for k in w.phases})
+            },  # medians over workers
+            "threads_per_worker": self.threads_per_worker,
+            "ready_s": [round(min(ready), 2), round(max(ready), 2)] if ready else None,
+            "pieces": len(self.pending),
+            "first_submitted_s": round(min(f.submitted_s for f in futures), 2) if futures else None,
+            "last_done_s": round(max(done), 2) if done else None,
+            "piece_seconds": [round(min(seconds), 2), round(max(seconds), 2), round(sum(seconds), 2)]
+            if seconds
+            else None,
+            "waited_s": round(self.waited_s, 2),
+        }
+
+    def timeline_text(self) -> str:
+        t = self.timeline()
+        ready = "none ready" if t["ready_s"] is None else "ready after {:.1f}-{:.1f} s".format(*t["ready_s"])
+        text = f"compile workers: {t['workers']} ({t['threads_per_worker']} Triton threads each), {ready}"
+        if t["phases_s"]:
+            text += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in t["phases_s"].items()) + ")"
+        if t["piece_seconds"] is not None:
+            lo, hi, total = t["piece_seconds"]
+            text += f"; {t['pieces']} pieces of {lo:.1f}-{hi:.1f} s ({total:.1f} s in all)"
+        if t["first_submitted_s"] is not None and t["last_done_s"] is not None:
+            text += f", first sent at {t['first_submitted_s']:.1f} s, last done at {t['last_done_s']:.1f} s"
+        return text + f"; the engine waited {t['waited_s']:.1f} s for them"
 
     def close(self) -> None:
-        for _ in self.workers:
+        with self._lock:
+            self.closed = True
+            workers = list(self.workers)
+        for _ in range(self.n):
             self.jobs.put(None)
-        for w in self.workers:
+        for w in workers:
             w.close()
+        with contextlib.suppress(OSError):  # the parent, and any child not yet connected: one process group
+            os.killpg(self.parent.pid, signal.SIGKILL)
+        threading.Thread(target=self.parent.wait, daemon=True).start()  # reaped in the background
+        _stopping.append(self.parent.pid)
+        self.server.close()
+        self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

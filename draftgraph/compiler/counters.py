@@ -23,6 +23,8 @@ class CompileCounters:
     compile_workers: int = 0  # processes that compiled pieces in parallel (compiler/compile_pool.py)
     compile_worker_failures: int = 0  # pieces a worker could not compile (compiled in-process instead)
     piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
+    compile_pool: dict = field(default_factory=dict)  # the workers' timeline (CompilePool.timeline)
+    kernels_ahead: dict = field(default_factory=dict)  # our kernels compiled ahead (KernelsAhead.close)
     capture_seconds: float = 0.0
     # compiled variants of draftgraph's own Triton kernels that warm-up and capture added (ops/kernel_variants.py):
     # a number that grows with the capture sizes is a launcher specialising on the batch size
@@ -46,6 +48,8 @@ class CompileCounters:
             "compile_workers": self.compile_workers,
             "compile_worker_failures": self.compile_worker_failures,
             "piece_compile_seconds": {k: round(v, 2) for k, v in self.piece_compile_seconds.items()},
+            "compile_pool": dict(self.compile_pool),
+            "kernels_ahead": dict(self.kernels_ahead),
             "capture_seconds": round(self.capture_seconds, 2),
             "kernel_variants": dict(self.kernel_variants),
             "kernels_restored": self.kernels_restored,

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
+from draftgraph.compiler.kernels_ahead import KernelsAhead, op_calls
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
@@ -68,6 +69,7 @@ class PiecewiseBackend:
         shared: PieceCache | None = None,
         inductor_options: tuple[tuple[str, object], ...] = (),
         pool: CompilePool | None = None,
+        ahead: KernelsAhead | None = None,
     ):
         if compile_backend not in ("inductor", "eager"):
             raise ValueError(f"compile_backend={compile_backend!r} is unknown; choose 'inductor' or 'eager'")
@@ -77,6 +79,7 @@ class PiecewiseBackend:
         self.shared = shared if shared is not None else PieceCache()
         self.inductor_options = inductor_options
         self.pool = pool  # compile workers (compiler/compile_pool.py); None: every compile in this process
+        self.ahead = ahead  # compiles our ops' kernels ahead (compiler/kernels_ahead.py); None: at first launch
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
         # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
@@ -88,6 +91,8 @@ class PiecewiseBackend:
         counters = self.ctx.counters
         counters.traces[self.fn_name] += 1
         t0 = time.perf_counter()
+        if self.ahead is not None:  # our kernels compile in threads while this function's pieces compile
+            self.ahead.submit(op_calls(gm))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         sources = [_source_name(n) for n in placeholders]
         static_shapes = [_static_shape(n.meta.get("example_value")) for n in placeholders]

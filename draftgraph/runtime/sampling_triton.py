@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.launch import launch
 
 BITS = 4  # radix digit: 32 / BITS passes per cut
 BLOCK = 1024  # columns per step of the count and write passes
@@ -384,11 +385,11 @@ def probabilities_triton(logits, temperature, top_k, top_p, splits=None, blocks=
     s_block = triton.next_power_of_2(max(s, triton.cdiv(vocab, MIN_CHUNK)))
     sizes = dict(V=vocab, S=s, chunk=chunk, BITS=bits, PASSES=passes, S_BLOCK=s_block)
     for p in range(passes):
-        _top_k_pass[grid](logits, logits.stride(0), *params, hk, kst, mx, ix, PASS=p, BLOCK=block, **sizes)
+        launch(_top_k_pass, grid)(logits, logits.stride(0), *params, hk, kst, mx, ix, PASS=p, BLOCK=block, **sizes)
     for p in range(passes):
-        _top_p_pass[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, PASS=p, BLOCK=block_mass,
-                          ACCURATE=accurate, **sizes)  # fmt: skip
+        launch(_top_p_pass, grid)(logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, PASS=p,
+                                  BLOCK=block_mass, ACCURATE=accurate, **sizes)  # fmt: skip
     # enable_fp_fusion off: the tie rule's product and sum rounded apart, as torch's separate kernels do
-    _write[grid](logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, ix, out, BLOCK=block,
-                 ACCURATE=accurate, enable_fp_fusion=False, **sizes)  # fmt: skip
+    launch(_write, grid)(logits, logits.stride(0), *params, hk, kst, hp, pst, hc, mx, ix, out, BLOCK=block,
+                         ACCURATE=accurate, enable_fp_fusion=False, **sizes)  # fmt: skip
     return out

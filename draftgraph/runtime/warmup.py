@@ -112,9 +112,17 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     variants = {k: n - variants_before.get(k, 0) for k, n in compiled_variants().items()}
     counters.kernel_variants = {k: n for k, n in variants.items() if n}
     kernels = f", {sum(variants.values())} variants of draftgraph's Triton kernels" if counters.kernel_variants else ""
+    if counters.kernels_ahead.get("kernels"):
+        kernels += f" ({counters.kernels_ahead['kernels']} compiled ahead in threads)"
+    waited = ""
+    if counters.compile_workers:
+        waited = (
+            f" ({compile_s - phases['compile_workers_wait']:.1f} s tracing and first runs, then "
+            f"{phases['compile_workers_wait']:.1f} s waiting for {counters.compile_workers} compile workers)"
+        )
     line = (
         f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique, {compiles} Inductor compiles, "
-        f"token count symbolic{kernels}) in {compile_s:.1f} s; {graphs_line}"
+        f"token count symbolic{kernels}) in {compile_s:.1f} s{waited}; {graphs_line}"
     )
     log.info(line)
     return line

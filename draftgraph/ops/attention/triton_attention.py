@@ -23,6 +23,7 @@ import triton.language as tl
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
 from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
 from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.launch import launch
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     row = k_cache.shape[2] * k_cache.shape[3]
     k2 = k.reshape(num_tokens, row)
     v2 = v.reshape(num_tokens, row)
-    _write_kv_kernel[(num_tokens,)](
+    launch(_write_kv_kernel, (num_tokens,))(
         k2,
         v2,
         k_cache,
@@ -159,7 +160,7 @@ def attend_triton(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
     dot_f32, precision = triton_dot_settings(q.dtype)
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+    launch(_paged_attention_kernel, (num_tokens, num_kv_heads))(
         q,
         k_cache,
         v_cache,

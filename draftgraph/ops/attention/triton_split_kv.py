@@ -25,6 +25,7 @@ import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q, merge_split_partials
 from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.launch import launch
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
     dot_f32, precision = triton_dot_settings(q.dtype)
-    _split_kv_kernel[(num_tokens, num_kv_heads, num_splits)](
+    launch(_split_kv_kernel, (num_tokens, num_kv_heads, num_splits))(
         q,
         k_cache,
         v_cache,
@@ -232,7 +233,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
         DOT_F32=dot_f32,
         num_warps=4,
     )
-    _merge_kernel[(num_tokens, num_heads)](
+    launch(_merge_kernel, (num_tokens, num_heads))(
         acc,
         m,
         l_sum,

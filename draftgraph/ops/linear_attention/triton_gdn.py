@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.attention.triton_split_kv import device_sm_count
+from draftgraph.ops.launch import launch
 
 CONV_BLOCK_T, CONV_BLOCK_C = 16, 128
 COUNT_BLOCK = 16  # tokens read at a time when counting a run's valid tokens
@@ -136,7 +137,7 @@ def conv_forward(x, conv_weight, conv_states, rows, query_start_loc, token_req, 
     t, c = x.shape
     out = torch.empty_like(x)
     grid = (triton.cdiv(t, CONV_BLOCK_T), triton.cdiv(c, CONV_BLOCK_C))
-    _conv_kernel[grid](
+    launch(_conv_kernel, grid)(
         x, conv_weight, conv_states, out, rows, query_start_loc, token_req, token_kv_len,
         t, c, rows.shape[0], x.stride(0), conv_states.stride(0), conv_states.stride(1), out.stride(0),
         LC=conv_states.shape[1], W=conv_weight.shape[1], BT=CONV_BLOCK_T, BC=CONV_BLOCK_C, num_warps=4,
@@ -163,7 +164,7 @@ def recurrent_forward(conv, g, beta, x, conv_states, ssm_states, rows, query_sta
     nv = triton.cdiv(dv, bv)
     ch = triton.cdiv(x.shape[1], hv * nv)
     assert ssm_states.stride(4) == 1 and ssm_states.stride(3) == dv, "each state must be contiguous"
-    _recurrent_kernel[(b, hv * nv)](
+    launch(_recurrent_kernel, (b, hv * nv))(
         conv, g, beta, x, conv_states, ssm_states, out, rows, query_start_loc, token_kv_len,
         rows if skip is None else skip,
         x.shape[1], dk**-0.5, conv.stride(0), g.stride(0), beta.stride(0), x.stride(0),

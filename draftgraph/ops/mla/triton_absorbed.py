@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.launch import launch
+
 
 @triton.jit
 def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, stride_src, stride_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
@@ -95,6 +97,6 @@ def write_rows_triton(src: torch.Tensor, cache: torch.Tensor, slot_mapping: torc
         return
     if src.stride(-1) != 1:
         src = src.contiguous()
-    _write_rows_kernel[(num_tokens,)](
+    launch(_write_rows_kernel, (num_tokens,))(
         src, cache, slot_mapping, src.stride(0), cache.stride(1), ROW=row, ROW_PAD=triton.next_power_of_2(row)
     )

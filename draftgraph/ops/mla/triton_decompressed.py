@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.launch import launch
 
 BLOCK_M = 64  # query rows per program: the planner tiles each request's rows by this
 
@@ -140,7 +141,7 @@ def mla_decompressed_triton(
             raise ValueError(f"MLA decompressed attention (triton) needs {name} with a unit last stride")
     dot_f32, precision = triton_dot_settings(q_nope.dtype)
     wide = max(_pad(head_nope), _pad(head_v)) >= 128
-    _mla_decompressed_kernel[(q_blocks.shape[0], num_heads)](
+    launch(_mla_decompressed_kernel, (q_blocks.shape[0], num_heads))(
         q_nope,
         q_pe,
         k_nope,

@@ -25,6 +25,7 @@ import triton.language as tl
 from draftgraph.ops.attention.triton_common import merge_split_partials
 from draftgraph.ops.attention.triton_split_kv import SplitKVRule, choose_num_splits, device_sm_count
 from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.launch import launch
 from draftgraph.ops.mla.triton_absorbed import fold_latent_tile, load_latent_queries
 
 # At most 16 splits (the merge holds S x r float32 partials per head), 64 keys each at least.
@@ -186,7 +187,7 @@ def latent_attention_triton(
     m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=dev) if split else out
     l_sum = torch.empty_like(m) if split else out
     dot_f32, precision = triton_dot_settings(q_lat.dtype)
-    _latent_kernel[(num_tokens, head_blocks, num_splits)](
+    launch(_latent_kernel, (num_tokens, head_blocks, num_splits))(
         q_lat, q_pe, latent_cache, rope_cache, idx, acc, m, l_sum, block_tables, token_req, token_kv_len,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), idx.stride(0), out.stride(0),
         out.stride(1), latent_cache.stride(0), latent_cache.stride(1), rope_cache.stride(0), rope_cache.stride(1),
@@ -196,7 +197,7 @@ def latent_attention_triton(
         num_warps=8 if r_pad >= 256 else 4,
     )  # fmt: skip
     if split:
-        _merge_kernel[(num_tokens, num_heads)](
+        launch(_merge_kernel, (num_tokens, num_heads))(
             acc, m, l_sum, out, token_kv_len, out.stride(0), out.stride(1), num_heads, topk, num_splits,
             R=rank, R_PAD=r_pad, S_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
             num_warps=4,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.launch import launch
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _gemm(a, w, sorted_ids, tile_expert, total, tiles, weights, num_pairs, rows_
     out = torch.empty(num_pairs, n, dtype=out_dtype, device=a.device)
     bn, bk = 64, 64
     fp32 = a.dtype == torch.float32
-    _grouped_gemm_kernel[(tiles, triton.cdiv(n, bn))](
+    launch(_grouped_gemm_kernel, (tiles, triton.cdiv(n, bn)))(
         a,
         w,
         out,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.launch import launch
 from draftgraph.ops.sampling.op import SUPPORTED_DTYPES
 
 STEP_BYTES = 8192  # bytes a stage-1 program loads per step at most (a program's loads are not overlapped
@@ -170,16 +171,16 @@ def argmax_triton(
     splits = triton.cdiv(vocab, chunk)
     warps = min(8, max(1, block // 256))  # 8+ columns per thread: 16-byte loads of 16-bit types
     if splits == 1:
-        _stage1[(rows, 1)](logits, logits.stride(0), logits.stride(1), vocab, vocab, out, out, out, 1,
-                           ONE_STAGE=True, BLOCK=block, num_warps=warps)  # fmt: skip
+        launch(_stage1, (rows, 1))(logits, logits.stride(0), logits.stride(1), vocab, vocab, out, out, out, 1,
+                                   ONE_STAGE=True, BLOCK=block, num_warps=warps)  # fmt: skip
         return out
     values = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-    _stage1[(rows, splits)](logits, logits.stride(0), logits.stride(1), vocab, chunk, values, indices, out, splits,
-                            ONE_STAGE=False, BLOCK=block, num_warps=warps)  # fmt: skip
+    launch(_stage1, (rows, splits))(logits, logits.stride(0), logits.stride(1), vocab, chunk, values, indices, out,
+                                    splits, ONE_STAGE=False, BLOCK=block, num_warps=warps)  # fmt: skip
     # BLOCK from the vocabulary only (the most splits the rule gives), not from this call's splits: one
     # compiled stage-2 variant serves every row count (the loop covers more splits if a caller forces them)
     most = triton.cdiv(vocab, (rule or DEFAULT_ARGMAX_RULE).min_chunk)
-    _stage2[(rows,)](values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
-                     num_warps=4)  # fmt: skip
+    launch(_stage2, (rows,))(values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
+                             num_warps=4)  # fmt: skip
     return out

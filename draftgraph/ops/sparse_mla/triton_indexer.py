@@ -41,6 +41,7 @@ import triton.language as tl
 
 from draftgraph.ops.attention.triton_split_kv import device_sm_count
 from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.launch import launch
 from draftgraph.ops.mla.triton_absorbed import write_rows_triton
 
 SCORE_BUDGET = 1 << 26  # float32 elements of the score scratch (256 MiB); rows are chunked to stay under it
@@ -187,7 +188,7 @@ def score_rows(index_q, index_w, index_k_cache, block_tables, token_req, token_k
     num_tokens, num_heads, head_dim = index_q.shape
     dot_f32 = triton_interpreting() and index_q.dtype != torch.float32  # the interpreter's bf16 dot is wrong
     fp32 = index_q.dtype == torch.float32  # an IEEE float32 dot: half the tile, twice the warps (no spills)
-    _score_kernel[(num_tokens, splits)](
+    launch(_score_kernel, (num_tokens, splits))(
         index_q, index_w, index_k_cache, scores, block_tables, token_req, token_kv_len, index_q.stride(0),
         index_q.stride(1), index_w.stride(0), index_k_cache.stride(0), index_k_cache.stride(1),
         block_tables.stride(0), scores.stride(0), scale, topk, splits,
@@ -201,7 +202,7 @@ def score_rows(index_q, index_w, index_k_cache, block_tables, token_req, token_k
 def select_rows(scores, token_kv_len, topk, out):
     """The select kernel: out[t] = the top-k positions of scores[t, :token_kv_len[t]], -1 padded."""
     block = min(SELECT_BLOCK, max(16, triton.next_power_of_2(max(scores.shape[1], topk))))
-    _select_kernel[(out.shape[0],)](
+    launch(_select_kernel, (out.shape[0],))(
         scores, out, token_kv_len, scores.stride(0), out.stride(0), topk, BITS=BITS, BLOCK=block, num_warps=8
     )
 

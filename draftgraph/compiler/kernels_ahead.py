@@ -1,0 +1,237 @@
+"""draftgraph's own Triton kernels compiled side by side, before the traced code first launches them.
+
+A cold start used to JIT-compile draftgraph's Triton kernels (attention, split-KV, sampling, argmax, ...) at
+their first launch, one after another in the engine process: 14-19 s of the built-in pair's 31-40 s cold
+start on an H100 (docs/benchmarks.md, session 11). A traced graph names every call of our custom ops with its
+arguments' shapes, strides and dtypes and its constant arguments. `op_calls(gm)` writes each distinct call as
+data. `KernelsAhead` runs each once, in a thread of its own, on zero-filled tensors of that layout inside
+`ops.launch.compiling_ahead()` and Triton's AsyncCompileMode: the op's launch sites then queue the compile of
+every kernel variant the call would launch on a thread pool and launch nothing. Triton's compiles overlap in
+threads (code generation, LLVM, ptxas, and the C launcher built here too: 4x on 8 threads, session 12), and
+the traced code's first launch of a variant waits for that variant only (Triton's kernel cache holds its
+pending compile). A kernel whose variant the data does not reach (a size the trace leaves symbolic and that a
+launcher specialises on) compiles at its first launch, as before.
+
+Zero inputs are valid for every op listed: index tensors point at slot, block and expert 0, lengths are 0
+(padding rows), temperatures 0 (greedy rows); nothing launches anyway. A call that cannot be written as data,
+or that would need a large tensor (a KV cache, expert weights) in full, shrinks its first dimension or is
+left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from draftgraph.compiler.piece_inputs import _bound
+from draftgraph.ops.launch import compiling_ahead
+
+# The custom ops that launch draftgraph's Triton kernels and run on one GPU with nothing but their inputs
+# (collectives need a process group; the piece boundary launches nothing).
+KERNEL_OPS = frozenset(
+    {
+        "paged_attention",
+        "mla_attention",
+        "sparse_mla_attention",
+        "indexer_topk",
+        "gated_delta_net",
+        "argmax_rows",
+        "sampling_probs",
+        "moe_experts",
+    }
+)
+log = logging.getLogger("draftgraph")
+MAX_TENSOR_BYTES = 256 * 2**20  # a larger input keeps only as many rows of its first dimension as fit
+UNBACKED_SIZE = 16  # the token count is unbacked in a trace (no example value): an example size
+
+
+class _Skip(Exception):
+    pass
+
+
+def _int(d, env) -> int:
+    if not isinstance(d, torch.SymInt):
+        return int(d)
+    expr = d.node.expr
+    if expr.is_number:
+        return int(expr)
+    values = {}
+    for s in expr.free_symbols:
+        hint = env.backed_var_to_val.get(s) if hasattr(env, "backed_var_to_val") else env.var_to_val.get(s)
+        if hint is None:  # unbacked: an example size inside its range
+            vr = env.var_to_range.get(s)
+            lo, hi = (None, None) if vr is None else (_bound(vr.lower), _bound(vr.upper))
+            hint = max(UNBACKED_SIZE, lo or 0)
+            if hi is not None:
+                hint = min(hint, hi)
+        values[s] = hint
+    return int(expr.xreplace(values))
+
+
+def _tensor(v: torch.Tensor, devices: tuple[str, ...]) -> dict:
+    if v.layout != torch.strided or v.device.type not in devices:
+        raise _Skip(f"a {v.layout} tensor on {v.device}")
+    env = next((d.node.shape_env for d in (*v.shape, *v.stride()) if isinstance(d, torch.SymInt)), None)
+    shape = [_int(d, env) for d in v.shape]
+    stride = [_int(d, env) for d in v.stride()]
+    offset = _int(v.storage_offset(), env)
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    if extent * v.element_size() > MAX_TENSOR_BYTES:
+        if not shape or stride[0] != max(stride) or offset:
+            raise _Skip(f"a large tensor {shape} that cannot shrink along its first dimension")
+        shape[0] = max(1, shape[0] * MAX_TENSOR_BYTES // (extent * v.element_size()))
+    return {"dtype": str(v.dtype).removeprefix("torch."), "shape": shape, "stride": stride, "offset": offset}
+
+
+def _value(a, devices: tuple[str, ...]):
+    if isinstance(a, torch.fx.Node):
+        v = a.meta.get("val", a.meta.get("example_value"))
+        if isinstance(v, torch.Tensor):
+            return {"tensor": _tensor(v, devices)}
+        if isinstance(v, (torch.SymInt, int)) and not isinstance(v, bool):
+            env = v.node.shape_env if isinstance(v, torch.SymInt) else None
+            return _int(v, env)
+        raise _Skip(f"an argument of type {type(v).__name__}")
+    if isinstance(a, (list, tuple)):
+        return {"list": [_value(x, devices) for x in a]}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise _Skip(f"a constant of type {type(a).__name__}")
+
+
+def op_calls(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> list[dict]:
+    """Each distinct call of a KERNEL_OPS op in this graph module (its submodules included) whose tensors are on
+    `devices`, as JSON-ready data ({"op", "args", "kwargs"})."""
+    calls, seen = [], set()
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for n in module.graph.nodes:
+            target = n.target
+            if isinstance(target, torch._ops.OpOverloadPacket):  # as Dynamo writes calls
+                target = target.default
+            if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+                continue
+            namespace, name = target._schema.name.split("::")
+            if namespace != "draftgraph" or name not in KERNEL_OPS:
+                continue
+            try:
+                call = {
+                    "op": target.name(),
+                    "args": [_value(a, devices) for a in n.args],
+                    "kwargs": {k: _value(a, devices) for k, a in n.kwargs.items()},
+                }
+            except _Skip:
+                continue
+            key = json.dumps(call, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                calls.append(call)
+    return calls
+
+
+def _materialize(a, device):
+    if isinstance(a, dict) and "tensor" in a:
+        t = a["tensor"]
+        shape, stride, offset = t["shape"], t["stride"], t["offset"]
+        extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else offset
+        buf = torch.zeros(max(extent, 1), dtype=getattr(torch, t["dtype"]), device=device)
+        return buf.as_strided(shape, stride, offset)
+    if isinstance(a, dict) and "list" in a:
+        return [_materialize(x, device) for x in a["list"]]
+    return a
+
+
+def run_op_call(call: dict, device: str) -> None:
+    """Run one call written by `op_calls` on zero-filled inputs (on CUDA on a stream of its own, waited for).
+    Inside `compiling_ahead()` it compiles the call's kernels and launches none."""
+    namespace, rest = call["op"].split("::")
+    name, _, overload = rest.partition(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+    on_cuda = torch.device(device).type == "cuda"
+    stream = torch.cuda.Stream(device) if on_cuda else None
+    with torch.no_grad(), torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
+        args = [_materialize(a, device) for a in call["args"]]
+        kwargs = {k: _materialize(a, device) for k, a in call["kwargs"].items()}
+        op(*args, **kwargs)
+    if on_cuda:
+        stream.synchronize()
+
+
+def async_compile_mode():
+    """Triton's AsyncCompileMode class, or None where this Triton has none (then nothing compiles ahead)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return AsyncCompileMode
+
+
+class KernelsAhead:
+    """Compiles the kernels of op calls (`op_calls`) on `threads` threads, each distinct call once per engine
+    build; `close()` (end of the compile phase) waits for every compile and returns what was done."""
+
+    def __init__(self, device: str, threads: int):
+        mode = async_compile_mode()
+        if mode is None:
+            raise RuntimeError("this Triton has no AsyncCompileMode")
+        self.device = torch.device(device)
+        init = (torch.cuda.set_device, (self.device,)) if self.device.type == "cuda" else (None, ())
+        self.pool = ThreadPoolExecutor(threads, "draftgraph-kernels", initializer=init[0], initargs=init[1])
+        self.mode = mode(self.pool)
+        self.queue: queue.Queue = queue.Queue()
+        self.seen: set[str] = set()
+        self.calls = self.failed = self.kernels = 0
+        self.thread = threading.Thread(target=self._run, name="draftgraph-kernels-ahead", daemon=True)
+        self.thread.start()
+
+    def submit(self, calls: list[dict]) -> None:
+        for call in calls:
+            key = json.dumps(call, sort_keys=True)
+            if key not in self.seen:
+                self.seen.add(key)
+                self.queue.put(call)
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with self.mode:
+            while (call := self.queue.get()) is not None:
+                before = len(getattr(self.mode, "raw_futures", []))
+                try:
+                    with compiling_ahead():
+                        run_op_call(call, str(self.device))
+                    self.calls += 1
+                except Exception as e:  # not fatal: the call's kernels compile at their first launch
+                    self.failed += 1
+                    log.info(
+                        "compiling %s's kernels ahead failed (%s); they compile at its first launch", call["op"], e
+                    )
+                for f in self.mode.raw_futures[before:]:
+                    self.kernels += 1
+                    f.add_done_callback(_load)
+        # leaving the mode waited for every compile
+
+    def close(self) -> dict:
+        """Wait for every queued call's compiles; returns {"calls", "kernels", "failed"}."""
+        self.queue.put(None)
+        self.thread.join()
+        self.pool.shutdown(wait=True)
+        return {"calls": self.calls, "kernels": self.kernels, "failed": self.failed}
+
+
+def _load(future) -> None:
+    """A compiled kernel's launcher (Triton's C module: a C compiler run) and its module on the device, built in
+    the compiling thread rather than at the engine's first launch."""
+    if future.cancelled() or future.exception() is not None:
+        return  # the first launch compiles it again and reports the error
+    init = getattr(future.result(), "_init_handles", None)
+    if init is not None:
+        with contextlib.suppress(Exception):  # the first launch retries and reports
+            init()

@@ -1,0 +1,40 @@
+"""GPU tier: draftgraph's own Triton kernels compiled ahead in threads (compiler/kernels_ahead.py). Each
+distinct call of our ops in the traced graphs runs once on zero inputs inside `compiling_ahead()`, which queues
+its kernels' compiles on a thread pool and launches nothing; the traced code's first launches wait for them.
+The tokens equal mode NONE's (greedy and sampled rows), and nothing failed."""
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.llama import CausalLM
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(target, drafter, mode):
+    prompts, params, arrivals = ragged(8)
+    params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=(0.0, 0.8)[i % 2], seed=i)
+              for i, p in enumerate(params)]  # fmt: skip
+    cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+                           device="cuda", gpu_memory_utilization=0.0, capture_sizes=(1, 4, 16, 64),
+                           full_capture_sizes=(1, 8), progress=False)  # fmt: skip
+    eng = dg.compile_model(target, drafter, cfg)
+    return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
+
+
+def test_kernels_compiled_ahead():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
+    drafter = make_drafter("eagle", target)
+    ref, _ = _run(target, drafter, "NONE")
+    toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")
+    assert toks == ref
+    ahead = eng.stats()["compile"]["kernels_ahead"]
+    # attention (target and drafter share a layout) and the sampling probabilities at least, none failed
+    assert ahead["calls"] >= 2 and ahead["kernels"] >= 3 and ahead["failed"] == 0, ahead
+    assert eng.compiled.ahead is None  # closed when the compile phase ended
+    assert "compiled ahead in threads" in eng.warm_up_report

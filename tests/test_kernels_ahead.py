@@ -1,0 +1,83 @@
+"""draftgraph's own kernels compiled ahead, side by side (compiler/kernels_ahead.py, ops/launch.py): a traced
+engine's calls of our ops are written as data, one per distinct call (the layers' identical attention calls
+are one, submodules' calls included), each runs on zero inputs after a JSON round trip, and a large input keeps
+its strides with fewer rows. Inside `compiling_ahead()` a launch site compiles (Triton's `warmup`) and launches
+nothing; elsewhere it launches. On CUDA the calls compile the Triton kernels in threads (tests/gpu)."""
+
+import json
+from collections import Counter
+
+import torch
+
+import draftgraph as dg
+from draftgraph.compiler.kernels_ahead import MAX_TENSOR_BYTES, _tensor, op_calls, run_op_call
+from draftgraph.models.llama import CausalLM
+from draftgraph.ops.launch import compiling_ahead, launch
+from tests.copy_drafters import make_drafter
+from tests.helpers import tiny_hf_model
+
+
+def _engine_graphs():
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=4,
+                              max_num_batched_tokens=64, compile_backend="eager", progress=False)  # fmt: skip
+    engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    c = engine.compiled
+    assert c.ahead is None  # on the CPU nothing compiles ahead
+    return [gm for b in (c.target.backend, c.drafter.backend, c.loop_backend) for gm, _ in b.traces]
+
+
+def test_calls_from_an_engine_run_on_zero_inputs():
+    gms = _engine_graphs()
+    assert len(gms) == 4  # target, drafter, the greedy and the sampled loop
+    in_graphs = Counter(
+        str(n.target).split(".")[1] for gm in gms for n in gm.graph.nodes if "draftgraph" in str(n.target)
+    )
+    assert all(op_calls(gm) == [] for gm in gms)  # CUDA only by default: the CPU has no Triton kernels
+    calls = [c for gm in gms for c in op_calls(gm, devices=("cpu",))]
+    unique = {json.dumps(c, sort_keys=True): c for c in calls}
+    names = Counter(c["op"].split("::")[1] for c in unique.values())
+    # every attention call in the four graphs has the same layout at the example token count: one call
+    assert names == {"paged_attention": 1, "sampling_probs": 1}
+    assert in_graphs["paged_attention"] == 10 and in_graphs["sampling_probs"] == 3
+    q = next(c for c in calls if c["op"].endswith("paged_attention"))["args"][0]["tensor"]
+    assert q["shape"][0] == 16 and q["dtype"] == "float32"  # the unbacked token count at its example size
+    for call in unique.values():
+        run_op_call(json.loads(json.dumps(call)), "cpu")
+
+
+def test_submodules_are_searched():
+    gm = _engine_graphs()[0]
+    split = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    split.add_submodule("inner", gm)  # a call inside a submodule (a piece) counts like one at the top
+    assert op_calls(split, devices=("cpu",)) == op_calls(gm, devices=("cpu",)) != []
+
+
+def test_large_inputs_keep_their_strides_with_fewer_rows():
+    cache = torch.empty(2**16, 16, 8, 128, device="meta")  # 4 GiB of float32 KV cache blocks
+    t = _tensor(cache, ("meta",))
+    assert t["stride"] == list(cache.stride()) and t["shape"][1:] == [16, 8, 128]
+    assert 1 <= t["shape"][0] * 16 * 8 * 128 * 4 <= MAX_TENSOR_BYTES < cache.numel() * 4
+
+
+class _Kernel:
+    """Stands in for a Triton JIT function: records launches and warm-ups."""
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.log.append(("launch", grid, a, kw))
+
+    def warmup(self, *a, grid, **kw):
+        self.log.append(("warmup", grid, a, kw))
+
+
+def test_launch_compiles_only_when_ahead():
+    k = _Kernel()
+    launch(k, (4, 2))(1, x=2)
+    with compiling_ahead():
+        launch(k, (8,))(3, BLOCK=16)
+    launch(k, (1,))(5)
+    assert [e[:2] for e in k.log] == [("launch", (4, 2)), ("warmup", (8,)), ("launch", (1,))]
+    assert k.log[1][2:] == ((3,), {"BLOCK": 16})
