@@ -115,6 +115,9 @@ def worker_env(device: str, cache_dir: str, threads: int, modules: tuple[str, ..
     # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them) are
     # imported by the workers before their first job, which is on the critical path
     env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
+    # torch.cuda.is_available() / device_count() through NVML, not the CUDA runtime: a runtime call in the
+    # workers' parent (an import makes one) would forbid CUDA in every child it forks
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     if cache_dir:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     return env
@@ -230,7 +233,17 @@ class CompilePool:
         finally:
             self.accepting = False
             if not self.closed and self._all_dead():
-                self._drain(RuntimeError(f"no compile worker started (see {self.log_path})"))
+                why = RuntimeError(f"no compile worker started; their log ends:\n{self.log_tail()}")
+                log.warning("%s", why)
+                self._drain(why)
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines the workers wrote (their errors), for messages: the log goes with the pool."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def _serve(self, worker: _Worker) -> None:
         try:
@@ -241,7 +254,7 @@ class CompilePool:
                 log.info("compile worker %d: %s", worker.index, ready["error"])
             log.debug("compile worker %d ready after %.1f s: %s", worker.index, worker.ready_s, worker.phases)
         except RuntimeError as e:
-            log.warning("%s", e)
+            log.warning("%s; the log ends:\n%s", e, self.log_tail())
             return self._drain(e)
         while (item := self.jobs.get()) is not None:
             job, future = item
