@@ -7,10 +7,19 @@ nothing; elsewhere it launches. On CUDA the calls compile the Triton kernels in 
 import json
 from collections import Counter
 
+import pytest
 import torch
+import triton
 
 import draftgraph as dg
-from draftgraph.compiler.kernels_ahead import MAX_TENSOR_BYTES, _tensor, op_calls, run_op_call
+from draftgraph.compiler.kernels_ahead import (
+    MAX_TENSOR_BYTES,
+    KernelsAhead,
+    _tensor,
+    async_compile_mode,
+    op_calls,
+    run_op_call,
+)
 from draftgraph.models.llama import CausalLM
 from draftgraph.ops.launch import compiling_ahead, launch
 from tests.copy_drafters import make_drafter
@@ -44,6 +53,18 @@ def test_calls_from_an_engine_run_on_zero_inputs():
     assert q["shape"][0] == 16 and q["dtype"] == "float32"  # the unbacked token count at its example size
     for call in unique.values():
         run_op_call(json.loads(json.dumps(call)), "cpu")
+
+
+def test_the_thread_runs_each_distinct_call_once():
+    if async_compile_mode() is None:
+        pytest.skip(f"Triton {triton.__version__} has no AsyncCompileMode: nothing compiles ahead with it")
+    gms = _engine_graphs()
+    ahead = KernelsAhead("cpu", threads=2)
+    for gm in gms + gms:  # a repeat is not run again
+        ahead.submit(op_calls(gm, devices=("cpu",)))
+    done = ahead.close()
+    # two distinct calls (attention, sampling); on the CPU they launch no Triton kernel
+    assert done == {"calls": 2, "kernels": 0, "failed": 0, "skipped": []}, done
 
 
 def test_submodules_are_searched():

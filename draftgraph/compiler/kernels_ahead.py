@@ -105,9 +105,9 @@ def _value(a, devices: tuple[str, ...]):
     raise _Skip(f"a constant of type {type(a).__name__}")
 
 
-def op_calls(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> list[dict]:
+def op_calls(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",), skipped: list | None = None) -> list[dict]:
     """Each distinct call of a KERNEL_OPS op in this graph module (its submodules included) whose tensors are on
-    `devices`, as JSON-ready data ({"op", "args", "kwargs"})."""
+    `devices`, as JSON-ready data ({"op", "args", "kwargs"}); `skipped` collects why other calls were left out."""
     calls, seen = [], set()
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -127,7 +127,9 @@ def op_calls(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> 
                     "args": [_value(a, devices) for a in n.args],
                     "kwargs": {k: _value(a, devices) for k, a in n.kwargs.items()},
                 }
-            except _Skip:
+            except _Skip as e:
+                if skipped is not None:
+                    skipped.append(f"{target.name()}: {e}")
                 continue
             key = json.dumps(call, sort_keys=True)
             if key not in seen:
@@ -188,8 +190,14 @@ class KernelsAhead:
         self.queue: queue.Queue = queue.Queue()
         self.seen: set[str] = set()
         self.calls = self.failed = self.kernels = 0
+        self.skipped: list[str] = []  # op calls left out, with why
+        self.error = ""  # what stopped the thread, if anything did
         self.thread = threading.Thread(target=self._run, name="draftgraph-kernels-ahead", daemon=True)
         self.thread.start()
+
+    def submit_graph(self, gm: torch.fx.GraphModule) -> None:
+        """Queue the distinct calls of our ops in a traced graph (`op_calls`)."""
+        self.submit(op_calls(gm, skipped=self.skipped))
 
     def submit(self, calls: list[dict]) -> None:
         for call in calls:
@@ -199,31 +207,47 @@ class KernelsAhead:
                 self.queue.put(call)
 
     def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        with self.mode:
-            while (call := self.queue.get()) is not None:
-                before = len(getattr(self.mode, "raw_futures", []))
-                try:
-                    with compiling_ahead():
-                        run_op_call(call, str(self.device))
-                    self.calls += 1
-                except Exception as e:  # not fatal: the call's kernels compile at their first launch
-                    self.failed += 1
-                    log.info(
-                        "compiling %s's kernels ahead failed (%s); they compile at its first launch", call["op"], e
-                    )
-                for f in self.mode.raw_futures[before:]:
-                    self.kernels += 1
-                    f.add_done_callback(_load)
-        # leaving the mode waited for every compile
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            with self.mode:
+                while (call := self.queue.get()) is not None:
+                    self._compile(call)
+            # leaving the mode waited for every compile
+        except Exception as e:  # not fatal: what did not compile here compiles at its first launch
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("compiling draftgraph's kernels ahead stopped (%s); they compile at first launch", e)
+            while self.queue.get() is not None:  # let close() through
+                pass
+
+    def _compile(self, call: dict) -> None:
+        futures = getattr(self.mode, "raw_futures", [])
+        before = len(futures)
+        try:
+            with compiling_ahead():
+                run_op_call(call, str(self.device))
+            self.calls += 1
+        except Exception as e:  # not fatal: the call's kernels compile at their first launch
+            self.failed += 1
+            log.info("compiling %s's kernels ahead failed (%s); they compile at first launch", call["op"], e)
+        for f in futures[before:]:
+            self.kernels += 1
+            f.add_done_callback(_load)
 
     def close(self) -> dict:
-        """Wait for every queued call's compiles; returns {"calls", "kernels", "failed"}."""
+        """Wait for every queued call's compiles; returns {"calls", "kernels", "failed", "skipped"[, "error"]}."""
         self.queue.put(None)
         self.thread.join()
         self.pool.shutdown(wait=True)
-        return {"calls": self.calls, "kernels": self.kernels, "failed": self.failed}
+        out = {
+            "calls": self.calls,
+            "kernels": self.kernels,
+            "failed": self.failed,
+            "skipped": sorted(set(self.skipped)),
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
 
 
 def _load(future) -> None:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
-from draftgraph.compiler.kernels_ahead import KernelsAhead, op_calls
+from draftgraph.compiler.kernels_ahead import KernelsAhead
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
@@ -92,7 +92,7 @@ class PiecewiseBackend:
         counters.traces[self.fn_name] += 1
         t0 = time.perf_counter()
         if self.ahead is not None:  # our kernels compile in threads while this function's pieces compile
-            self.ahead.submit(op_calls(gm))
+            self.ahead.submit_graph(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         sources = [_source_name(n) for n in placeholders]
         static_shapes = [_static_shape(n.meta.get("example_value")) for n in placeholders]

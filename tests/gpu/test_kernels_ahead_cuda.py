@@ -35,6 +35,6 @@ def test_kernels_compiled_ahead():
     assert toks == ref
     ahead = eng.stats()["compile"]["kernels_ahead"]
     # attention (target and drafter share a layout) and the sampling probabilities at least, none failed
-    assert ahead["calls"] >= 2 and ahead["kernels"] >= 3 and ahead["failed"] == 0, ahead
+    assert ahead["calls"] >= 2 and ahead["kernels"] >= 3 and ahead["failed"] == 0 and "error" not in ahead, ahead
     assert eng.compiled.ahead is None  # closed when the compile phase ended
     assert "compiled ahead in threads" in eng.warm_up_report
