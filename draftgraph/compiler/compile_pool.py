@@ -69,9 +69,18 @@ def start_pool(rc, cache_dir: str = "", progress: bool = True) -> CompilePool | 
 
 
 def draftgraph_modules() -> list[str]:
-    """The draftgraph modules this process has imported (a worker imports them: custom ops register where
-    they are defined)."""
-    return sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
+    """The draftgraph modules a worker imports: those defining the custom ops this process has registered (a
+    graph's calls of them resolve only where they are defined). Not the rest: the models' modules import
+    transformers, seconds on every worker's critical path. Every loaded draftgraph module where torch keeps
+    no record of where its custom ops were defined."""
+    loaded = sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
+    try:
+        from torch._library.custom_ops import OPDEFS
+
+        defined = {getattr(d._init_fn, "__module__", None) for k, d in OPDEFS.items() if k.startswith("draftgraph::")}
+    except (ImportError, AttributeError):
+        return loaded
+    return sorted(m for m in defined if m in loaded)
 
 
 _stopping: list[int] = []  # killed workers' process ids not yet seen to exit (wait_stopped)

@@ -184,6 +184,8 @@ class KernelsAhead:
         if mode is None:
             raise RuntimeError("this Triton has no AsyncCompileMode")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # threads need the index to set it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         init = (torch.cuda.set_device, (self.device,)) if self.device.type == "cuda" else (None, ())
         self.pool = ThreadPoolExecutor(threads, "draftgraph-kernels", initializer=init[0], initargs=init[1])
         self.mode = mode(self.pool)
