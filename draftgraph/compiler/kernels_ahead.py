@@ -197,9 +197,14 @@ class KernelsAhead:
         self.thread = threading.Thread(target=self._run, name="draftgraph-kernels-ahead", daemon=True)
         self.thread.start()
 
-    def submit_graph(self, gm: torch.fx.GraphModule) -> None:
-        """Queue the distinct calls of our ops in a traced graph (`op_calls`)."""
+    def submit_graph(self, gm: torch.fx.GraphModule) -> threading.Event:
+        """Queue the distinct calls of our ops in a traced graph (`op_calls`). The event is set once they ran,
+        i.e. every kernel compile they name is queued: the traced code's first launches, after it, then wait
+        for those compiles instead of compiling the same kernels again in the engine's thread."""
         self.submit(op_calls(gm, skipped=self.skipped))
+        queued = threading.Event()
+        self.queue.put(queued)
+        return queued
 
     def submit(self, calls: list[dict]) -> None:
         for call in calls:
@@ -214,13 +219,17 @@ class KernelsAhead:
                 torch.cuda.set_device(self.device)
             with self.mode:
                 while (call := self.queue.get()) is not None:
-                    self._compile(call)
+                    if isinstance(call, threading.Event):
+                        call.set()
+                    else:
+                        self._compile(call)
             # leaving the mode waited for every compile
         except Exception as e:  # not fatal: what did not compile here compiles at its first launch
             self.error = f"{type(e).__name__}: {e}"
             log.warning("compiling draftgraph's kernels ahead stopped (%s); they compile at first launch", e)
-            while self.queue.get() is not None:  # let close() through
-                pass
+            while (item := self.queue.get()) is not None:  # let close() and the traced code through
+                if isinstance(item, threading.Event):
+                    item.set()
 
     def _compile(self, call: dict) -> None:
         futures = getattr(self.mode, "raw_futures", [])

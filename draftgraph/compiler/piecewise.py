@@ -91,8 +91,8 @@ class PiecewiseBackend:
         counters = self.ctx.counters
         counters.traces[self.fn_name] += 1
         t0 = time.perf_counter()
-        if self.ahead is not None:  # our kernels compile in threads while this function's pieces compile
-            self.ahead.submit_graph(gm)
+        # our kernels compile in threads while this function's pieces compile
+        queued = self.ahead.submit_graph(gm) if self.ahead is not None else None
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         sources = [_source_name(n) for n in placeholders]
         static_shapes = [_static_shape(n.meta.get("example_value")) for n in placeholders]
@@ -133,6 +133,8 @@ class PiecewiseBackend:
         counters.unique_pieces += len(todo)
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
+        if queued is not None:  # our kernels' compiles are queued before the traced code first launches them
+            queued.wait(timeout=60.0)
         return _recorded(self, len(self.records) - 1, split.module)
 
     def _compile(self, piece: Piece, token, bar, name: str) -> CompiledPiece:

@@ -30,11 +30,13 @@ def test_kernels_compiled_ahead():
     torch.backends.cuda.matmul.allow_tf32 = False
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
     drafter = make_drafter("eagle", target)
+    toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")  # first: no kernel of ours compiled yet
     ref, _ = _run(target, drafter, "NONE")
-    toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")
     assert toks == ref
     ahead = eng.stats()["compile"]["kernels_ahead"]
-    # attention (target and drafter share a layout) and the sampling probabilities at least, none failed
-    assert ahead["calls"] >= 2 and ahead["kernels"] >= 3 and ahead["failed"] == 0 and "error" not in ahead, ahead
+    # the attention call of the traced graphs (target and drafter share a layout: the KV write and the
+    # attention kernel) and the sampling probabilities' call at least, none failed; the traced code waited for
+    # their compiles to be queued, so it compiled none of those kernels itself
+    assert ahead["calls"] >= 2 and ahead["kernels"] >= 2 and ahead["failed"] == 0 and "error" not in ahead, ahead
     assert eng.compiled.ahead is None  # closed when the compile phase ended
     assert "compiled ahead in threads" in eng.warm_up_report
