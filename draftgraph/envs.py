@@ -2,6 +2,8 @@
 
 DRAFTGRAPH_CHECK_ADDRESSES=1   --check-addresses   verify static input addresses at every graph replay
 DRAFTGRAPH_DUMP_GRAPHS=DIR     --dump-graphs DIR   write each pass's before/after graph to DIR
+DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at their first launch, not ahead
+                                                   in threads (compiler/kernels_ahead.py): for comparisons
 """
 
 from __future__ import annotations
@@ -15,3 +17,7 @@ def check_addresses() -> bool:
 
 def dump_graphs_dir() -> str:
     return os.environ.get("DRAFTGRAPH_DUMP_GRAPHS", "")
+
+
+def kernels_ahead() -> bool:
+    return os.environ.get("DRAFTGRAPH_KERNELS_AHEAD", "1") != "0"

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftgraph import envs
 from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
@@ -102,7 +103,7 @@ def build_compiled(
 def kernels_ahead(rc: ResolvedConfig) -> KernelsAhead | None:
     """Our Triton kernels compiled ahead in threads (compiler/kernels_ahead.py): on CUDA with Triton's
     AsyncCompileMode, unless DRAFTGRAPH_KERNELS_AHEAD=0."""
-    if rc.device.type != "cuda" or os.environ.get("DRAFTGRAPH_KERNELS_AHEAD", "1") == "0":
+    if rc.device.type != "cuda" or not envs.kernels_ahead():
         return None
     if async_compile_mode() is None:
         return None

@@ -2,8 +2,10 @@
 
 Inductor compiles of one process run one after another (standalone_compile holds process-global state), and
 each costs seconds of Python (lowering, code generation) whatever the piece's size. A `CompilePool` starts
-`workers` processes (`python -m draftgraph.compiler.compile_worker`, not multiprocessing: a user's script
-is never re-imported) when the engine build begins, so they start while the weights load. The piecewise
+one process (`python -m draftgraph.compiler.compile_worker`, not multiprocessing: a user's script is never
+re-imported) when the engine build begins, so that it starts while the weights load. It imports torch,
+Inductor and the modules defining our custom ops once, then forks `workers` workers, which connect to the
+pool's Unix socket (in a private temporary directory) and take jobs there. The piecewise
 backend hands each unique piece to the pool (its FX graph and its inputs as data, piece_inputs.py) and goes
 on tracing; the workers compile pieces concurrently and save each as an Inductor artifact, which the engine
 loads at the piece's first compiled run.
@@ -47,10 +49,7 @@ def auto_workers(device_type: str, local_ranks: int = 1) -> int:
 
 def worker_threads(workers: int) -> int:
     """Inductor's compile threads in each worker (TORCHINDUCTOR_COMPILE_THREADS there): the cores shared out.
-    More than 1 makes each worker start a pool of its own Triton-compile subprocesses."""
-    env = os.environ.get("DRAFTGRAPH_WORKER_COMPILE_THREADS")
-    if env:
-        return max(1, int(env))
+    (1 per worker, which spares each its own pool of Triton-compile processes, measured no faster: session 12.)"""
     return max(1, (os.cpu_count() or 1) // workers)
 
 
