@@ -120,8 +120,7 @@ def worker_env(device: str, cache_dir: str, threads: int, modules: tuple[str, ..
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env["DRAFTGRAPH_COMPILE_DEVICE"] = device
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)  # Triton kernel compiles: the cores shared out
-    # The draftgraph modules loaded here now (models, ops, and what they import: transformers among them) are
-    # imported by the workers before their first job, which is on the critical path
+    # The modules defining our custom ops, imported once in the workers' parent before it forks
     env["DRAFTGRAPH_COMPILE_MODULES"] = ",".join(modules)
     # torch.cuda.is_available() / device_count() through NVML, not the CUDA runtime: a runtime call in the
     # workers' parent (an import makes one) would forbid CUDA in every child it forks
@@ -134,9 +133,9 @@ def worker_env(device: str, cache_dir: str, threads: int, modules: tuple[str, ..
 class _Worker:
     """One forked worker process, talked to over its connection to the pool's socket (one JSON line each way)."""
 
-    def __init__(self, index: int, pid: int, conn: socket.socket, log_path: str):
+    def __init__(self, index: int, pid: int, conn: socket.socket, reader, log_path: str):
         self.index, self.pid, self.conn, self.log_path = index, pid, conn, log_path
-        self.reader = conn.makefile("r", encoding="utf-8")
+        self.reader = reader  # the one reader of this connection (it buffers: a second would lose lines)
         self.writer = conn.makefile("w", encoding="utf-8")
         self.ready_s: float | None = None  # seconds from the pool's start until the worker said it was ready
         self.phases: dict = {}  # the worker's start, phase by phase (its ready message)
@@ -170,7 +169,7 @@ class _Worker:
 
 class CompilePool:
     """`workers` compile processes, forked from one parent process that imported torch, Inductor and the
-    engine's draftgraph modules once (before any CUDA call, so the children may use CUDA): eight processes
+    modules defining our custom ops once (before any CUDA call, so the children may use CUDA): eight processes
     importing all that side by side took 20 s to be ready on 16 cores (docs/benchmarks.md, session 12)."""
 
     def __init__(self, workers: int, device: str, progress: bool = True, cache_dir: str = ""):
@@ -226,12 +225,13 @@ class CompilePool:
                 except OSError:  # closed
                     break
                 conn.settimeout(None)
+                reader = conn.makefile("r", encoding="utf-8")
                 try:
-                    hello = json.loads(conn.makefile("r", encoding="utf-8").readline())
+                    hello = json.loads(reader.readline())
                 except (OSError, ValueError):
                     conn.close()
                     continue
-                worker = _Worker(hello["index"], hello["pid"], conn, self.log_path)
+                worker = _Worker(hello["index"], hello["pid"], conn, reader, self.log_path)
                 with self._lock:
                     self.workers.append(worker)
                     if self.closed:  # closed while this one connected
