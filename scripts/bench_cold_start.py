@@ -61,7 +61,9 @@ def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: f
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
+        # the log first: its "compiled" line is the compiling warm-up's (the printed report may be the one
+        # after KV-cache sizing, which compiles nothing)
+        out, rc = proc.stderr + proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as e:
         out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
     wall = time.perf_counter() - t0

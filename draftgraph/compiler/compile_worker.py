@@ -113,8 +113,7 @@ def start(device: str, phases: dict) -> dict:
     ready = {"id": None, "ok": True, "phases": phases}
     t0 = time.perf_counter()
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-        torch.cuda.init()
+        torch.cuda.set_device(torch.device(device))  # initialises CUDA in this process
     phases["cuda"] = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from draftgraph.compiler.piece_inputs import _bound
+from draftgraph.compiler.piece_inputs import symbol_hint, symbol_range
 from draftgraph.ops.launch import compiling_ahead
 
 # The custom ops that launch draftgraph's Triton kernels and run on one GPU with nothing but their inputs
@@ -63,10 +63,9 @@ def _int(d, env) -> int:
         return int(expr)
     values = {}
     for s in expr.free_symbols:
-        hint = env.backed_var_to_val.get(s) if hasattr(env, "backed_var_to_val") else env.var_to_val.get(s)
+        hint = symbol_hint(env, s)
         if hint is None:  # unbacked: an example size inside its range
-            vr = env.var_to_range.get(s)
-            lo, hi = (None, None) if vr is None else (_bound(vr.lower), _bound(vr.upper))
+            lo, hi = symbol_range(env, s)
             hint = max(UNBACKED_SIZE, lo or 0)
             if hi is not None:
                 hint = min(hint, hi)

@@ -34,6 +34,19 @@ def _bound(b) -> int | None:
         return None
 
 
+def symbol_hint(env, s) -> int | None:
+    """A symbol's example value in its ShapeEnv (None when it has none: unbacked), across torch versions."""
+    hints = getattr(env, "backed_var_to_val", None)
+    hint = (hints if hints is not None else env.var_to_val).get(s)
+    return None if hint is None else int(hint)
+
+
+def symbol_range(env, s) -> tuple[int | None, int | None]:
+    """A symbol's value range (min, max), each None when unbounded or unknown."""
+    vr = env.var_to_range.get(s)
+    return (None, None) if vr is None else (_bound(vr.lower), _bound(vr.upper))
+
+
 def encode_inputs(fakes: list) -> dict:
     """The inputs of one piece as JSON-ready data (see the module docstring)."""
     inputs, free, env = [], set(), None
@@ -70,18 +83,9 @@ def encode_inputs(fakes: list) -> dict:
             raise NotPortable(f"an input of type {type(v).__name__}")
     symbols = []
     for s in sorted(free, key=str):
-        vr = env.var_to_range.get(s)
-        hint = getattr(env, "backed_var_to_val", None)
-        hint = (hint if hint is not None else env.var_to_val).get(s)
-        symbols.append(
-            {
-                "name": str(s),
-                "unbacked": hint is None,
-                "hint": None if hint is None else int(hint),
-                "min": None if vr is None else _bound(vr.lower),
-                "max": None if vr is None else _bound(vr.upper),
-            }
-        )
+        hint = symbol_hint(env, s)
+        lo, hi = symbol_range(env, s)
+        symbols.append({"name": str(s), "unbacked": hint is None, "hint": hint, "min": lo, "max": hi})
     return {"inputs": inputs, "symbols": symbols}
 
 

@@ -60,6 +60,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
             phases["draft_loops"] = time.perf_counter() - t0 - phases["forwards"]
         bar.update(1)
     t_wait = time.perf_counter()
+    had_pool = compiled.pool is not None  # a later warm-up (after KV sizing) has no workers left to wait for
     compiled.finish_compiles()  # the compile workers' pieces: loaded before any graph is captured
     phases["compile_workers_wait"] = time.perf_counter() - t_wait
     compile_s = time.perf_counter() - t0
@@ -115,7 +116,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     if counters.kernels_ahead.get("kernels"):
         kernels += f" ({counters.kernels_ahead['kernels']} compiled ahead in threads)"
     waited = ""
-    if counters.compile_workers:
+    if had_pool:
         waited = (
             f" ({compile_s - phases['compile_workers_wait']:.1f} s tracing and first runs, then "
             f"{phases['compile_workers_wait']:.1f} s waiting for {counters.compile_workers} compile workers)"
