@@ -1,19 +1,31 @@
 """draftgraph: speculative decoding under CUDA graphs, compiled with torch.compile passes.
 
-`compile_model` is imported on first use (PEP 562): it brings in torch._dynamo (about 1 s), and
-`import draftgraph` should cost little beyond `import torch` (tests/test_imports.py).
+Every public name is imported on first use (PEP 562): `import draftgraph` loads no torch, so that the
+`draftgraph` command can start its compile workers before it imports torch itself (cli.py), and a script's
+`import draftgraph` costs nothing until it uses something (tests/test_imports.py).
 """
-
-from draftgraph.compiler.config import CompileConfig, CUDAGraphMode
-from draftgraph.runtime.request import RequestOutput, SamplingParams
 
 __all__ = ["compile_model", "CompileConfig", "CUDAGraphMode", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
 
+_WHERE = {
+    "compile_model": "draftgraph.api",
+    "CompileConfig": "draftgraph.compiler.config",
+    "CUDAGraphMode": "draftgraph.compiler.config",
+    "SamplingParams": "draftgraph.runtime.request",
+    "RequestOutput": "draftgraph.runtime.request",
+}
+
 
 def __getattr__(name: str):
-    if name == "compile_model":
-        from draftgraph.api import compile_model
+    if name in _WHERE:
+        import importlib
 
-        return compile_model
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'draftgraph' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

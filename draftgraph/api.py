@@ -124,7 +124,7 @@ def build_engine(
 
     # Compile workers start now, so their start overlaps the weights' loading (compiler/compile_pool.py).
     started = time.time()  # artifacts.py bundles the Triton launchers built from here on
-    pool = start_pool(rc, config.cache_dir, config.progress) if artifacts is None else None
+    pool = start_pool(rc, config.cache_dir, config.progress, wanted=artifacts is None)
     try:
         engine = _assemble(target, drafter, config, rc, artifacts, strict_artifacts, tp, ep, pool)
     except BaseException:

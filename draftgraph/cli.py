@@ -8,12 +8,10 @@ import os
 import sys
 import time
 
-import torch
-
 from draftgraph.cli_parser import build_parser
 from draftgraph.cli_text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
-from draftgraph.compiler.artifacts import ArtifactError
-from draftgraph.workers.ranked import WorkerError
+
+# Nothing above loads torch: `main` starts the compile workers first (_prestart_workers), then imports it.
 
 
 def _config(args, **over):
@@ -129,14 +127,18 @@ def cmd_generate(args) -> int:
     if engine.warm_up_report:
         print(engine.warm_up_report)
     why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
+    now = time.perf_counter()
     print(
-        f"engine ready in {time.perf_counter() - t0:.1f} s: mode {engine.config.mode.value}{why}, device "
-        f"{engine.config.device}, attention {engine.config.attention}, K={engine.k}"
+        f"engine ready in {now - t0:.1f} s ({now - _STARTED[0]:.1f} s since the command started): mode "
+        f"{engine.config.mode.value}{why}, device {engine.config.device}, attention {engine.config.attention}, "
+        f"K={engine.k}"
     )
     if texts:
         generate_text(engine, texts, params, args.stream)
         print_report(engine.stats())
         return 0
+    import torch
+
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.vocab_size
     lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
@@ -214,6 +216,8 @@ def cmd_build(args) -> int:
     # Graphs are captured at load, not here. On the CPU, Inductor's cache (the built C++ libraries, which a
     # CPU artifact does not bundle) goes into the artifact; a CUDA artifact bundles its kernels, and the
     # build's cache goes to a temporary directory.
+    import torch
+
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="draftgraph-build-") as tmp:
         cache = tmp if cuda else os.path.join(args.out, CACHE)
@@ -294,12 +298,42 @@ def cmd_graph_diff(args) -> int:
     return main_diff(args.a, args.b, args.json)
 
 
+def _prestart_workers(args) -> None:
+    """`generate` on a GPU, compiling with workers (the defaults): the compile workers' process starts before
+    this one imports torch, so that both import it side by side; the engine build takes the pool when its
+    settings match (compiler/compile_pool.py: prestart). `--device auto` counts as a GPU where the NVIDIA
+    driver's device node exists; where torch then finds none, the build closes the pool."""
+    from draftgraph import envs
+
+    if args.command not in ("generate", "run") or args.mode == "NONE" or args.artifacts:
+        return
+    if not envs.prestart_workers():
+        return
+    if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: each rank starts its own
+        return
+    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return
+    from draftgraph.compiler.compile_pool import auto_workers, prestart
+
+    prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
+
+
+_STARTED = [time.perf_counter()]  # when the command started (main sets it again)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _STARTED[0] = time.perf_counter()
     parser = build_parser(
         {"generate": cmd_generate, "build": cmd_build, "inspect": cmd_inspect, "graph-diff": cmd_graph_diff}
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _prestart_workers(args)
+    from draftgraph.compiler.artifacts import ArtifactError
+    from draftgraph.workers.ranked import WorkerError
+
     try:
         from draftgraph.workers.launched import launch_env
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-import torch
-
 from draftgraph import envs
 from draftgraph.cli_text import add_text_arguments
 
@@ -158,15 +156,25 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Version(argparse.Action):
+    """--version: draftgraph's version and torch's (imported only here: the parser itself loads no torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        from draftgraph import __version__
+
+        print(f"draftgraph {__version__} (torch {torch.__version__})")
+        parser.exit()
+
+
 def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
     """The `draftgraph` argument parser, every command and flag (each with its help); `commands` maps each
     command to the function that runs it (`run` is `generate`)."""
-    from draftgraph import __version__
-
     parser = argparse.ArgumentParser(
         prog="draftgraph", description="speculative decoding under CUDA graphs, compiled with torch.compile"
     )
-    parser.add_argument("--version", action="version", version=f"draftgraph {__version__} (torch {torch.__version__})")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print draftgraph's and torch's versions and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every decision (config, compiles)")
     sub = parser.add_subparsers(dest="command", required=True, help="what to do")
     for name in ("generate", "run"):

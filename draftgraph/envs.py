@@ -4,6 +4,8 @@ DRAFTGRAPH_CHECK_ADDRESSES=1   --check-addresses   verify static input addresses
 DRAFTGRAPH_DUMP_GRAPHS=DIR     --dump-graphs DIR   write each pass's before/after graph to DIR
 DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at their first launch, not ahead
                                                    in threads (compiler/kernels_ahead.py): for comparisons
+DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
+                                                   engine build begins, not before it imports torch (cli.py)
 """
 
 from __future__ import annotations
@@ -21,3 +23,7 @@ def dump_graphs_dir() -> str:
 
 def kernels_ahead() -> bool:
     return os.environ.get("DRAFTGRAPH_KERNELS_AHEAD", "1") != "0"
+
+
+def prestart_workers() -> bool:
+    return os.environ.get("DRAFTGRAPH_PRESTART_WORKERS", "1") != "0"

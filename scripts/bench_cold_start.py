@@ -70,12 +70,14 @@ def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: f
     stop.set()
     sampler.join()
     ready = re.search(r"engine ready in ([\d.]+) s", out)
+    since = re.search(r"\(([\d.]+) s since the command started\)", out)
     pool = re.search(r"compile workers: .*", out)
     compiled = re.search(r"compiled \d+ pieces .*? in [\d.]+ s(?: \([^)]*\))?", out)
     return {
         "rc": rc,
         "ready": float(ready.group(1)) if ready else None,
         "wall": wall,
+        "since_start": float(since.group(1)) if since else None,
         "pool": pool.group(0) if pool else "",
         "compiled": compiled.group(0) if compiled else "",
         "procs": peak["procs"],
@@ -99,15 +101,17 @@ def main() -> None:
             res = run_once(env, extra, base_args, args.timeout)
             results[name].append(res)
             ready = "FAILED" if res["ready"] is None else f"{res['ready']:.1f} s"
-            print(f"[{r + 1}/{args.repeats}] {name}: ready {ready} (process {res['wall']:.1f} s, rc {res['rc']}), "
+            since = "" if res["since_start"] is None else f"{res['since_start']:.1f} s since the command started, "
+            print(f"[{r + 1}/{args.repeats}] {name}: ready {ready} ({since}process {res['wall']:.1f} s, "
+                  f"rc {res['rc']}), "
                   f"peak {res['procs']} processes, load {res['load']:.1f}", flush=True)  # fmt: skip
             for key in ("compiled", "pool"):
                 if res[key]:
                     print(f"    {res[key]}", flush=True)
             if res["tail"]:
                 print("    " + res["tail"].replace("\n", "\n    "), flush=True)
-    print("\nvariant | median ready (s) | runs | peak processes")
-    print("---|---:|---|---:")
+    print("\nvariant | median ready (s) | runs | since the command started (s) | peak processes")
+    print("---|---:|---|---|---:")
     base = None
     for name, _, _ in variants:
         ready = [x["ready"] for x in results[name] if x["ready"] is not None]
@@ -116,7 +120,8 @@ def main() -> None:
         ratio = f" ({med / base:.2f}x)" if med and base else ""
         runs = ", ".join(f"{x:.1f}" for x in ready) or "failed"
         procs = max(x["procs"] for x in results[name])
-        print(f"{name} | {'-' if med is None else f'{med:.1f}'}{ratio} | {runs} | {procs}")
+        since = ", ".join(f"{x['since_start']:.1f}" for x in results[name] if x["since_start"] is not None) or "-"
+        print(f"{name} | {'-' if med is None else f'{med:.1f}'}{ratio} | {runs} | {since} | {procs}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,13 @@ step() {  # name, timeout, command...
   grep -av "it/s\]\|s/it\]\|Warning\|warnings.warn" "$OUT/$name.log" | tail -${TAIL:-12} | cut -c1-900
 }
 if [ "${PIP:-0}" = 1 ]; then pip install -q --no-index --no-deps .whl/*.whl; fi
-if [ "${STEP:-startup}" = startup ]; then
+if [ "${STEP:-startup}" = cold ]; then  # the CLI's cold start, variant against variant (VARIANTS: --variant ...)
+  TAIL=${TAIL:-40} step cold_start ${LIMIT:-400} python3 scripts/bench_cold_start.py --repeats ${REPEATS:-2} \
+    ${VARIANTS:---variant pre: --variant nopre:DRAFTGRAPH_PRESTART_WORKERS=0}
+  [ "${PROFILE:-1}" = 1 ] && fresh() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; } && \
+    TAIL=60 step builtin_profile 150 $(fresh) python3 scripts/profile_compile.py --builtin --no-cprofile --sample
+  [ "${STARTUP:-1}" = 1 ] && TAIL=12 step startup 230 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 150
+elif [ "${STEP:-startup}" = startup ]; then
   fresh() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }  # empty caches
   if [ -n "${PRE:-}" ]; then TAIL=8 step pre_tests 240 $(fresh) python3 -m pytest -q -p no:cacheprovider --tb=short $PRE; fi
   TAIL=60 step builtin_profile 150 $(fresh) python3 scripts/profile_compile.py --builtin --no-cprofile --sample

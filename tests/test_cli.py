@@ -66,3 +66,30 @@ def test_bad_values_fail_before_anything_is_built(flags, message, capsys):
     assert time.perf_counter() - t0 < 0.5  # no model built, nothing compiled
     err = capsys.readouterr().err
     assert err.startswith("draftgraph: error: ") and message in err
+
+
+@pytest.mark.parametrize(
+    "argv, prestarts",
+    [
+        (["generate", "--device", "cuda"], (8, "cuda:0")),
+        (["run", "--device", "cuda", "--compile-workers", "3"], (3, "cuda:0")),
+        (["generate", "--device", "cpu"], None),
+        (["generate", "--device", "cuda", "--mode", "NONE"], None),
+        (["generate", "--device", "cuda", "--artifacts", "somewhere"], None),
+        (["generate", "--device", "cuda", "--compile-workers", "0"], None),
+        (["generate", "--device", "cuda", "--compile-backend", "eager"], None),
+        (["generate", "--device", "cuda", "--tp", "2"], None),
+        (["build", "--device", "cuda", "--out", "x"], None),
+    ],
+)
+def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(argv, prestarts, monkeypatch):
+    """cli._prestart_workers: `generate` on a GPU that compiles with workers starts them first; the rest not."""
+    from draftgraph import cli
+    from draftgraph.compiler import compile_pool
+
+    started = []
+    monkeypatch.setattr(compile_pool, "prestart", lambda n, device: started.append((n, device)))
+    monkeypatch.setattr(compile_pool, "auto_workers", lambda device_type: 8)
+    parser, _ = _parsers()
+    cli._prestart_workers(parser.parse_args(argv))
+    assert started == ([prestarts] if prestarts else [])

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import draftgraph as dg
+from draftgraph.compiler import compile_pool
 from draftgraph.compiler.artifacts import build_artifacts
-from draftgraph.compiler.compile_pool import CompilePool, auto_workers, wait_stopped
+from draftgraph.compiler.compile_pool import CompilePool, auto_workers, prestart, start_pool, wait_stopped
 from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild_inputs
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
@@ -29,7 +30,9 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     base = dict(num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
     ref = _tokens(dg.compile_model(target, drafter, dg.CompileConfig(mode="NONE", **base)))
     config = dg.CompileConfig(mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, **base)
+    early = prestart(2, "cpu")  # as the CLI does before it imports torch: the build takes this pool
     engine = dg.compile_model(target, drafter, config)
+    assert early.closed and not compile_pool._prestarted
     c = engine.stats()["compile"]
     assert c["compile_workers"] == 2 and c["compile_worker_failures"] == 0
     # one symbolic compile per unique piece with kernels, each done by a worker and timed there
@@ -37,6 +40,7 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     assert engine.compiled.pool is None  # closed when the compile phase ended
     t = c["compile_pool"]  # the workers' timeline: ready, first sent, last done, in seconds from their start
     assert t["workers"] == 2 and t["pieces"] == c["inductor_compiles"] and t["threads_per_worker"] >= 1
+    assert t["taken_s"] >= 0  # the prestarted pool did the compiles
     assert 0 < t["ready_s"][0] <= t["ready_s"][1] and t["first_submitted_s"] < t["last_done_s"]
     assert 0 < t["piece_seconds"][0] <= t["piece_seconds"][1] <= t["piece_seconds"][2]
     assert "waiting for 2 compile workers" in engine.warm_up_report
@@ -94,6 +98,26 @@ def test_a_dead_worker_compiles_in_process():
         assert piece.fn is marker and pool.failures == 1 and not pool.warming
     finally:
         pool.close()
+
+
+def test_a_prestarted_pool_is_taken_only_when_its_settings_match():
+    from types import SimpleNamespace
+
+    cpu = torch.device("cpu")
+    first = prestart(1, "cpu")
+    try:
+        second = start_pool(SimpleNamespace(compile_workers=2, device=cpu), progress=False)  # other settings
+        assert first.closed and second is not first and second.n == 2 and not compile_pool._prestarted
+        second.close()
+        third = prestart(1, "cpu")
+        assert start_pool(SimpleNamespace(compile_workers=1, device=cpu), progress=False) is third
+        third.close()
+        fourth = prestart(1, "cpu")  # a build that loads artifacts compiles nothing: the pool goes
+        assert start_pool(SimpleNamespace(compile_workers=1, device=cpu), wanted=False) is None and fourth.closed
+        assert start_pool(SimpleNamespace(compile_workers=0, device=cpu)) is None
+    finally:
+        compile_pool.discard_prestarted()
+    assert wait_stopped() == 0
 
 
 def test_settings():

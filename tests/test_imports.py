@@ -19,6 +19,14 @@ def test_import_loads_no_heavy_module():
     assert done.stdout.strip() == "[]", f"import draftgraph loaded {done.stdout.strip()}"
 
 
+def test_the_command_line_starts_before_torch():
+    """The `draftgraph` command parses its arguments and starts its compile workers before it imports torch
+    (cli.py: _prestart_workers): importing draftgraph and the CLI's module loads no torch."""
+    code = "import draftgraph, draftgraph.cli, sys; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
 def test_compile_model_resolves_on_first_use():
     from draftgraph.api import compile_model
 
@@ -26,5 +34,6 @@ def test_compile_model_resolves_on_first_use():
     from draftgraph import compile_model as again
 
     assert again is compile_model
+    assert dg.CompileConfig.__module__ == "draftgraph.compiler.config" and "SamplingParams" in dir(dg)
     with pytest.raises(AttributeError, match="'compile_modle'"):
         dg.compile_modle  # noqa: B018

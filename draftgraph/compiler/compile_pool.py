@@ -53,15 +53,49 @@ def worker_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def start_pool(rc, cache_dir: str = "", progress: bool = True) -> CompilePool | None:
-    """The engine's compile pool, started now (None when `rc.compile_workers` is 0)."""
-    if not rc.compile_workers:
+_prestarted: list[CompilePool] = []  # a pool started before the engine build knew its settings (prestart)
+
+
+def prestart(workers: int, device: str, cache_dir: str = "") -> CompilePool:
+    """Start a pool now, for the next engine build in this process to take (`start_pool`): the `draftgraph`
+    command calls this before it imports torch, so that the workers' parent imports torch and Inductor
+    beside it, not seconds later. A build whose settings differ closes it and starts its own; one that
+    builds no pool (artifacts, mode NONE) closes it too, and so does the exit of this process."""
+    discard_prestarted()
+    pool = CompilePool(workers, device, progress=True, cache_dir=cache_dir, modules=())
+    _prestarted.append(pool)
+    import atexit
+
+    atexit.register(discard_prestarted)
+    return pool
+
+
+def discard_prestarted() -> None:
+    """Close a prestarted pool no engine took."""
+    while _prestarted:
+        _prestarted.pop().close()
+
+
+def start_pool(rc, cache_dir: str = "", progress: bool = True, wanted: bool = True) -> CompilePool | None:
+    """The engine's compile pool: the prestarted one when its settings match, else one started now; None
+    when `rc.compile_workers` is 0 or the build compiles nothing (`wanted` False: it loads artifacts)."""
+    if not wanted or not rc.compile_workers:
+        discard_prestarted()
         return None
     device = rc.device
     if device.type == "cuda" and device.index is None:
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
+    if _prestarted:
+        pool = _prestarted.pop()
+        if (pool.n, pool.device, pool.cache_dir) == (rc.compile_workers, str(device), cache_dir) and pool.usable():
+            pool.progress = progress
+            pool.taken_s = time.perf_counter() - pool.t0
+            log.info("took the %d compile workers started %.1f s ago (compile_workers)", pool.n, pool.taken_s)
+            return pool
+        log.info("closing the prestarted compile workers (%d on %s): the build wants others", pool.n, pool.device)
+        pool.close()
     pool = CompilePool(rc.compile_workers, str(device), progress, cache_dir)
     log.info("started %d compile worker processes (compile_workers)", rc.compile_workers)
     return pool
@@ -172,11 +206,14 @@ class CompilePool:
     modules defining our custom ops once (before any CUDA call, so the children may use CUDA): eight processes
     importing all that side by side took 20 s to be ready on 16 cores (docs/benchmarks.md, session 12)."""
 
-    def __init__(self, workers: int, device: str, progress: bool = True, cache_dir: str = ""):
+    def __init__(
+        self, workers: int, device: str, progress: bool = True, cache_dir: str = "", modules: tuple | None = None
+    ):
         if workers < 1:
             raise ValueError(f"a compile pool needs at least 1 worker, got {workers}")
         self.t0 = time.perf_counter()
-        self.n = workers
+        self.n, self.device, self.cache_dir = workers, device, cache_dir
+        self.taken_s: float | None = None  # seconds from the pool's start until a build took it (prestart)
         self.dir = tempfile.mkdtemp(prefix="draftgraph-compile-")  # private (0700): the socket lives here
         threads = worker_threads(workers)
         address = os.path.join(self.dir, "workers.sock")
@@ -184,7 +221,9 @@ class CompilePool:
         self.server.bind(address)
         self.server.listen(workers)
         self.server.settimeout(0.2)
-        env = worker_env(device, cache_dir, threads, tuple(draftgraph_modules()))
+        # the modules defining our ops, imported once before the forks (a prestarted pool knows none yet:
+        # each job names them, and a worker imports what it lacks)
+        env = worker_env(device, cache_dir, threads, tuple(draftgraph_modules()) if modules is None else modules)
         env["DRAFTGRAPH_COMPILE_ADDRESS"] = address
         env["DRAFTGRAPH_COMPILE_FORKS"] = str(workers)
         self.log_path = os.path.join(self.dir, "workers.log")
@@ -280,6 +319,10 @@ class CompilePool:
                 if self._bar is not None:
                     self._bar.update(1)
 
+    def usable(self) -> bool:
+        """Not closed, and some worker runs or may still start."""
+        return not self.closed and not self._all_dead()
+
     def _all_dead(self) -> bool:
         """No worker runs, and none can still connect."""
         if self.accepting and self.parent.poll() is None:
@@ -358,12 +401,15 @@ class CompilePool:
             if seconds
             else None,
             "waited_s": round(self.waited_s, 2),
+            "taken_s": None if self.taken_s is None else round(self.taken_s, 2),
         }
 
     def timeline_text(self) -> str:
         t = self.timeline()
         ready = "none ready" if t["ready_s"] is None else "ready after {:.1f}-{:.1f} s".format(*t["ready_s"])
         text = f"compile workers: {t['workers']} ({t['threads_per_worker']} Triton threads each), {ready}"
+        if t["taken_s"] is not None:
+            text += f" (started {t['taken_s']:.1f} s before the engine build took them)"
         if t["phases_s"]:
             text += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in t["phases_s"].items()) + ")"
         if t["piece_seconds"] is not None:
