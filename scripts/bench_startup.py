@@ -6,6 +6,7 @@ every graph at start (warm) or each at the first step that needs it (warm_lazy).
 and their tokens are compared.
 
 Usage: python scripts/bench_startup.py [--k 4] [--max-num-seqs 32] [--compile-workers N] [--phases cold,warm]
+       [--sample warm_lazy,...]   those phases' engine build under the wall-clock sampling profiler (printed)
 
 A phase that runs past --timeout is stopped with SIGABRT; Python's faulthandler then prints every thread's stack.
 """
@@ -49,16 +50,24 @@ def phase(args) -> None:
     t_start = time.perf_counter()
     target, drafter = build_pair()
     torch.cuda.synchronize()
+    import contextlib
+
+    from scripts.sample_profile import SampleProfiler
+
+    sampler = SampleProfiler() if args.phase in args.sample.split(",") else contextlib.nullcontext()
     t0 = time.perf_counter()
-    if args.phase == "cold":
-        engine = dg.compile_model(target, drafter, config(args))
-    else:
-        capture = "lazy" if args.phase == "warm_lazy" else "eager"
-        engine = dg.compile_model(
-            target, drafter, config(args, capture=capture), artifacts=args.dir, strict_artifacts=True
-        )
-    torch.cuda.synchronize()
+    with sampler:
+        if args.phase == "cold":
+            engine = dg.compile_model(target, drafter, config(args))
+        else:
+            capture = "lazy" if args.phase == "warm_lazy" else "eager"
+            engine = dg.compile_model(
+                target, drafter, config(args, capture=capture), artifacts=args.dir, strict_artifacts=True
+            )
+        torch.cuda.synchronize()
     ready = time.perf_counter() - t0
+    if isinstance(sampler, SampleProfiler):
+        print(f"== {args.phase}: where the engine build's main thread was\n{sampler.report()}", file=sys.stderr)
     write_s = 0.0
     if args.phase == "cold":
         t1 = time.perf_counter()
@@ -105,6 +114,7 @@ def main():
     ap.add_argument("--compile-workers", type=int, default=None, help="CompileConfig.compile_workers (None: auto)")
     ap.add_argument("--phases", default="cold,warm,warm_lazy", help="which phases to run, in order (cold first)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per phase before its stacks are dumped")
+    ap.add_argument("--sample", default="", help="phases to run under the sampling profiler (comma-separated)")
     args = ap.parse_args()
     if args.phase:
         phase(args)
@@ -123,6 +133,8 @@ def main():
             cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs)]
             if args.compile_workers is not None:
                 cmd += ["--compile-workers", str(args.compile_workers)]
+            if args.sample:
+                cmd += ["--sample", args.sample]
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             try:
@@ -135,6 +147,8 @@ def main():
             if proc.returncode:
                 print(err[-4000:])
                 raise SystemExit(f"{name} phase failed")
+            if "== " in err:  # a sampling profile
+                print(err[err.index("== ") :])
             res[name] = json.loads(out.strip().splitlines()[-1])
             res[name]["process_s"] = round(time.perf_counter() - t0, 1)
         files = sum(len(f) for _, _, f in os.walk(art))

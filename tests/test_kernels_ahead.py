@@ -107,3 +107,24 @@ def test_launch_compiles_only_when_ahead():
     launch(k, (1,))(5)
     assert [e[:2] for e in k.log] == [("launch", (4, 2)), ("warmup", (8,)), ("launch", (1,))]
     assert k.log[1][2:] == ((3,), {"BLOCK": 16})
+
+
+def test_the_verify_sampling_calls_are_written_by_hand_and_run():
+    """runtime/warmup.py seeds the one-graph step's acceptance calls (argmax and sampling probabilities over
+    B x (K + 1) rows of the target's logits, one pair per FULL capture size) before any graph names them."""
+    from draftgraph.runtime.warmup import verify_sampling_calls
+
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
+                              max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
+                              progress=False)  # fmt: skip
+    engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    calls = verify_sampling_calls(engine)
+    sizes = sorted(engine.config.full_capture_sizes)
+    assert [c["op"] for c in calls] == ["draftgraph::argmax_rows", "draftgraph::sampling_probs"] * len(sizes)
+    for call, b in zip(calls[::2], sizes):
+        assert call["args"][0]["tensor"] == {"dtype": "float32", "shape": [b * 4, 96], "stride": [96, 1], "offset": 0}
+    probs = calls[1]["args"]
+    assert [a["tensor"]["dtype"] for a in probs] == ["float32", "float32", "int64", "float32"]
+    for call in calls:  # each runs on zero inputs (on the CPU: the ops' reference paths)
+        run_op_call(json.loads(json.dumps(call)), "cpu")

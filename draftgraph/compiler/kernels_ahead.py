@@ -137,6 +137,21 @@ def op_calls(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",), ski
     return calls
 
 
+def tensor_arg(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    """A contiguous tensor argument of an op call written by hand (as `op_calls` writes one from a graph)."""
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.insert(0, step)
+        step *= max(n, 1)
+    return {"tensor": {"dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "stride": stride, "offset": 0}}
+
+
+def op_call(op: str, *args) -> dict:
+    """One call of `op` ("namespace::name") with these arguments (`tensor_arg`s, ints, floats), for code that
+    knows a call before any graph names it (the runtime's eager sampling: runtime/warmup.py)."""
+    return {"op": op, "args": list(args), "kwargs": {}}
+
+
 def _materialize(a, device):
     if isinstance(a, dict) and "tensor" in a:
         t = a["tensor"]

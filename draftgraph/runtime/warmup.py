@@ -39,6 +39,25 @@ def register_in_place(engine) -> None:
         graphs.register_persistent(runner.uniform.buffers.device_tensors())
 
 
+def verify_sampling_calls(engine) -> list[dict]:
+    """The calls of our token-choice ops that the one-graph step's acceptance makes outside any traced graph
+    (runtime/uniform_step.py: greedy argmax, then the sampled variant's probabilities, over B x (K + 1) verify
+    rows of the target's logits) for every FULL capture size: compiled ahead in threads while the forwards are
+    traced, instead of one after another at the step's first run (3-4 s of the built-in pair's cold start on
+    an H100, docs/benchmarks.md, session 13). Their kernels specialise on the row count (the argmax's chunk)."""
+    from draftgraph.compiler.kernels_ahead import op_call, tensor_arg
+
+    rc, target = engine.config, engine.target
+    vocab, dtype, q = target.cfg.vocab_size, target.cfg.dtype, engine.runner.shapes.verify
+    calls = []
+    for rows in sorted({b * q for b in rc.full_capture_sizes}):
+        logits = tensor_arg((rows, vocab), dtype)
+        calls.append(op_call("draftgraph::argmax_rows", logits))
+        params = [tensor_arg((rows,), d) for d in (torch.float32, torch.int64, torch.float32)]
+        calls.append(op_call("draftgraph::sampling_probs", logits, *params))  # temperature, top_k, top_p
+    return calls
+
+
 def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     """Compile (first call of each function) and capture; returns the report line. `lazy`: leave capture to
     the steps (None: as configured)."""
@@ -48,6 +67,8 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     rc, runner, counters, graphs = engine.config, engine.runner, compiled.counters, compiled.ctx
     lazy = rc.lazy_capture if lazy is None else lazy
     register_in_place(engine)
+    if compiled.ahead is not None and runner.uniform is not None:
+        compiled.ahead.submit(verify_sampling_calls(engine))
     t0 = time.perf_counter()
     compiles_before = counters.inductor_compiles
     variants_before = compiled_variants()

@@ -1,7 +1,8 @@
 """GPU tier: draftgraph's own Triton kernels compiled ahead in threads (compiler/kernels_ahead.py). Each
 distinct call of our ops in the traced graphs runs once on zero inputs inside `compiling_ahead()`, which queues
 its kernels' compiles on a thread pool and launches nothing; the traced code's first launches wait for them.
-The tokens equal mode NONE's (greedy and sampled rows), and nothing failed."""
+The one-graph step's acceptance calls, which no traced graph names, are seeded at warm-up's start. The tokens
+equal mode NONE's (greedy and sampled rows), and nothing failed."""
 
 import pytest
 import torch
@@ -38,5 +39,8 @@ def test_kernels_compiled_ahead():
     # attention kernel) and the sampling probabilities' call at least, none failed; the traced code waited for
     # their compiles to be queued, so it compiled none of those kernels itself
     assert ahead["calls"] >= 2 and ahead["kernels"] >= 2 and ahead["failed"] == 0 and "error" not in ahead, ahead
+    # and the one-graph step's acceptance (argmax and sampling probabilities at 4 and 32 verify rows),
+    # seeded before any graph named them (runtime/warmup.py): their kernels compiled ahead too
+    assert ahead["calls"] >= 2 + 4 and ahead["kernels"] >= 2 + 4, ahead
     assert eng.compiled.ahead is None  # closed when the compile phase ended
     assert "compiled ahead in threads" in eng.warm_up_report
