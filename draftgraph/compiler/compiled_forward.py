@@ -57,14 +57,29 @@ def own_entry_point(fn, name: str):
     return types.FunctionType(code, entry.__globals__, code.co_name, None, entry.__closure__)
 
 
+class LazyCompile:
+    """`torch.compile(own_entry_point(fn, name), backend=backend, fullgraph=True, dynamic=False)`, made at the
+    first call: an engine that loads artifacts never calls it, and its first torch.compile imports Dynamo's
+    backend registry (functorch's partitioners, networkx: 1.1 s of a 6.5 s warm start on an H100,
+    docs/benchmarks.md, session 13)."""
+
+    def __init__(self, fn, name: str, backend: PiecewiseBackend):
+        self.target, self.name, self.backend = fn, name, backend
+        self.compiled = None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            entry = own_entry_point(self.target, self.name)
+            self.compiled = torch.compile(entry, backend=self.backend, fullgraph=True, dynamic=False)
+        return self.compiled(*args, **kwargs)
+
+
 class CompiledTarget:
     """Calls like CausalLM.forward(input_ids, positions, meta, kv_caches, aux_layers)."""
 
     def __init__(self, model, backend: PiecewiseBackend):
         self.model, self.backend = model, backend
-        self.fn = torch.compile(
-            own_entry_point(model.forward, "target"), backend=backend, fullgraph=True, dynamic=False
-        )
+        self.fn = LazyCompile(model.forward, "target", backend)
 
     @torch.no_grad()  # grad mode is a Dynamo guard: inference always runs without it
     def __call__(self, input_ids, positions, meta, kv_caches, aux_layers=()):
@@ -77,9 +92,7 @@ class CompiledDrafter:
 
     def __init__(self, drafter, backend: PiecewiseBackend):
         self.drafter, self.backend = drafter, backend
-        self.fn = torch.compile(
-            own_entry_point(drafter.forward, "drafter"), backend=backend, fullgraph=True, dynamic=False
-        )
+        self.fn = LazyCompile(drafter.forward, "drafter", backend)
 
     @torch.no_grad()
     def __call__(self, input_ids, positions, hidden, meta, kv_caches):
@@ -98,7 +111,7 @@ class CompiledLoop:
 
     def __init__(self, loop_fn, name: str, backend: PiecewiseBackend):
         self.backend, self.loop_fn = backend, loop_fn
-        self.fn = torch.compile(own_entry_point(loop_fn, name), backend=backend, fullgraph=True, dynamic=False)
+        self.fn = LazyCompile(loop_fn, name, backend)
 
     @torch.no_grad()
     def __call__(self, **kw):

@@ -231,6 +231,7 @@ class KernelsAhead:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            _triton_key()
             with self.mode:
                 while (call := self.queue.get()) is not None:
                     if isinstance(call, threading.Event):
@@ -273,6 +274,16 @@ class KernelsAhead:
         if self.error:
             out["error"] = self.error
         return out
+
+
+def _triton_key() -> None:
+    """Triton's cache key of its own build (a hash of its sources and its 300+ MB compiler library; cached per
+    process): 0.7 s of an H100 warm start in the engine thread at its first kernel launch (docs/benchmarks.md,
+    session 13). Hashing releases the GIL, so here it overlaps the engine thread's loading and tracing."""
+    with contextlib.suppress(Exception):  # an internal of Triton's; where it is missing, nothing is lost
+        from triton.runtime.cache import triton_key
+
+        triton_key()
 
 
 def _load(future) -> None:
