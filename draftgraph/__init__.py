@@ -5,7 +5,14 @@ Every public name is imported on first use (PEP 562): `import draftgraph` loads 
 `import draftgraph` costs nothing until it uses something (tests/test_imports.py).
 """
 
-__all__ = ["compile_model", "CompileConfig", "CUDAGraphMode", "SamplingParams", "RequestOutput"]
+__all__ = [
+    "compile_model",
+    "CompileConfig",
+    "CUDAGraphMode",
+    "SamplingParams",
+    "RequestOutput",
+    "shared_compile_workers",
+]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -14,6 +21,7 @@ _WHERE = {
     "CUDAGraphMode": "draftgraph.compiler.config",
     "SamplingParams": "draftgraph.runtime.request",
     "RequestOutput": "draftgraph.runtime.request",
+    "shared_compile_workers": ("draftgraph.compiler.pool_lifetime", "shared_workers"),
 }
 
 
@@ -21,7 +29,8 @@ def __getattr__(name: str):
     if name in _WHERE:
         import importlib
 
-        value = getattr(importlib.import_module(_WHERE[name]), name)
+        module, attr = _WHERE[name] if isinstance(_WHERE[name], tuple) else (_WHERE[name], name)
+        value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'draftgraph' has no attribute {name!r}")

@@ -120,7 +120,7 @@ def build_engine(
         from draftgraph.models.expert_parallel import check_expert_config
 
         check_expert_config(tcfg, ep)
-    from draftgraph.compiler.compile_pool import start_pool
+    from draftgraph.compiler.pool_lifetime import release, start_pool
 
     # Compile workers start now, so their start overlaps the weights' loading (compiler/compile_pool.py).
     started = time.time()  # artifacts.py bundles the Triton launchers built from here on
@@ -129,7 +129,7 @@ def build_engine(
         engine = _assemble(target, drafter, config, rc, artifacts, strict_artifacts, tp, ep, pool)
     except BaseException:
         if pool is not None:
-            pool.close()
+            release(pool)
         raise
     engine.tokenizer = tok
     engine.build_started = started

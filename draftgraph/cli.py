@@ -315,7 +315,7 @@ def _prestart_workers(args) -> None:
         return
     if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
         return
-    from draftgraph.compiler.compile_pool import auto_workers, prestart
+    from draftgraph.compiler.pool_lifetime import auto_workers, prestart
 
     prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
 

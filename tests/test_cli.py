@@ -85,11 +85,11 @@ def test_bad_values_fail_before_anything_is_built(flags, message, capsys):
 def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(argv, prestarts, monkeypatch):
     """cli._prestart_workers: `generate` on a GPU that compiles with workers starts them first; the rest not."""
     from draftgraph import cli
-    from draftgraph.compiler import compile_pool
+    from draftgraph.compiler import pool_lifetime
 
     started = []
-    monkeypatch.setattr(compile_pool, "prestart", lambda n, device: started.append((n, device)))
-    monkeypatch.setattr(compile_pool, "auto_workers", lambda device_type: 8)
+    monkeypatch.setattr(pool_lifetime, "prestart", lambda n, device: started.append((n, device)))
+    monkeypatch.setattr(pool_lifetime, "auto_workers", lambda device_type: 8)
     parser, _ = _parsers()
     cli._prestart_workers(parser.parse_args(argv))
     assert started == ([prestarts] if prestarts else [])

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.compiler import compile_pool
+from draftgraph.compiler import pool_lifetime
 from draftgraph.compiler.artifacts import build_artifacts
-from draftgraph.compiler.compile_pool import CompilePool, auto_workers, prestart, start_pool, wait_stopped
+from draftgraph.compiler.compile_pool import CompilePool, wait_stopped
 from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild_inputs
+from draftgraph.compiler.pool_lifetime import auto_workers, prestart, shared_workers, start_pool
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
@@ -32,7 +33,7 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     config = dg.CompileConfig(mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, **base)
     early = prestart(2, "cpu")  # as the CLI does before it imports torch: the build takes this pool
     engine = dg.compile_model(target, drafter, config)
-    assert early.closed and not compile_pool._prestarted
+    assert early.closed and not pool_lifetime._prestarted
     c = engine.stats()["compile"]
     assert c["compile_workers"] == 2 and c["compile_worker_failures"] == 0
     # one symbolic compile per unique piece with kernels, each done by a worker and timed there
@@ -50,6 +51,27 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
     loaded = dg.compile_model(target, drafter, config, artifacts=str(tmp_path / "a"), strict_artifacts=True)
     assert loaded.compiled.counters.inductor_compiles == 0 and not loaded.compiled.counters.traces
     assert _tokens(loaded) == ref
+
+
+def test_engines_built_in_a_shared_workers_block_take_one_pool():
+    """pool_lifetime.shared_workers: two builds inside the block use its one pool, which stays running
+    between them and closes at the block's end; a build with other settings starts a pool of its own."""
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    drafter = make_drafter("eagle", target)
+    base = dict(num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+    ref = _tokens(dg.compile_model(target, drafter, dg.CompileConfig(mode="NONE", **base)))
+    config = dg.CompileConfig(mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, **base)
+    with shared_workers(2, device="cpu") as pool:
+        first = dg.compile_model(target, drafter, config)
+        assert not pool.closed and pool.usable()
+        second = dg.compile_model(target, drafter, config)
+        other = dg.compile_model(target, drafter, dg.CompileConfig(mode="PIECEWISE", compile_workers=1, **base))
+    assert pool.closed
+    t1, t2 = (e.stats()["compile"]["compile_pool"] for e in (first, second))
+    assert t1["workers"] == t2["workers"] == 2 and 0 <= t1["taken_s"] < t2["taken_s"]  # the same pool, taken twice
+    assert t2["pieces"] == second.stats()["compile"]["inductor_compiles"] >= 1  # its own pieces counted
+    assert other.stats()["compile"]["compile_pool"]["workers"] == 1
+    assert _tokens(first) == _tokens(second) == _tokens(other) == ref
 
 
 def _host_only(engine) -> int:
@@ -107,7 +129,7 @@ def test_a_prestarted_pool_is_taken_only_when_its_settings_match():
     first = prestart(1, "cpu")
     try:
         second = start_pool(SimpleNamespace(compile_workers=2, device=cpu), progress=False)  # other settings
-        assert first.closed and second is not first and second.n == 2 and not compile_pool._prestarted
+        assert first.closed and second is not first and second.n == 2 and not pool_lifetime._prestarted
         second.close()
         third = prestart(1, "cpu")
         assert start_pool(SimpleNamespace(compile_workers=1, device=cpu), progress=False) is third
@@ -116,7 +138,7 @@ def test_a_prestarted_pool_is_taken_only_when_its_settings_match():
         assert start_pool(SimpleNamespace(compile_workers=1, device=cpu), wanted=False) is None and fourth.closed
         assert start_pool(SimpleNamespace(compile_workers=0, device=cpu)) is None
     finally:
-        compile_pool.discard_prestarted()
+        pool_lifetime.discard_prestarted()
     assert wait_stopped() == 0
 
 

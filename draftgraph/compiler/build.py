@@ -19,6 +19,7 @@ from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.kernels_ahead import KernelsAhead, async_compile_mode
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
+from draftgraph.compiler.pool_lifetime import release
 from draftgraph.passes.manager import PassManager
 
 LOOP_VARIANTS = ("greedy", "sample")
@@ -53,7 +54,7 @@ class CompiledModels:
             self.counters.compile_worker_failures += pool.failures
             self.counters.compile_pool = pool.timeline()
         finally:
-            pool.close()
+            release(pool)  # a shared pool (pool_lifetime.shared_workers) stays for the next build
 
     @property
     def whole_graphs(self) -> CudaGraphs | None:

@@ -39,66 +39,10 @@ from tqdm import tqdm
 log = logging.getLogger("draftgraph")
 
 
-def auto_workers(device_type: str, local_ranks: int = 1) -> int:
-    """Worker processes when `CompileConfig.compile_workers` is None: on CUDA half the cores (at most 8),
-    shared by the ranks of this machine; on the CPU none (Inductor's C++ compiles use the cores already)."""
-    if device_type != "cuda":
-        return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2 // max(1, local_ranks)))
-
-
 def worker_threads(workers: int) -> int:
     """Inductor's compile threads in each worker (TORCHINDUCTOR_COMPILE_THREADS there): the cores shared out.
     (1 per worker, which spares each its own pool of Triton-compile processes, measured no faster: session 12.)"""
     return max(1, (os.cpu_count() or 1) // workers)
-
-
-_prestarted: list[CompilePool] = []  # a pool started before the engine build knew its settings (prestart)
-
-
-def prestart(workers: int, device: str, cache_dir: str = "") -> CompilePool:
-    """Start a pool now, for the next engine build in this process to take (`start_pool`): the `draftgraph`
-    command calls this before it imports torch, so that the workers' parent imports torch and Inductor
-    beside it, not seconds later. A build whose settings differ closes it and starts its own; one that
-    builds no pool (artifacts, mode NONE) closes it too, and so does the exit of this process."""
-    discard_prestarted()
-    pool = CompilePool(workers, device, progress=True, cache_dir=cache_dir, modules=())
-    _prestarted.append(pool)
-    import atexit
-
-    atexit.register(discard_prestarted)
-    return pool
-
-
-def discard_prestarted() -> None:
-    """Close a prestarted pool no engine took."""
-    while _prestarted:
-        _prestarted.pop().close()
-
-
-def start_pool(rc, cache_dir: str = "", progress: bool = True, wanted: bool = True) -> CompilePool | None:
-    """The engine's compile pool: the prestarted one when its settings match, else one started now; None
-    when `rc.compile_workers` is 0 or the build compiles nothing (`wanted` False: it loads artifacts)."""
-    if not wanted or not rc.compile_workers:
-        discard_prestarted()
-        return None
-    device = rc.device
-    if device.type == "cuda" and device.index is None:
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device())
-    if _prestarted:
-        pool = _prestarted.pop()
-        if (pool.n, pool.device, pool.cache_dir) == (rc.compile_workers, str(device), cache_dir) and pool.usable():
-            pool.progress = progress
-            pool.taken_s = time.perf_counter() - pool.t0
-            log.info("took the %d compile workers started %.1f s ago (compile_workers)", pool.n, pool.taken_s)
-            return pool
-        log.info("closing the prestarted compile workers (%d on %s): the build wants others", pool.n, pool.device)
-        pool.close()
-    pool = CompilePool(rc.compile_workers, str(device), progress, cache_dir)
-    log.info("started %d compile worker processes (compile_workers)", rc.compile_workers)
-    return pool
 
 
 def draftgraph_modules() -> list[str]:
@@ -318,6 +262,25 @@ class CompilePool:
             with self._lock:
                 if self._bar is not None:
                     self._bar.update(1)
+
+    def begin(self, progress: bool) -> None:
+        """A build takes this pool (started earlier: prestarted, or shared and used by earlier builds): its
+        pieces, failures and waits are counted from here."""
+        with self._lock:
+            self.pending, self.failures, self.waited_s = [], 0, 0.0
+            self.warming, self.progress = True, progress
+            self.taken_s = time.perf_counter() - self.t0
+
+    def drop_queued(self) -> None:
+        """Fail every job no worker has taken yet (a build that ended early, e.g. by an error, leaves the
+        shared pool to the next one); a job a worker is on finishes, and nobody reads it."""
+        while True:
+            try:
+                item = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].set_exception(RuntimeError("the build that queued this compile is gone"))
 
     def usable(self) -> bool:
         """Not closed, and some worker runs or may still start."""

@@ -216,7 +216,7 @@ def _compile_workers(config: CompileConfig, mode: CUDAGraphMode, device: torch.d
         return 0
     if config.compile_workers is not None:
         return config.compile_workers
-    from draftgraph.compiler.compile_pool import auto_workers
+    from draftgraph.compiler.pool_lifetime import auto_workers
 
     return auto_workers(device.type, config.tensor_parallel_size * config.data_parallel_size)
 

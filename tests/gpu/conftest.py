@@ -1,6 +1,7 @@
 """GPU tier options. `pytest tests/gpu --compile-workers N`: every engine whose config leaves compile_workers
 unset gets N compile worker processes instead of the automatic count, so that the tier can be timed with and
-without the pool (scripts/gpu_next.sh)."""
+without the pool (scripts/gpu_next.sh). Those engines share one pool for the whole session
+(`draftgraph.shared_compile_workers`): the workers start once, not once per engine."""
 
 import pytest
 
@@ -15,9 +16,21 @@ def pytest_addoption(parser):
 def _compile_workers(request, monkeypatch):
     n = request.config.getoption("--compile-workers", default=None)  # unknown when tests/ is the root given
     if n is not None:
-        from draftgraph.compiler import compile_pool
+        from draftgraph.compiler import pool_lifetime
 
-        monkeypatch.setattr(compile_pool, "auto_workers", lambda device_type, local_ranks=1: n)
+        monkeypatch.setattr(pool_lifetime, "auto_workers", lambda device_type, local_ranks=1: n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_compile_workers(request):
+    n = request.config.getoption("--compile-workers", default=None)
+    if n == 0:
+        yield None
+        return
+    import draftgraph as dg
+
+    with dg.shared_compile_workers(n) as pool:
+        yield pool
 
 
 def pytest_runtest_logreport(report):
