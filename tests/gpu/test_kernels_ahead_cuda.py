@@ -29,18 +29,21 @@ def _run(target, drafter, mode):
 
 def test_kernels_compiled_ahead():
     torch.backends.cuda.matmul.allow_tf32 = False
-    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
+    # A vocabulary no other GPU test uses (97: Triton specialises ints by divisibility by 16): the token-choice
+    # kernels' variants are new to this process even after the rest of the tier ran in it
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=97), device="cuda", attn_impl="triton")
     drafter = make_drafter("eagle", target)
-    toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")  # first: no kernel of ours compiled yet
+    toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")  # first: none of its token-choice kernels compiled yet
     ref, _ = _run(target, drafter, "NONE")
     assert toks == ref
     ahead = eng.stats()["compile"]["kernels_ahead"]
     # the attention call of the traced graphs (target and drafter share a layout: the KV write and the
     # attention kernel) and the sampling probabilities' call at least, none failed; the traced code waited for
     # their compiles to be queued, so it compiled none of those kernels itself
-    assert ahead["calls"] >= 2 and ahead["kernels"] >= 2 and ahead["failed"] == 0 and "error" not in ahead, ahead
+    assert ahead["calls"] >= 2 and ahead["failed"] == 0 and "error" not in ahead, ahead
     # and the one-graph step's acceptance (argmax and sampling probabilities at 4 and 32 verify rows),
-    # seeded before any graph named them (runtime/warmup.py): their kernels compiled ahead too
-    assert ahead["calls"] >= 2 + 4 and ahead["kernels"] >= 2 + 4, ahead
+    # seeded before any graph named them (runtime/warmup.py): their kernels (argmax's first stage, the
+    # sampling probabilities' three) compiled ahead too
+    assert ahead["calls"] >= 2 + 4 and ahead["kernels"] >= 4, ahead
     assert eng.compiled.ahead is None  # closed when the compile phase ended
     assert "compiled ahead in threads" in eng.warm_up_report
