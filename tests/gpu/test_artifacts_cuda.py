@@ -34,8 +34,9 @@ def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
         progress=False,
         check_addresses=True,
     )
-    # The build's Inductor cache lives outside the artifact: a CUDA artifact bundles its kernels.
-    built = dg.compile_model(target, drafter, dg.CompileConfig(cache_dir=str(tmp_path / "build_cache"), **base))
+    # The build's Inductor cache (the session's) lives outside the artifact: a CUDA artifact bundles its kernels.
+    # (No cache_dir of its own: the build then takes the session's shared compile workers.)
+    built = dg.compile_model(target, drafter, dg.CompileConfig(**base))
     prompts, params, arrivals = ragged(16)
     ref = [o.token_ids for o in built.generate(prompts, params, arrivals)]
     build_artifacts(built, str(out))
