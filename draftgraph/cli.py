@@ -301,7 +301,7 @@ def cmd_graph_diff(args) -> int:
 def _prestart_workers(args) -> None:
     """`generate` on a GPU, compiling with workers (the defaults): the compile workers' process starts before
     this one imports torch, so that both import it side by side; the engine build takes the pool when its
-    settings match (compiler/compile_pool.py: prestart). `--device auto` counts as a GPU where the NVIDIA
+    settings match (compiler/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
     driver's device node exists; where torch then finds none, the build closes the pool."""
     from draftgraph import envs
 
