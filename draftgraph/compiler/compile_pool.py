@@ -274,13 +274,17 @@ class CompilePool:
     def drop_queued(self) -> None:
         """Fail every job no worker has taken yet (a build that ended early, e.g. by an error, leaves the
         shared pool to the next one); a job a worker is on finishes, and nobody reads it."""
+        self._fail_queued(RuntimeError("the build that queued this compile is gone"))
+
+    def _fail_queued(self, error: Exception) -> None:
+        """Fail every job still in the queue with `error`."""
         while True:
             try:
                 item = self.jobs.get_nowait()
             except queue.Empty:
                 return
             if item is not None:
-                item[1].set_exception(RuntimeError("the build that queued this compile is gone"))
+                item[1].set_exception(error)
 
     def usable(self) -> bool:
         """Not closed, and some worker runs or may still start."""
@@ -295,13 +299,7 @@ class CompilePool:
     def _drain(self, error: Exception) -> None:
         """A dead worker: when no worker is left alive, fail what is queued (it compiles in-process)."""
         if self._all_dead():
-            while True:
-                try:
-                    item = self.jobs.get_nowait()
-                except queue.Empty:
-                    return
-                if item is not None:
-                    item[1].set_exception(error)
+            self._fail_queued(error)
 
     def submit(self, name: str, gm, encoded_graph: dict, encoded_inputs: dict, options, fallback) -> PendingPiece:
         """Queue one piece's compile; `fallback()` compiles it in this process if the worker cannot."""

@@ -26,6 +26,15 @@ def auto_workers(device_type: str, local_ranks: int = 1) -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2 // max(1, local_ranks)))
 
 
+def _indexed(device):
+    """A CUDA device with its index (the current one when none is given): what workers and pools compare."""
+    if device.type == "cuda" and device.index is None:
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 _prestarted: list[CompilePool] = []  # a pool started before the engine build knew its settings (prestart)
 
 
@@ -63,9 +72,7 @@ def shared_workers(workers: int | None = None, device: str = "cuda"):
     (about 0.5 GiB), which KV-cache sizing from free memory then leaves aside."""
     import torch
 
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _indexed(torch.device(device))
     n = auto_workers(dev.type) if workers is None else workers
     if n < 1:
         yield None
@@ -95,11 +102,7 @@ def start_pool(rc, cache_dir: str = "", progress: bool = True, wanted: bool = Tr
     if not wanted or not rc.compile_workers:
         discard_prestarted()
         return None
-    device = rc.device
-    if device.type == "cuda" and device.index is None:
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(rc.device)
     settings = (rc.compile_workers, str(device), cache_dir)
     for pool in reversed(_shared):
         if (pool.n, pool.device, pool.cache_dir) == settings and pool.usable():
