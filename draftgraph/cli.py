@@ -36,6 +36,7 @@ def _config(args, **over):
         compile_backend=args.compile_backend,
         use_cuda_graphs=not args.no_cuda_graphs,
         capture=args.capture,
+        fuse_draft_loop={"auto": "auto", "on": True, "off": False}[args.fuse_draft_loop],
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),

@@ -105,6 +105,13 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy)",
     )
     p.add_argument(
+        "--fuse-draft-loop",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="FULL modes: trace the drafter's K steps as one function, its token choice compiled with them (on), "
+        "or run the loop around the compiled drafter step (off); auto: on only without the one-graph step",
+    )
+    p.add_argument(
         "--check-addresses",
         action="store_true",
         default=envs.check_addresses(),

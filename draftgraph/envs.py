@@ -6,8 +6,6 @@ DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at
                                                    in threads (compiler/kernels_ahead.py): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
-DRAFTGRAPH_COMPILE_HERE=0      (no flag)           the engine waits for its compile workers rather than compile
-                                                   queued pieces itself while none is ready (compile_pool.py)
 """
 
 from __future__ import annotations
@@ -29,7 +27,3 @@ def kernels_ahead() -> bool:
 
 def prestart_workers() -> bool:
     return os.environ.get("DRAFTGRAPH_PRESTART_WORKERS", "1") != "0"
-
-
-def compile_here() -> bool:
-    return os.environ.get("DRAFTGRAPH_COMPILE_HERE", "1") != "0"

@@ -142,7 +142,7 @@ def main():
     target, drafter = build_pair()
     print(f"built the pair in {time.perf_counter() - t0:.1f} s")
     bw = copy_bandwidth()
-    modes = {"piecewise": dict(mode="PIECEWISE"), "full": dict(mode="FULL")}
+    modes = {"piecewise": dict(mode="PIECEWISE"), "full": dict(mode="FULL", fuse_draft_loop=True)}
     engines = compile_engines(target, drafter, modes, sizes, k, ctx, min_batched_tokens=512)
     weights = nbytes(target.parameters())
     print(

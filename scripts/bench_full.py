@@ -31,7 +31,7 @@ MODES = {
     "eager": dict(mode="NONE"),
     "piecewise": dict(mode="PIECEWISE"),
     "full_steps": dict(mode="FULL", fuse_draft_loop=False),
-    "full": dict(mode="FULL"),
+    "full": dict(mode="FULL", fuse_draft_loop=True),
 }
 
 

@@ -2,8 +2,7 @@
 compiled drafter step (`CompileConfig(fuse_draft_loop=False)`), both inside the one-graph step of FULL modes.
 
 1. Cold start, each variant in a fresh process with empty Inductor and Triton caches, interleaved `--repeats`
-   times (and the fused loop with DRAFTGRAPH_COMPILE_HERE=0: the engine idle while its workers start):
-   seconds to a ready engine, the warm-up phases (forwards, draft loops, waiting for the compile workers),
+   times: seconds to a ready engine, the warm-up phases (forwards, draft loops, waiting for the compile workers),
    Dynamo traces, Inductor compiles and graphs captured. `--pair builtin` (as `draftgraph generate --device
    cuda` configures it) or `1b` (bench_piecewise.py's 1B-shaped pair, K = 4, up to 32 requests).
 2. Steady uniform decode of the 1B-shaped pair (`--steps`), both engines in one process: median wall ms of
@@ -24,9 +23,8 @@ import tempfile
 import time
 
 VARIANTS = {"fused": True, "unfused": False}
-# cold-start variants: (fuse_draft_loop, environment); "fused_wait": the engine waits for its workers rather
-# than compile queued pieces itself while none is ready (DRAFTGRAPH_COMPILE_HERE=0)
-COLD = {"fused": (True, {}), "fused_wait": (True, {"DRAFTGRAPH_COMPILE_HERE": "0"}), "unfused": (False, {})}
+# cold-start variants: (fuse_draft_loop, extra environment)
+COLD = {"fused": (True, {}), "unfused": (False, {})}
 
 
 def engine_for(pair: str, fuse: bool, sizes=(1, 8, 32)):
@@ -68,7 +66,7 @@ def child_build(pair: str, fuse: bool) -> None:
         "inductor_compiles": c.inductor_compiles,
         "graphs": c.graphs_captured,
         "graph_mib": round(c.graph_memory_bytes / 2**20),
-        "pool": {k: (c.compile_pool or {}).get(k) for k in ("ready_s", "waited_s", "compiled_here", "last_done_s")},
+        "pool": {k: (c.compile_pool or {}).get(k) for k in ("ready_s", "waited_s", "last_done_s")},
     }
     print("RESULT " + json.dumps(out), flush=True)
 

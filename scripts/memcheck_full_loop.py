@@ -36,6 +36,7 @@ def main() -> int:
             capture_sizes=(1,),
             full_capture_sizes=(1, 2, 4),
             progress=False,
+            fuse_draft_loop=True,
         )
         eng = dg.compile_model(target, make_drafter(kind, target), cfg)
         eng.generate(prompts, [greedy, sampled, greedy])  # 3 requests: padded to 4; sampled and greedy loops

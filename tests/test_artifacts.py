@@ -32,6 +32,7 @@ def cfg(backend="eager", **kw):
         capture_sizes=(1, 4, 16, 64),
         compile_backend=backend,
         progress=False,
+        fuse_draft_loop=True,  # the fused loop's traces travel in artifacts too (the default runs it unfused)
     )
     base.update(kw)
     return dg.CompileConfig(**base)
@@ -155,6 +156,7 @@ def test_inductor_artifacts_load_and_match(target, tmp_path):
 def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
     out = str(tmp_path / "art")
     common = ["--mode", "FULL_AND_PIECEWISE", "--compile-backend", "eager", "--capture-sizes", "1,4,16"]
+    common += ["--fuse-draft-loop", "on"]  # the fused loop's traces travel too (the flag reaches the config)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     b = subprocess.run(
         [sys.executable, "-m", "draftgraph", "build", "--out", out, *common],

@@ -122,34 +122,6 @@ def test_a_dead_worker_compiles_in_process():
         pool.close()
 
 
-def test_queued_pieces_compile_in_process_while_no_worker_is_ready():
-    """wait_all does not sit idle while the workers start: it compiles the queued pieces itself (no failure)."""
-    pool = CompilePool(1, "cpu", progress=False)
-    try:
-        os.killpg(pool.parent.pid, signal.SIGSTOP)  # the workers' parent (and any fork) paused: none gets ready
-        markers = [torch.nn.Identity(), torch.nn.Identity()]
-        pieces = [
-            pool.submit(
-                f"t/submod_{i}/abc",
-                None,
-                {"nodes": [], "submodules": {}},
-                {"inputs": [], "symbols": []},
-                (),
-                lambda m=m: m,
-            )  # fmt: skip
-            for i, m in enumerate(markers)
-        ]
-        assert pool.jobs.qsize() == 2
-        pool.wait_all()
-        assert [p.fn for p in pieces] == markers and pool.failures == 0 and pool.compiled_here == 2
-        t = pool.timeline()
-        assert t["compiled_here"] == 2 and t["pieces"] == 2 and t["last_done_s"] >= t["first_submitted_s"]
-        assert "2 compiled in this process while none was ready" in pool.timeline_text()
-    finally:
-        os.killpg(pool.parent.pid, signal.SIGCONT)
-        pool.close()
-
-
 def test_a_prestarted_pool_is_taken_only_when_its_settings_match():
     from types import SimpleNamespace
 

@@ -340,16 +340,17 @@ def test_lossless_in_every_mode(pair, temperature):
     accepted = eng.stats()["accepted_tokens"]
     assert accepted > 0  # the copy drafter agrees with the target sometimes: acceptance paths run
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
-        out, eng = generate(target, drafter, mode, temperature=temperature)
+        fuse = mode == "FULL"  # FULL: the fused loop inside the one-graph step; FULL_AND_PIECEWISE: auto (unfused)
+        out, eng = generate(target, drafter, mode, temperature=temperature, fuse_draft_loop=fuse)
         assert out == ref, mode
         c = eng.compiled.counters
         # target: 3 MLA ops -> 4 pieces and its input checks; drafter step: 1 -> 2 pieces and its checks; each
         # fused loop (K = 3): its checks, then per step the drafter's 2 pieces and a token-choice piece
         assert c.traces["target"] == 1 and c.traces["drafter"] == 1
-        if mode != "PIECEWISE":
+        if fuse:
             assert c.traces["draft_loop"] == 2 and c.pieces == 5 + 3 + 2 * (1 + 3 * 3)
         else:
-            assert c.pieces == 5 + 3
+            assert "draft_loop" not in c.traces and c.pieces == 5 + 3
 
 
 def test_artifacts_load_without_tracing(pair, tmp_path):

@@ -100,12 +100,14 @@ def hf_greedy(hf, prompts, params):
     return outs
 
 
-def generate(target, drafter=None, mode="NONE", k=0, requests=8, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72)):
-    """`requests` ragged requests through 4 sequence slots (continuous batching)."""
+def generate(target, drafter=None, mode="NONE", k=0, requests=8, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72),
+             **config):  # fmt: skip
+    """`requests` ragged requests through 4 sequence slots (continuous batching); `config`: more CompileConfig
+    fields."""
     prompts, params, arrivals = ragged(requests)
     cfg = dg.CompileConfig(
         mode=mode, num_speculative_tokens=k, max_num_seqs=4, max_num_batched_tokens=64, compile_backend=backend,
-        capture_sizes=sizes if mode != "NONE" else (), progress=False, gpu_memory_utilization=0.0,
+        capture_sizes=sizes if mode != "NONE" else (), progress=False, gpu_memory_utilization=0.0, **config,
     )  # fmt: skip
     eng = dg.compile_model(target, drafter, cfg)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
@@ -183,7 +185,7 @@ def test_mtp_lossless_every_k(target, drafter, reference, k):
 
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
 def test_mtp_lossless_compiled(target, drafter, reference, mode):
-    out, eng = generate(target, drafter, mode=mode, k=3)
+    out, eng = generate(target, drafter, mode=mode, k=3, fuse_draft_loop=True)  # the loop's pieces counted too
     assert out == reference
     c = eng.compiled.counters
     # target: 4 pieces + its checks; drafter step: 2 + checks; each fused loop variant (FULL modes, K = 3):

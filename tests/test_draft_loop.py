@@ -53,7 +53,7 @@ def run(target, drafter, config, sampled=False):
 def test_fused_loop_equals_step_by_step_and_none(target, kind, one_graph):
     drafter = make_drafter(kind, target)
     none, ref = run(target, drafter, cfg("NONE"))
-    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=one_graph))
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=one_graph, fuse_draft_loop=True))
     assert toks == ref
     assert fused.stats()["accepted_tokens"] == none.stats()["accepted_tokens"] > 0
 
@@ -100,9 +100,13 @@ def test_sampled_fused_loop_equals_step_by_step(target, kind):
     steps, toks_steps = run(
         target, drafter, cfg("FULL_AND_PIECEWISE", fuse_draft_loop=False, one_graph_step=False), sampled=True
     )
-    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=False), sampled=True)
+    fused, toks = run(target, drafter, cfg("FULL_AND_PIECEWISE", one_graph_step=False), sampled=True)  # auto: fused
     one, toks_one = run(target, drafter, cfg("FULL_AND_PIECEWISE"), sampled=True)  # the whole step: one function
     assert toks == toks_steps == toks_one == ref
+    # fuse_draft_loop="auto": the loop is fused without the one-graph step, and runs around the compiled drafter
+    # step inside it (no trace of its own)
+    assert dict(fused.compiled.counters.traces)["draft_loop"] == 2
+    assert one.compiled.loop_backend is None and set(one.compiled.counters.traces) == {"target", "drafter"}
     acc = [e.stats()["accepted_tokens"] for e in (none, steps, fused, one)]
     assert acc[0] == acc[1] == acc[2] == acc[3] > 0
     assert any(key.startswith("step/") and key.endswith("/sample") for key in one.stats()["fallbacks_by_key"])
@@ -115,7 +119,11 @@ def test_inductor_fused_loop_matches_eager(target):
     """The Inductor-compiled loop against the loop run eagerly on the same inputs, then end to end."""
     drafter = make_drafter("eagle", target)
     # Few sizes: every compiled size costs an Inductor compile on the CPU (FULL sizes 4, 16, 20 here).
-    fused, toks = run(target, drafter, cfg("FULL", backend="inductor", capture_sizes=(4,), full_capture_sizes=(4,)))
+    fused, toks = run(
+        target,
+        drafter,
+        cfg("FULL", backend="inductor", capture_sizes=(4,), full_capture_sizes=(4,), fuse_draft_loop=True),
+    )
     none, ref = run(target, drafter, cfg("NONE"))
     assert toks == ref and fused.stats()["accepted_tokens"] == none.stats()["accepted_tokens"]
 

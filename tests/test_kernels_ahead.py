@@ -29,7 +29,8 @@ from tests.helpers import tiny_hf_model
 def _engine_graphs():
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
     config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=4,
-                              max_num_batched_tokens=64, compile_backend="eager", progress=False)  # fmt: skip
+                              max_num_batched_tokens=64, compile_backend="eager", progress=False,
+                              fuse_draft_loop=True)  # fmt: skip  # the loop's graphs name the drafter's choice
     engine = dg.compile_model(target, make_drafter("eagle", target), config)
     c = engine.compiled
     assert c.ahead is None  # on the CPU nothing compiles ahead
@@ -109,21 +110,25 @@ def test_launch_compiles_only_when_ahead():
     assert k.log[1][2:] == ((3,), {"BLOCK": 16})
 
 
-def test_the_verify_sampling_calls_are_written_by_hand_and_run():
-    """runtime/warmup.py seeds the one-graph step's acceptance calls (argmax and sampling probabilities over
-    B x (K + 1) rows of the target's logits, one pair per FULL capture size) before any graph names them."""
-    from draftgraph.runtime.warmup import verify_sampling_calls
+@pytest.mark.parametrize("fuse", ["auto", True])
+def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
+    """runtime/warmup.py seeds the one-graph step's token-choice calls before any graph names them: argmax and
+    sampling probabilities over B x (K + 1) rows of the target's logits per FULL capture size B, and over B rows
+    of the drafter's when the draft loop runs unfused in the step (auto; a fused loop's trace names its own)."""
+    from draftgraph.runtime.warmup import step_sampling_calls
 
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
     config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
                               max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
-                              progress=False)  # fmt: skip
+                              progress=False, fuse_draft_loop=fuse)  # fmt: skip
     engine = dg.compile_model(target, make_drafter("eagle", target), config)
-    calls = verify_sampling_calls(engine)
+    calls = step_sampling_calls(engine)
     sizes = sorted(engine.config.full_capture_sizes)
-    assert [c["op"] for c in calls] == ["draftgraph::argmax_rows", "draftgraph::sampling_probs"] * len(sizes)
-    for call, b in zip(calls[::2], sizes):
-        assert call["args"][0]["tensor"] == {"dtype": "float32", "shape": [b * 4, 96], "stride": [96, 1], "offset": 0}
+    rows = sorted({b * 4 for b in sizes} | (set(sizes) if fuse == "auto" else set()))  # (8 rows: both, once)
+    assert rows == ([1, 2, 4, 8, 32] if fuse == "auto" else [4, 8, 32])
+    assert [c["op"] for c in calls] == ["draftgraph::argmax_rows", "draftgraph::sampling_probs"] * len(rows)
+    for call, n in zip(calls[::2], rows):
+        assert call["args"][0]["tensor"] == {"dtype": "float32", "shape": [n, 96], "stride": [96, 1], "offset": 0}
     probs = calls[1]["args"]
     assert [a["tensor"]["dtype"] for a in probs] == ["float32", "float32", "int64", "float32"]
     for call in calls:  # each runs on zero inputs (on the CPU: the ops' reference paths)

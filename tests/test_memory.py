@@ -61,6 +61,7 @@ def test_a_resized_cache_reuses_every_trace():
         max_num_batched_tokens=64,
         compile_backend="eager",
         progress=False,
+        fuse_draft_loop=True,  # the fused loops' traces are reused too
     )
     rc = resolve(config, 256, True)
     loops = fused_loop_fn(drafter, Chooser(drafter, target.cfg.vocab_size), 3, rc.block_size)

@@ -13,9 +13,7 @@ loads at the piece's first compiled run.
 Until the compile phase ends (`wait_all`), a piece whose compile is still running runs its FX graph eagerly:
 warm-up's dummy steps (whose outputs nobody reads) then do not wait, and tracing of the next function
 overlaps the compiles. From `wait_all` on, every call runs the compiled code; CUDA graphs are captured only
-after it. While no worker is ready yet, `wait_all` compiles queued pieces in the engine's own process rather
-than wait idle (the workers' start is 13-20 s on a busy machine: docs/benchmarks.md, sessions 12-13). A piece
-a worker fails to compile is compiled in the tracing process instead, with a warning.
+after it. A piece a worker fails to compile is compiled in the tracing process instead, with a warning.
 """
 
 from __future__ import annotations
@@ -183,7 +181,6 @@ class CompilePool:
         self.pending: list[PendingPiece] = []
         self.warming = True  # until wait_all: unfinished pieces run their FX graph eagerly
         self.failures = 0
-        self.compiled_here = 0  # queued pieces the engine compiled itself while no worker was ready
         self.threads_per_worker = threads
         self.waited_s = 0.0
         self.timeout_s = 600.0  # the longest wait for one piece's compile before compiling it in this process
@@ -270,7 +267,7 @@ class CompilePool:
         """A build takes this pool (started earlier: prestarted, or shared and used by earlier builds): its
         pieces, failures and waits are counted from here."""
         with self._lock:
-            self.pending, self.failures, self.waited_s, self.compiled_here = [], 0, 0.0, 0
+            self.pending, self.failures, self.waited_s = [], 0, 0.0
             self.warming, self.progress = True, progress
             self.taken_s = time.perf_counter() - self.t0
 
@@ -332,7 +329,6 @@ class CompilePool:
             self._bar = tqdm(total=len(self.pending), initial=len(self.pending) - len(left), leave=False,
                              desc=f"compiling pieces in {self.n} processes", unit="piece",
                              disable=not self.progress or not left)  # fmt: skip
-        self._compile_here()
         for p in self.pending:
             p.load()
         self.warming = False
@@ -342,31 +338,6 @@ class CompilePool:
         self.waited_s = time.perf_counter() - t0
         log.info("%s", self.timeline_text())
         return self.waited_s
-
-    def _any_ready(self) -> bool:
-        with self._lock:
-            return any(w.ready_s is not None for w in self.workers)
-
-    def _compile_here(self) -> None:
-        """While no worker is ready, take queued pieces off the queue and compile them in this process (the
-        engine waits otherwise); each is then done like a worker's. A worker that becomes ready takes the rest."""
-        from draftgraph import envs
-
-        pieces = {id(p.future): p for p in self.pending}
-        while envs.compile_here() and not self._any_ready():
-            try:
-                item = self.jobs.get_nowait()
-            except queue.Empty:
-                return
-            piece = pieces.get(id(item[1])) if item is not None else None
-            if piece is None:  # a stop sentinel (the pool closing) or another build's job: leave it to the workers
-                self.jobs.put(item)
-                return
-            piece.compile_here()
-            self.compiled_here += 1
-            with self._lock:
-                if self._bar is not None:
-                    self._bar.update(1)
 
     def timeline(self) -> dict:
         """When the workers were ready and the pieces compiled, in seconds from the pool's start (stats'
@@ -391,7 +362,6 @@ class CompilePool:
             if seconds
             else None,
             "waited_s": round(self.waited_s, 2),
-            "compiled_here": self.compiled_here,
             "taken_s": None if self.taken_s is None else round(self.taken_s, 2),
         }
 
@@ -408,8 +378,7 @@ class CompilePool:
             text += f"; {t['pieces']} pieces of {lo:.1f}-{hi:.1f} s ({total:.1f} s in all)"
         if t["first_submitted_s"] is not None and t["last_done_s"] is not None:
             text += f", first sent at {t['first_submitted_s']:.1f} s, last done at {t['last_done_s']:.1f} s"
-        here = f" ({t['compiled_here']} compiled in this process while none was ready)" if t["compiled_here"] else ""
-        return text + f"; the engine waited {t['waited_s']:.1f} s for them{here}"
+        return text + f"; the engine waited {t['waited_s']:.1f} s for them"
 
     def close(self) -> None:
         with self._lock:
@@ -453,14 +422,6 @@ class PendingPiece:
                 self.artifact = self.fn = self.fallback()
                 self.seconds = time.perf_counter() - t0
         return self.fn
-
-    def compile_here(self) -> None:
-        """Compile this piece in this process (taken off the queue before any worker started it)."""
-        t0 = time.perf_counter()
-        self.artifact = self.fn = self.fallback()
-        self.seconds = time.perf_counter() - t0
-        self.future.done_s = time.perf_counter() - self.pool.t0
-        self.future.set_result(self.seconds)
 
     def __call__(self, *args):
         if self.fn is None and self.pool.warming and not self.future.done():

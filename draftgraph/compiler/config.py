@@ -94,7 +94,12 @@ class CompileConfig:
     # first, one pool, predictable memory); "lazy" = each graph at the first step that needs it (fast start;
     # that step pays the capture, and graph memory grows with the sizes actually used).
     capture: str = "eager"
-    fuse_draft_loop: bool = True  # FULL modes: the drafter's K steps as one graph (False: a graph per step)
+    # FULL modes: the drafter's K steps as one Dynamo trace per variant, its token choice compiled with them
+    # (False: the loop runs around the compiled drafter step: a graph per step outside the one-graph step).
+    # "auto": fused only when one_graph_step is off. Inside the one-graph step the loop is in the step's graph
+    # either way; fusing there costs two traces of K drafter steps (5-7 s of a cold start) for 3-4 % of step
+    # time (docs/benchmarks.md, session 14).
+    fuse_draft_loop: bool | str = "auto"
     # FULL modes: a uniform decode batch's whole step (verify, LM head, acceptance, the K drafts) is one graph
     # (False: a verify graph, then the acceptance outside graphs, then the draft loop's graph or graphs).
     one_graph_step: bool = True
@@ -137,6 +142,8 @@ class CompileConfig:
                 f"num_kv_blocks={self.num_kv_blocks} and gpu_memory_utilization={util} both "
                 "size the KV cache; set one of them"
             )
+        if not (isinstance(self.fuse_draft_loop, bool) or self.fuse_draft_loop == "auto"):
+            raise ValueError(f"fuse_draft_loop={self.fuse_draft_loop!r} is unknown; choose 'auto', True or False")
         if self.capture not in ("eager", "lazy"):
             raise ValueError(
                 f"capture={self.capture!r} is unknown; choose 'eager' (capture every size at start) or 'lazy' "
@@ -300,7 +307,7 @@ def resolve(
         capture_sizes=sizes,
         full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
-        fuse_draft_loop=full and k > 0 and config.fuse_draft_loop,
+        fuse_draft_loop=full and k > 0 and fuse_loop(config),
         one_graph_step=full and config.one_graph_step,
         lazy_capture=graphs and config.capture == "lazy",
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
@@ -342,6 +349,13 @@ def auto_mode(device: torch.device, artifact_mode: str | None = None) -> tuple[C
             "a CUDA device: FULL graphs for uniform batches, PIECEWISE for the rest",
         )
     return CUDAGraphMode.NONE, f"no CUDA graphs on {device.type}, where compiling would only add start-up time"
+
+
+def fuse_loop(config: CompileConfig) -> bool:
+    """fuse_draft_loop with "auto" decided: fused only when the one-graph step is off (config.py's comment)."""
+    if config.fuse_draft_loop == "auto":
+        return not config.one_graph_step
+    return bool(config.fuse_draft_loop)
 
 
 def check_parallel(tp: int, draft_tp: int | None) -> None:

@@ -39,18 +39,23 @@ def register_in_place(engine) -> None:
         graphs.register_persistent(runner.uniform.buffers.device_tensors())
 
 
-def verify_sampling_calls(engine) -> list[dict]:
-    """The calls of our token-choice ops that the one-graph step's acceptance makes outside any traced graph
-    (runtime/uniform_step.py: greedy argmax, then the sampled variant's probabilities, over B x (K + 1) verify
-    rows of the target's logits) for every FULL capture size: compiled ahead in threads while the forwards are
-    traced, instead of one after another at the step's first run (3-4 s of the built-in pair's cold start on
-    an H100, docs/benchmarks.md, session 13). Their kernels specialise on the row count (the argmax's chunk)."""
+def step_sampling_calls(engine) -> list[dict]:
+    """The calls of our token-choice ops that the one-graph step makes outside any traced graph, for every
+    FULL capture size B: its acceptance (greedy argmax, then the sampled variant's probabilities, over
+    B x (K + 1) verify rows of the target's logits) and, when the draft loop runs unfused inside the step
+    (fuse_draft_loop auto), the drafter's token choice (the same two over B rows of draft logits). Compiled
+    ahead in threads while the forwards are traced, instead of one after another at the step's first run
+    (3-4 s of the built-in pair's cold start on an H100, docs/benchmarks.md, session 13). Their kernels
+    specialise on the row count (the argmax's chunk)."""
     from draftgraph.compiler.kernels_ahead import op_call, tensor_arg
 
-    rc, target = engine.config, engine.target
-    vocab, dtype, q = target.cfg.vocab_size, target.cfg.dtype, engine.runner.shapes.verify
+    rc, target, q = engine.config, engine.target, engine.runner.shapes.verify
+    shapes = {(b * q, target.cfg.vocab_size, target.cfg.dtype) for b in rc.full_capture_sizes}
+    if engine.drafter is not None and rc.num_speculative_tokens and engine.compiled.loops is None:
+        vocab, dtype = engine.drafter.draft_vocab_size, engine.drafter.cfg.dtype
+        shapes |= {(b, vocab, dtype) for b in rc.full_capture_sizes}
     calls = []
-    for rows in sorted({b * q for b in rc.full_capture_sizes}):
+    for rows, vocab, dtype in sorted(shapes, key=lambda s: (s[0], s[1], str(s[2]))):
         logits = tensor_arg((rows, vocab), dtype)
         calls.append(op_call("draftgraph::argmax_rows", logits))
         params = [tensor_arg((rows,), d) for d in (torch.float32, torch.int64, torch.float32)]
@@ -68,7 +73,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     lazy = rc.lazy_capture if lazy is None else lazy
     register_in_place(engine)
     if compiled.ahead is not None and runner.uniform is not None:
-        compiled.ahead.submit(verify_sampling_calls(engine))
+        compiled.ahead.submit(step_sampling_calls(engine))
     t0 = time.perf_counter()
     compiles_before = counters.inductor_compiles
     variants_before = compiled_variants()

@@ -107,6 +107,7 @@ def test_every_request_count_across_padding(target):
             capture_sizes=(1,),
             compile_backend="eager",  # padding and replay are under test here, not Inductor's code
             check_addresses=True,
+            fuse_draft_loop=True,  # the fused loop inside the one-graph step: traced once for every size
         )
         engines[mode] = dg.compile_model(target, make_drafter("eagle", target), cfg)
     full_sizes = engines["FULL"].config.full_capture_sizes

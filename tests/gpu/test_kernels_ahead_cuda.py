@@ -1,7 +1,7 @@
 """GPU tier: draftgraph's own Triton kernels compiled ahead in threads (compiler/kernels_ahead.py). Each
 distinct call of our ops in the traced graphs runs once on zero inputs inside `compiling_ahead()`, which queues
 its kernels' compiles on a thread pool and launches nothing; the traced code's first launches wait for them.
-The one-graph step's acceptance calls, which no traced graph names, are seeded at warm-up's start. The tokens
+The one-graph step's token-choice calls, which no traced graph names, are seeded at warm-up's start. The tokens
 equal mode NONE's (greedy and sampled rows), and nothing failed."""
 
 import pytest
@@ -37,13 +37,13 @@ def test_kernels_compiled_ahead():
     ref, _ = _run(target, drafter, "NONE")
     assert toks == ref
     ahead = eng.stats()["compile"]["kernels_ahead"]
-    # the attention call of the traced graphs (target and drafter share a layout: the KV write and the
-    # attention kernel) and the sampling probabilities' call at least, none failed; the traced code waited for
-    # their compiles to be queued, so it compiled none of those kernels itself
-    assert ahead["calls"] >= 2 and ahead["failed"] == 0 and "error" not in ahead, ahead
-    # and the one-graph step's acceptance (argmax and sampling probabilities at 4 and 32 verify rows),
-    # seeded before any graph named them (runtime/warmup.py): their kernels (argmax's first stage, the
-    # sampling probabilities' three) compiled ahead too
-    assert ahead["calls"] >= 2 + 4 and ahead["kernels"] >= 4, ahead
+    # the attention call of the traced graphs at least (target and drafter share a layout: the KV write and the
+    # attention kernel), none failed; the traced code waited for their compiles to be queued, so it compiled
+    # none of those kernels itself
+    assert ahead["calls"] >= 1 and ahead["failed"] == 0 and "error" not in ahead, ahead
+    # and the one-graph step's token choice (argmax and sampling probabilities at 4 and 32 verify rows, and at 1
+    # and 8 rows of the drafter's logits: the loop runs unfused in the step), seeded before any graph named them
+    # (runtime/warmup.py): their kernels (argmax's first stage, the sampling probabilities' three) ahead too
+    assert ahead["calls"] >= 1 + 8 and ahead["kernels"] >= 4, ahead
     assert eng.compiled.ahead is None  # closed when the compile phase ended
     assert "compiled ahead in threads" in eng.warm_up_report

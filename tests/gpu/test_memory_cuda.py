@@ -39,7 +39,8 @@ def test_kv_cache_sized_after_graph_memory():
     budget = int(util * total) - plan.outside - plan.peak_without_kv - plan.graph_memory
     assert 0 <= budget - plan.num_blocks * plan.bytes_per_block < plan.bytes_per_block
     c = eng.compiled.counters
-    assert c.traces["target"] == 1 and c.traces["drafter"] == 1 and c.traces["draft_loop"] == 2  # compiled once
+    # compiled once; the draft loop runs around the drafter step inside the one-graph step (fuse_draft_loop auto)
+    assert c.traces["target"] == 1 and c.traces["drafter"] == 1 and "draft_loop" not in c.traces
     assert c.graphs_captured > 0 and c.graph_memory_bytes > 0
     out = eng.generate(prompts, params, arrivals)
     assert [o.token_ids for o in out] == ref
