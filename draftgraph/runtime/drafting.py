@@ -51,6 +51,18 @@ def advance(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_
     return pos, meta
 
 
+def advance_next(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int):
+    """`advance(tables, pos + 1, valid, block_size)`. Run eagerly on CUDA (the loop around the compiled drafter
+    step) it is one Triton kernel (ops/attention/triton_advance.py) instead of a dozen small ones; traced, it is
+    the torch ops, which Inductor fuses."""
+    if not pos.is_cuda or torch.compiler.is_compiling():
+        return advance(tables, pos + 1, valid, block_size)
+    from draftgraph.ops.attention.triton_advance import advance_next_triton
+
+    pos, slot, req, kv, seq, qsl = advance_next_triton(tables, pos, valid, block_size)
+    return pos, AttentionMetadata(slot, req, kv, tables, seq, qsl)
+
+
 class Chooser:
     """The token choice of one draft step: argmax, or a draw with per-(seed, position) noise whose
     probabilities are kept (at `draft_probs[slots, step]`) for the next verify's rejection sampling."""
@@ -106,7 +118,7 @@ def draft_loop(
     j = torch.zeros((), dtype=torch.long, device=pos.device) if sampling is not None else 0
     out = [choose(logit_h, sample_rows, pos + shift, j, sampling, slots, draft_probs)]
     for _ in range(1, k):
-        pos, step_meta = advance(tables, pos + 1, valid, block_size)
+        pos, step_meta = advance_next(tables, pos, valid, block_size)
         j = j + 1
         h, logit_h = step(out[-1], pos, h if feed_hidden else None, step_meta)
         out.append(choose(logit_h, None, pos + shift, j, sampling, slots, draft_probs))
