@@ -43,10 +43,11 @@ def step_sampling_calls(engine) -> list[dict]:
     """The calls of our token-choice ops that the one-graph step makes outside any traced graph, for every
     FULL capture size B: its acceptance (greedy argmax, then the sampled variant's probabilities, over
     B x (K + 1) verify rows of the target's logits) and, when the draft loop runs unfused inside the step
-    (fuse_draft_loop auto), the drafter's token choice (the same two over B rows of draft logits). Compiled
-    ahead in threads while the forwards are traced, instead of one after another at the step's first run
-    (3-4 s of the built-in pair's cold start on an H100, docs/benchmarks.md, session 13). Their kernels
-    specialise on the row count (the argmax's chunk)."""
+    (fuse_draft_loop auto), the drafter's token choice (the same two over B rows of draft logits) and, on
+    CUDA, the metadata advance between its steps (one kernel variant for every row count). Compiled ahead in
+    threads while the forwards are traced, instead of one after another at the step's first run (3-4 s of the
+    built-in pair's cold start on an H100, docs/benchmarks.md, session 13). The argmax's kernels specialise
+    on the row count (its chunk)."""
     from draftgraph.compiler.kernels_ahead import op_call, tensor_arg
 
     rc, target, q = engine.config, engine.target, engine.runner.shapes.verify
@@ -55,6 +56,18 @@ def step_sampling_calls(engine) -> list[dict]:
         vocab, dtype = engine.drafter.draft_vocab_size, engine.drafter.cfg.dtype
         shapes |= {(b, vocab, dtype) for b in rc.full_capture_sizes}
     calls = []
+    unfused = engine.drafter is not None and rc.num_speculative_tokens > 1 and engine.compiled.loops is None
+    if unfused and rc.device.type == "cuda":  # (elsewhere runtime/drafting.py's advance_next is torch ops)
+        import draftgraph.ops.attention.triton_advance  # noqa: F401  registers the op
+
+        width = engine.runner.shape.max_blocks_per_req
+        b = max(rc.full_capture_sizes)
+        tables, pos, valid = (
+            tensor_arg((b, width), torch.int32),
+            tensor_arg((b,), torch.int64),
+            tensor_arg((b,), torch.bool),
+        )
+        calls.append(op_call("draftgraph::advance_next", tables, pos, valid, rc.block_size))
     for rows, vocab, dtype in sorted(shapes, key=lambda s: (s[0], s[1], str(s[2]))):
         logits = tensor_arg((rows, vocab), dtype)
         calls.append(op_call("draftgraph::argmax_rows", logits))

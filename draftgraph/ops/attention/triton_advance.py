@@ -39,9 +39,13 @@ def _advance_kernel(tables, stride_t, pos_in, valid, pos_out, slot_out, req_out,
     tl.store(qsl_out + B + offs * 0, B, mask=offs == 0)  # the last query start: B
 
 
-def advance_next_triton(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int):
+@torch.library.custom_op("draftgraph::advance_next", mutates_args=(), device_types="cuda")
+def advance_next_triton(
+    tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions + 1, slot_mapping int64, token_req int32, token_kv_len int32, seq_lens int32,
-    query_start_loc int32 [B + 1]) for one token per request at `pos` + 1."""
+    query_start_loc int32 [B + 1]) for one token per request at `pos` + 1. An op, so that the kernels-ahead
+    threads can compile its kernel before the one-graph step's first run (runtime/warmup.py)."""
     b = pos.shape[0]
     dev = pos.device
     pos_out = torch.empty_like(pos)
@@ -52,3 +56,11 @@ def advance_next_triton(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Te
     launch(_advance_kernel, grid)(tables, tables.stride(0), pos, valid, pos_out, slot, req, kv, seq, qsl, b,
                                   BLOCK_SIZE=block_size, BLOCK=BLOCK)  # fmt: skip
     return pos_out, slot, req, kv, seq, qsl
+
+
+@advance_next_triton.register_fake
+def _(tables, pos, valid, block_size):
+    b = pos.shape[0]
+    i32 = dict(dtype=torch.int32, device=pos.device)
+    out = (torch.empty_like(pos), torch.empty(b, dtype=torch.int64, device=pos.device))
+    return (*out, *(torch.empty(b, **i32) for _ in range(3)), pos.new_empty(b + 1, dtype=torch.int32))
