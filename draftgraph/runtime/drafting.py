@@ -54,8 +54,8 @@ def advance(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_
 def advance_next(tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int):
     """`advance(tables, pos + 1, valid, block_size)`. Run eagerly on CUDA (the loop around the compiled drafter
     step) it is one Triton kernel (ops/attention/triton_advance.py) instead of a dozen small ones; traced, it is
-    the torch ops, which Inductor fuses."""
-    if not pos.is_cuda or torch.compiler.is_compiling():
+    the torch ops, which Inductor fuses (and where the kernel's row-major table layout does not hold)."""
+    if not pos.is_cuda or torch.compiler.is_compiling() or tables.stride(-1) != 1:
         return advance(tables, pos + 1, valid, block_size)
     from draftgraph.ops.attention.triton_advance import advance_next_triton
 

@@ -52,12 +52,12 @@ def step_sampling_calls(engine) -> list[dict]:
 
     rc, target, q = engine.config, engine.target, engine.runner.shapes.verify
     shapes = {(b * q, target.cfg.vocab_size, target.cfg.dtype) for b in rc.full_capture_sizes}
-    if engine.drafter is not None and rc.num_speculative_tokens and engine.compiled.loops is None:
+    unfused = engine.drafter is not None and rc.num_speculative_tokens and engine.compiled.loops is None
+    if unfused:
         vocab, dtype = engine.drafter.draft_vocab_size, engine.drafter.cfg.dtype
         shapes |= {(b, vocab, dtype) for b in rc.full_capture_sizes}
     calls = []
-    unfused = engine.drafter is not None and rc.num_speculative_tokens > 1 and engine.compiled.loops is None
-    if unfused and rc.device.type == "cuda":  # (elsewhere runtime/drafting.py's advance_next is torch ops)
+    if unfused and rc.num_speculative_tokens > 1 and rc.device.type == "cuda":  # (elsewhere: torch ops)
         import draftgraph.ops.attention.triton_advance  # noqa: F401  registers the op
 
         width = engine.runner.shape.max_blocks_per_req
