@@ -36,7 +36,7 @@ def _config(args, **over):
         compile_backend=args.compile_backend,
         use_cuda_graphs=not args.no_cuda_graphs,
         capture=args.capture,
-        fuse_draft_loop={"auto": "auto", "on": True, "off": False}[args.fuse_draft_loop],
+        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
@@ -52,6 +52,9 @@ def _config(args, **over):
 
     uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
     return config
+
+
+_FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
 
 
 def _inductor_options(given: list[str] | None):
@@ -264,6 +267,7 @@ def cmd_inspect(args) -> int:
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x) or (1, 2, 4, 8, 16),
         compile_backend=args.compile_backend,
         drafter_kind=args.drafter_kind,
+        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
         progress=False,
     )
     if args.target:

@@ -96,6 +96,21 @@ def test_extra_op_and_graph_break_show_up_in_the_diff(tmp_path, capsys):
     assert any(c.kind == "graph_break" and "toy_models.py:18" in c.detail for c in changes)
 
 
+def test_the_fused_loop_is_inspected_when_asked_for(tmp_path):
+    """FULL_AND_PIECEWISE runs the draft loop around the drafter step by default (no trace of its own);
+    `--fuse-draft-loop on` traces it, and the inspection shows its function."""
+    functions = {}
+    for flag in ("auto", "on"):
+        out = tmp_path / flag
+        args = ["inspect", "--out", str(out), "--family", "llama", "--drafter-kind", "eagle", "--compile-backend"]
+        args += ["eager", "-k", "2", "--mode", "FULL_AND_PIECEWISE", "--fuse-draft-loop", flag]
+        assert main(args) == 0
+        functions[flag] = json.loads((out / "summary.json").read_text())["functions"]
+    assert set(functions["auto"]) == {"target", "drafter"}
+    assert set(functions["on"]) == {"target", "drafter", "draft_loop"}
+    assert len(functions["on"]["draft_loop"]["traces"]) == 2  # greedy and sampled
+
+
 def test_missing_directory_exits_2(tmp_path, capsys):
     assert main(["graph-diff", str(tmp_path / "nope"), str(tmp_path / "nope2")]) == 2
     assert "is not an inspection: no summary.json there" in capsys.readouterr().out
