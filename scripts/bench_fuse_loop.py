@@ -22,29 +22,29 @@ import sys
 import tempfile
 import time
 
-VARIANTS = {"fused": True, "unfused": False}
-# cold-start variants: (fuse_draft_loop, extra environment)
-COLD = {"fused": (True, {}), "unfused": (False, {})}
+VARIANTS = {"fused": True, "unfused": False}  # name -> fuse_draft_loop
 
 
-def engine_for(pair: str, fuse: bool, sizes=(1, 8, 32)):
-    import draftgraph as dg
-
+def pair_for(pair: str):
     if pair == "builtin":
         from draftgraph.models.builtin import builtin_pair
 
-        target, drafter = builtin_pair(device="cuda", attn_impl="triton")
-        cfg = dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0, fuse_draft_loop=fuse)
-    else:
-        from scripts.bench_piecewise import build_pair
+        return builtin_pair(device="cuda", attn_impl="triton")
+    from scripts.bench_piecewise import build_pair
 
-        target, drafter = build_pair()
-        cfg = dg.CompileConfig(
-            mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=max(32, *sizes),
-            max_num_batched_tokens=512, max_model_len=1024, device="cuda", progress=False,
-            gpu_memory_utilization=0.0, fuse_draft_loop=fuse,
-        )  # fmt: skip
-    return target, drafter, cfg
+    return build_pair()
+
+
+def config_for(pair: str, fuse: bool, sizes=(1, 8, 32)):
+    import draftgraph as dg
+
+    if pair == "builtin":  # as `draftgraph generate --device cuda` configures it
+        return dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0, fuse_draft_loop=fuse)
+    return dg.CompileConfig(
+        mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=max(32, *sizes),
+        max_num_batched_tokens=512, max_model_len=1024, device="cuda", progress=False,
+        gpu_memory_utilization=0.0, fuse_draft_loop=fuse,
+    )  # fmt: skip
 
 
 def child_build(pair: str, fuse: bool) -> None:
@@ -52,7 +52,8 @@ def child_build(pair: str, fuse: bool) -> None:
 
     import draftgraph as dg
 
-    target, drafter, cfg = engine_for(pair, fuse)
+    target, drafter = pair_for(pair)
+    cfg = config_for(pair, fuse)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng = dg.compile_model(target, drafter, cfg)
@@ -78,12 +79,10 @@ def child_steps(sizes: list[int]) -> None:
     from scripts.bench_full import step_time
 
     engines = {}
+    target, drafter = pair_for("1b")  # one pair of models for both engines
     for name, fuse in VARIANTS.items():
-        target, drafter, cfg = engine_for("1b", fuse, sizes)
-        if engines:  # one pair of models for both engines
-            target, drafter = engines["fused"].target, engines["fused"].drafter
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, cfg)
+        engines[name] = dg.compile_model(target, drafter, config_for("1b", fuse, sizes))
         print(f"{name}: built in {time.perf_counter() - t0:.1f} s ({engines[name].warm_up_report})", flush=True)
     prompts = [[1 + i, 5, 9, 17, 33, 65][: 3 + i % 3] for i in range(8)]
     params = dg.SamplingParams(max_tokens=24, ignore_eos=True)
@@ -106,9 +105,8 @@ def child_steps(sizes: list[int]) -> None:
             assert any(k.startswith("step/") for k in hits), (n, hits)  # the one-graph step ran
 
 
-def run_child(args: list[str], timeout: float, extra_env: dict | None = None) -> str:
+def run_child(args: list[str], timeout: float) -> str:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
-    env.update(extra_env or {})
     env["PYTHONPATH"] = os.getcwd()
     p = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
@@ -133,10 +131,10 @@ def main():
     if args.child == "steps":
         return child_steps(sizes)
     for pair in args.pair.split(","):
-        results = {n: [] for n in COLD}
+        results = {n: [] for n in VARIANTS}
         for _ in range(args.repeats):
-            for name, (fuse, env) in COLD.items():
-                out = run_child(["--child", "build", "--pair", pair, "--fuse", str(int(fuse))], args.timeout, env)
+            for name, fuse in VARIANTS.items():
+                out = run_child(["--child", "build", "--pair", pair, "--fuse", str(int(fuse))], args.timeout)
                 r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
                 results[name].append(r)
                 print(f"{pair} {name}: {json.dumps(r)}", flush=True)

@@ -61,6 +61,5 @@ def advance_next_triton(
 @advance_next_triton.register_fake
 def _(tables, pos, valid, block_size):
     b = pos.shape[0]
-    i32 = dict(dtype=torch.int32, device=pos.device)
-    out = (torch.empty_like(pos), torch.empty(b, dtype=torch.int64, device=pos.device))
-    return (*out, *(torch.empty(b, **i32) for _ in range(3)), pos.new_empty(b + 1, dtype=torch.int32))
+    i32 = [pos.new_empty(b, dtype=torch.int32) for _ in range(3)]  # token_req, token_kv_len, seq_lens
+    return (torch.empty_like(pos), pos.new_empty(b, dtype=torch.int64), *i32, pos.new_empty(b + 1, dtype=torch.int32))
