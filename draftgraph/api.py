@@ -181,12 +181,13 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
 
     plan = None
     if rc.gpu_memory_utilization:  # measure weights, activations and graphs first, then size the KV cache
-        engine = Engine(model, draft, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)
+        probe = replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1)
+        engine = Engine(model, draft, probe, compiled, kv_grows_in_place=True)  # where CUDA can (growable.py)
         plan = measure_and_plan(engine, rc.gpu_memory_utilization)
     else:
         engine = Engine(model, draft, rc, compiled)
     engine.memory_plan = plan
-    if compiled is not None:
+    if compiled is not None and not (plan is not None and plan.kept_graphs):
         engine.warm_up_report = engine.warm_up()
     if plan is not None:
         engine.warm_up_report = "; ".join(x for x in (engine.warm_up_report, plan.describe()) if x)

@@ -4,6 +4,9 @@ DRAFTGRAPH_CHECK_ADDRESSES=1   --check-addresses   verify static input addresses
 DRAFTGRAPH_DUMP_GRAPHS=DIR     --dump-graphs DIR   write each pass's before/after graph to DIR
 DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at their first launch, not ahead
                                                    in threads (compiler/kernels_ahead.py): for comparisons
+DRAFTGRAPH_KV_VMM=0            (no flag)           a KV cache sized from measured memory is allocated twice and
+                                                   every graph captured twice, instead of growing in place under
+                                                   the probe's graphs (runtime/growable.py): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -27,3 +30,7 @@ def kernels_ahead() -> bool:
 
 def prestart_workers() -> bool:
     return os.environ.get("DRAFTGRAPH_PRESTART_WORKERS", "1") != "0"
+
+
+def kv_vmm() -> bool:
+    return os.environ.get("DRAFTGRAPH_KV_VMM", "1") != "0"

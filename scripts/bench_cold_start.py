@@ -73,6 +73,8 @@ def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: f
     since = re.search(r"\(([\d.]+) s since the command started\)", out)
     pool = re.search(r"compile workers: .*", out)
     compiled = re.search(r"compiled \d+ pieces .*? in [\d.]+ s(?: \([^)]*\))?", out)
+    captured = re.findall(r"captured \d+ CUDA graphs in [\d.]+ s", out)  # twice where the KV sizing recaptures
+    sized = re.search(r"KV cache sized after capture: .*", out)
     return {
         "rc": rc,
         "ready": float(ready.group(1)) if ready else None,
@@ -80,6 +82,8 @@ def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: f
         "since_start": float(since.group(1)) if since else None,
         "pool": pool.group(0) if pool else "",
         "compiled": compiled.group(0) if compiled else "",
+        "captured": "; ".join(captured),
+        "sized": sized.group(0)[:300] if sized else "",
         "procs": peak["procs"],
         "load": peak["load"],
         "tail": "" if ready else out[-1500:],
@@ -105,7 +109,7 @@ def main() -> None:
             print(f"[{r + 1}/{args.repeats}] {name}: ready {ready} ({since}process {res['wall']:.1f} s, "
                   f"rc {res['rc']}), "
                   f"peak {res['procs']} processes, load {res['load']:.1f}", flush=True)  # fmt: skip
-            for key in ("compiled", "pool"):
+            for key in ("compiled", "captured", "sized", "pool"):
                 if res[key]:
                     print(f"    {res[key]}", flush=True)
             if res["tail"]:

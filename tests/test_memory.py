@@ -25,6 +25,15 @@ def test_blocks_are_what_the_budget_leaves():
     assert "225 blocks (450 MiB)" in text and "50 CUDA graphs" in text and "300 weights" in text
 
 
+def test_caches_that_grow_in_place_leave_room_for_the_mapping_granularity():
+    plan = plan_blocks(1000 * MIB, 0.9, 100 * MIB, 300 * MIB, 50 * MIB, 2 * MIB, 10, mapping_slack=8 * MIB)
+    assert plan.num_blocks == (900 - 100 - 300 - 50 - 8) // 2 == 221
+    assert "8 mapping granularity" in plan.describe() and "captured again" in plan.describe()
+    from dataclasses import replace
+
+    assert "grown in place, graphs captured once" in replace(plan, kept_graphs=True).describe()
+
+
 def test_too_little_memory_names_the_numbers_and_the_fixes():
     with pytest.raises(ValueError, match=r"leaves room for 4 KV blocks, but one request of max_model_len needs 10"):
         plan_blocks(1000 * MIB, 0.5, 100 * MIB, 300 * MIB, 92 * MIB, 2 * MIB, 10)

@@ -15,6 +15,7 @@ class CompileCounters:
     unique_pieces: int = 0  # compute pieces after deduplicating identical layers
     inductor_compiles: int = 0  # Inductor compiles (per unique piece, per size, plus dynamic versions)
     graphs_captured: int = 0
+    graphs_released: int = 0  # graphs dropped to be captured again (a KV cache sized by reallocation: memory.py)
     graph_replays: Counter = field(default_factory=Counter)  # key "fn/size" -> replays of its piece graphs
     compiled_runs: Counter = field(default_factory=Counter)  # key "fn/size" -> piece runs without a graph
     dynamic_runs: Counter = field(default_factory=Counter)  # key "fn" -> piece runs past the captured sizes
@@ -40,6 +41,7 @@ class CompileCounters:
             "unique_pieces": self.unique_pieces,
             "inductor_compiles": self.inductor_compiles,
             "graphs_captured": self.graphs_captured,
+            "graphs_released": self.graphs_released,
             "graph_replays": dict(self.graph_replays),
             "compiled_runs": dict(self.compiled_runs),
             "dynamic_runs": dict(self.dynamic_runs),

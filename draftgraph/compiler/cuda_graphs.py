@@ -126,7 +126,9 @@ class CapturedGraph:
             if not isinstance(a, torch.Tensor):
                 continue
             where = f"{self.key} input {names[i] if names else i}"
-            if check and tuple(a.shape) != self.shapes[i]:
+            # An in-place input is checked by its address below: a KV cache that grew in place (runtime/
+            # growable.py) keeps its address and holds more blocks than at capture.
+            if check and not self.in_place[i] and tuple(a.shape) != self.shapes[i]:
                 raise RuntimeError(
                     f"{where} has shape {tuple(a.shape)}, captured with {self.shapes[i]}; a padded shape must "
                     "replay only its own graph"
@@ -276,6 +278,7 @@ class CudaGraphs:
     def release(self) -> None:
         """Drop every graph and the pool, so their memory goes back (in-place registrations too: what they
         point at may be reallocated before the next capture)."""
+        self.counters.graphs_released += len(self.graphs)
         self.graphs.clear()
         self.pool = None
         self.static_ptrs.clear()

@@ -33,6 +33,7 @@ class Engine:
         drafter: Drafter | None,
         rc: ResolvedConfig,
         compiled: CompiledModels | None = None,
+        kv_grows_in_place: bool = False,  # caches reserve the device's size, grow at their addresses (growable.py)
     ):
         self.target, self.drafter, self.config = target, drafter, rc
         self.compiled = compiled  # compiled forwards, graph owner and counters (None in mode NONE)
@@ -49,6 +50,7 @@ class Engine:
             rc.block_size,
             rc.capture_sizes,
             rc.one_graph_step,
+            kv_grows_in_place,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
         dispatcher = Dispatcher(
@@ -78,8 +80,9 @@ class Engine:
         return warm_up_and_capture(self, lazy)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
-        """Reallocate both KV caches with `num_blocks` blocks (no request may be running). Graphs read the
-        caches in place: release them first (`compiled.ctx.release()`) and warm up again after."""
+        """Both KV caches at `num_blocks` blocks (no request may be running). Graphs read the caches in place:
+        unless they grow in place (`runner.kv_grows_in_place`, up to their reservation), release the graphs first
+        (`compiled.ctx.release()`) and warm up again after."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("the KV cache can be resized only while no request is running")
         self.config = replace(self.config, num_kv_blocks=num_blocks)

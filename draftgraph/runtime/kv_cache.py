@@ -49,21 +49,54 @@ class KVCacheSpec:
 
 
 class PagedKVCache:
-    """K and V tensors for every layer; layer i reads and writes `layers[i] = (k, v)` in place."""
+    """K and V tensors for every layer; layer i reads and writes `layers[i] = (k, v)` in place.
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str):
+    `reserve_blocks` > 0 (CUDA with virtual memory management, runtime/growable.py): every tensor's address
+    range is reserved for that many blocks up front and `resize` to at most that many grows the tensors in place,
+    at the addresses CUDA graphs captured them with (`grows_in_place`); otherwise `resize` reallocates."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str, reserve_blocks: int = 0):
         self.device = device
         self.layers: list[tuple[torch.Tensor, ...]] = []
         self.state = None  # runtime/state_cache.py's StateCache for linear_layers, once attached
+        self.reserve_blocks = max(reserve_blocks, spec.num_blocks) if reserve_blocks else 0
+        self._buffers: list[list] = []  # per layer, the GrowableBuffer behind each tensor (when reserved)
+        if self.reserve_blocks:
+            from draftgraph.runtime.growable import GrowableBuffer
+
+            per_block = [spec.block_size * math.prod(e) * spec.dtype.itemsize for e in spec.entry_shapes]
+            self._buffers = [
+                [] if i in spec.linear_layers else [GrowableBuffer(self.reserve_blocks * b, device) for b in per_block]
+                for i in range(spec.num_layers)
+            ]
         self._allocate(spec)
+
+    @property
+    def grows_in_place(self) -> bool:
+        return bool(self.reserve_blocks)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Device memory mapped for the tensors of a reserved cache (outside torch's allocator); 0 otherwise."""
+        return sum(b.mapped for bufs in self._buffers for b in bufs)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(self.spec.entry_shapes) for i in range(self.spec.num_layers) if i not in self.spec.linear_layers)
 
     def _allocate(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         shapes = [(spec.num_blocks, spec.block_size, *e) for e in spec.entry_shapes]
 
+        def grown(buf, shape) -> torch.Tensor:
+            buf.grow(math.prod(shape) * spec.dtype.itemsize)  # new bytes are zeroes, as torch.zeros gives
+            return buf.tensor(shape, spec.dtype)
+
         def entry(i: int) -> tuple[torch.Tensor, ...]:
             if i in spec.linear_layers:
                 return self.state.layer(i) if self.state is not None else ()
+            if self._buffers:
+                return tuple(grown(b, s) for b, s in zip(self._buffers[i], shapes))
             return tuple(torch.zeros(s, dtype=spec.dtype, device=self.device) for s in shapes)
 
         self.layers[:] = [entry(i) for i in range(spec.num_layers)]  # in place: holders of `layers` see them
@@ -76,8 +109,13 @@ class PagedKVCache:
                 maybe_mark_dynamic(t, 0)
 
     def resize(self, num_blocks: int) -> None:
-        """Reallocate every layer with `num_blocks` blocks (contents dropped; the old tensors go first)."""
-        self.layers[:] = []
+        """Every layer at `num_blocks` blocks. Reserved (`grows_in_place`) and within the reservation: the same
+        addresses, the blocks kept, new ones zeroed (a smaller count keeps its memory mapped). Otherwise
+        reallocated (contents dropped; the old tensors go first)."""
+        if self.reserve_blocks and num_blocks > self.reserve_blocks:
+            raise ValueError(f"num_blocks={num_blocks} is more than the {self.reserve_blocks} blocks reserved")
+        if not self.reserve_blocks:
+            self.layers[:] = []
         if self.state is not None:
             self.state.resize_blocks(num_blocks)
         self._allocate(replace(self.spec, num_blocks=num_blocks))

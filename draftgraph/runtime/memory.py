@@ -6,19 +6,21 @@ measured probe on the engine itself:
 
 1. The engine is built with a small probe cache (room for one request of max_model_len); it compiles and
    captures every graph; the pool's segments give the graph memory, the allocator's peak the activations.
-2. Its graphs are released and the cache sized from the budget left:
+2. The cache is sized from the budget left:
    blocks = (utilization x device memory - memory held before the engine - weights and buffers -
-             activation peak - graph memory) / bytes per block (target and drafter together).
-3. The engine's cache is reallocated at that size in place (the same engine: no second build) and the
-   graphs captured again. The compiled code is re-used (no trace, no Inductor compile: the block count is
-   a dynamic dimension), only capture repeats.
+             activation peak - graph memory - mapping granularity) / bytes per block (target and drafter).
+3. Where the caches grow in place (CUDA virtual memory, runtime/growable.py: each cache tensor reserved
+   address space for the whole device), they grow to that size at the probe's addresses and the probe's
+   graphs stay: every graph is captured once. Otherwise the graphs are released, the caches reallocated at
+   that size (the same engine: no second build) and the graphs captured again; the compiled code is re-used
+   (no trace, no Inductor compile: the block count is a dynamic dimension), only capture repeats.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +40,8 @@ class MemoryPlan:
     graph_memory: int  # the CUDA graph pool's segments
     bytes_per_block: int  # target and drafter KV of one block
     num_blocks: int
+    mapping_slack: int = 0  # caches that grow in place: what mapping granularity may add, at most
+    kept_graphs: bool = False  # the caches grew in place under the probe's graphs (captured once)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -50,6 +54,8 @@ class MemoryPlan:
             f"{self.device_total / mib:.0f} MiB - {self.outside / mib:.0f} outside "
             f"the allocator - {self.peak_without_kv / mib:.0f} weights, buffers and activations - "
             f"{self.graph_memory / mib:.0f} CUDA graphs"
+            + (f" - {self.mapping_slack / mib:.0f} mapping granularity" if self.mapping_slack else "")
+            + ("; grown in place, graphs captured once" if self.kept_graphs else "; graphs captured again")
         )
 
 
@@ -61,10 +67,13 @@ def plan_blocks(
     graph_memory: int,
     bytes_per_block: int,
     min_blocks: int,
+    mapping_slack: int = 0,
 ) -> MemoryPlan:
-    budget = int(utilization * device_total) - outside - peak_without_kv - graph_memory
+    budget = int(utilization * device_total) - outside - peak_without_kv - graph_memory - mapping_slack
     blocks = max(0, budget // bytes_per_block)
-    plan = MemoryPlan(device_total, utilization, outside, peak_without_kv, graph_memory, bytes_per_block, blocks)
+    plan = MemoryPlan(
+        device_total, utilization, outside, peak_without_kv, graph_memory, bytes_per_block, blocks, mapping_slack
+    )
     if blocks < min_blocks:
         raise ValueError(
             f"gpu_memory_utilization={utilization} leaves room for {blocks} KV blocks, but one request of "
@@ -75,16 +84,21 @@ def plan_blocks(
 
 
 def measure_and_plan(engine, utilization: float) -> MemoryPlan:
-    """Steps 1 to 3 of the module docstring on `engine` (built with the probe cache): returns the plan;
-    the engine then holds the sized cache, with its graphs captured again."""
+    """Steps 1 to 3 of the module docstring on `engine` (built with the probe cache): returns the plan; the
+    engine then holds the sized cache and its graphs (`plan.kept_graphs`: the probe's, and
+    `engine.warm_up_report` says how they were made), or none (warm it up again)."""
+    from draftgraph.runtime.growable import granularity
+    from draftgraph.runtime.warmup import reset_runtime_counters
+
     free_cuda()
-    rc = engine.config
+    rc, runner = engine.config, engine.runner
     probe_blocks = rc.num_kv_blocks
+    grows = runner.kv_grows_in_place
     torch.cuda.reset_peak_memory_stats()
     # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
-    engine.warm_up(lazy=False)
+    report = engine.warm_up(lazy=False)
     # The largest batch a step can hold, on whatever path it takes (past the capture sizes: no graph).
-    engine.runner.dummy_run(rc.max_num_batched_tokens)
+    runner.dummy_run(rc.max_num_batched_tokens)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     # What this process holds outside the allocator (its context, libraries), measured after warm-up and
@@ -93,14 +107,24 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
     if (left := wait_stopped()) > 0:
         log.warning("%d compile worker processes are still exiting: their memory counts as used", left)
     free, total = torch.cuda.mem_get_info()
-    outside = total - free - torch.cuda.memory_reserved()
-    bpb = kv_bytes_per_block(engine.runner)
+    mapped = runner.kv_mapped_bytes  # a cache that grows in place is mapped outside the allocator
+    outside = total - free - torch.cuda.memory_reserved() - mapped
+    bpb = kv_bytes_per_block(runner)
     graphs = engine.compiled.counters.graph_memory_bytes if engine.compiled is not None else 0
-    plan = plan_blocks(total, utilization, outside, peak - probe_blocks * bpb, graphs, bpb,
-                       rc.max_blocks_per_req)  # fmt: skip
-    if engine.compiled is not None:
-        engine.compiled.ctx.release()
-    engine.resize_kv_cache(plan.num_blocks)  # the probe cache goes first, then the sized one is allocated
+    kv_in_peak = 0 if grows else probe_blocks * bpb
+    slack = runner.kv_num_tensors * granularity(rc.device) if grows else 0
+    plan = plan_blocks(total, utilization, outside, peak - kv_in_peak, graphs, bpb, rc.max_blocks_per_req, slack)
+    if grows:
+        # The caches grow at the probe's addresses: its graphs stay (a count under the probe's keeps its memory).
+        engine.resize_kv_cache(plan.num_blocks)
+        plan = replace(plan, kept_graphs=True)
+        if engine.compiled is not None:
+            reset_runtime_counters(engine)  # the sizing run above is not a serving step
+        engine.warm_up_report = report
+    else:
+        if engine.compiled is not None:
+            engine.compiled.ctx.release()
+        engine.resize_kv_cache(plan.num_blocks)  # the probe cache goes first, then the sized one is allocated
     free_cuda()
     log.info(plan.describe())
     return plan

@@ -52,8 +52,16 @@ class StateCacheSpec:
 
 
 class StateCache:
-    def __init__(self, spec: StateCacheSpec, num_blocks: int, device):
+    """`reserve_blocks` > 0: the block map is a view of a map of that many blocks, so that a KV cache growing in
+    place (kv_cache.py) keeps its address too."""
+
+    def __init__(self, spec: StateCacheSpec, num_blocks: int, device, reserve_blocks: int = 0):
         self.spec, self.device = spec, torch.device(device)
+        self._rows_reserved = (
+            torch.zeros(max(reserve_blocks, num_blocks), dtype=torch.int32, device=self.device)
+            if reserve_blocks
+            else None
+        )
         s = spec
         self.conv = {
             i: torch.zeros(s.num_rows, s.conv_ring, s.conv_dim, dtype=s.dtype, device=self.device) for i in s.layers
@@ -68,7 +76,11 @@ class StateCache:
         """A new block map for a cache of `num_blocks` blocks (while no request runs)."""
         from torch._dynamo.decorators import maybe_mark_dynamic  # as kv_cache.py: the block count is dynamic
 
-        self.block_rows = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
+        if self._rows_reserved is not None:
+            self._rows_reserved.zero_()
+            self.block_rows = self._rows_reserved[:num_blocks]
+        else:
+            self.block_rows = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
         maybe_mark_dynamic(self.block_rows, 0)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,7 +117,7 @@ def attach_state_caches(runner, max_num_seqs: int, k: int) -> StateSlots | None:
         if not layers:
             continue
         cache.state = StateCache(StateCacheSpec.for_model(cfg, layers, max_num_seqs, ring), cache.spec.num_blocks,
-                                 cache.device)  # fmt: skip
+                                 cache.device, cache.reserve_blocks)  # fmt: skip
         for i in layers:
             cache.layers[i] = cache.state.layer(i)
         caches.append(cache.state)

@@ -45,6 +45,20 @@ class RunnerShape:
     block_size: int
     capture_sizes: tuple[int, ...] = ()  # compiled token counts: the metadata buffers must hold the largest
     one_graph_step: bool = False  # uniform decode batches that dispatch FULL run runtime/uniform_step.py
+    # The KV caches may grow in place up to what the device could hold (runtime/growable.py), so that the cache
+    # sized after capture (runtime/memory.py) keeps the probe's addresses and graphs; where CUDA cannot, ignored.
+    kv_grows_in_place: bool = False
+
+
+def _reserve_blocks(device: torch.device, target: KVCacheSpec, draft: KVCacheSpec | None) -> int:
+    """Blocks of both caches the whole device could hold: the address space each cache tensor reserves (0 where
+    this process cannot grow buffers in place)."""
+    from draftgraph.runtime.growable import available
+
+    if not available(device):
+        return 0
+    per_block = target.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+    return torch.cuda.get_device_properties(device).total_memory // max(per_block, 1) + 1
 
 
 @dataclass
@@ -91,13 +105,14 @@ class StepRunner:
         self.k = shape.num_speculative_tokens if drafter is not None else 0
         bs, nb = shape.block_size, shape.num_kv_blocks
         tc = target.cfg
-        self.target_cache = PagedKVCache(KVCacheSpec.for_model(tc, tc.num_layers, nb, bs), self.device)
+        target_spec = KVCacheSpec.for_model(tc, tc.num_layers, nb, bs)
+        draft_spec = KVCacheSpec.for_model(drafter.cfg, drafter.num_kv_layers, nb, bs) if drafter is not None else None
+        reserve = _reserve_blocks(self.device, target_spec, draft_spec) if shape.kv_grows_in_place else 0
+        self.target_cache = PagedKVCache(target_spec, self.device, reserve)
         self.target_meta = MetadataBuilder(max_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device)
         self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs EAGLE-3 reads
         if drafter is not None:
-            self.draft_cache = PagedKVCache(
-                KVCacheSpec.for_model(drafter.cfg, drafter.num_kv_layers, nb, bs), self.device
-            )
+            self.draft_cache = PagedKVCache(draft_spec, self.device, reserve)
             self.hidden_kind = drafter.target_hidden != "none"
             self.aux_layers = drafter.aux_layers if drafter.target_hidden == "aux" else ()
         self.forwards = Forwards(
@@ -221,8 +236,22 @@ class StepRunner:
         emitted = [toks[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)]
         return StepResult(decodes, emitted, acc[:nd], [drafts[i * k : (i + 1) * k] for i in range(nd)])
 
+    @property
+    def kv_grows_in_place(self) -> bool:
+        return self.target_cache.grows_in_place
+
+    @property
+    def kv_mapped_bytes(self) -> int:
+        """Device memory both caches map outside torch's allocator (when they grow in place)."""
+        return self.target_cache.mapped_bytes + (self.draft_cache.mapped_bytes if self.drafter is not None else 0)
+
+    @property
+    def kv_num_tensors(self) -> int:
+        return self.target_cache.num_tensors + (self.draft_cache.num_tensors if self.drafter is not None else 0)
+
     def resize_kv_cache(self, num_blocks: int) -> None:
-        """Both caches at `num_blocks` blocks, in place (the forwards hold the same layer lists)."""
+        """Both caches at `num_blocks` blocks, in place (the forwards hold the same layer lists); at the same
+        addresses when they grow in place."""
         self.shape = replace(self.shape, num_kv_blocks=num_blocks)
         self.target_cache.resize(num_blocks)
         if self.drafter is not None:

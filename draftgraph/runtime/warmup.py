@@ -76,6 +76,15 @@ def step_sampling_calls(engine) -> list[dict]:
     return calls
 
 
+def reset_runtime_counters(engine) -> None:
+    """Runtime counters start after warm-up: from here they count serving steps only."""
+    counters = engine.compiled.counters
+    counters.graph_replays.clear()
+    counters.compiled_runs.clear()
+    counters.dynamic_runs.clear()
+    engine.runner.forwards.reset()
+
+
 def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     """Compile (first call of each function) and capture; returns the report line. `lazy`: leave capture to
     the steps (None: as configured)."""
@@ -131,11 +140,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         if graph_bytes is None:  # no allocator snapshot: fall back to what the device lost
             graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
-    # Runtime counters start after warm-up: from here they count serving steps only.
-    counters.graph_replays.clear()
-    counters.compiled_runs.clear()
-    counters.dynamic_runs.clear()
-    runner.forwards.reset()
+    reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:
         graphs_line = "CUDA graphs captured lazily, each at the first step that needs it"

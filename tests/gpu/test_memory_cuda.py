@@ -1,6 +1,8 @@
 """GPU tier: the KV cache sized after measuring weights, activations and CUDA graphs
-(gpu_memory_utilization): the probe's graphs are released, the final engine re-uses the compiled code
-(no trace, no Inductor compile), and the engine stays inside its share of device memory."""
+(gpu_memory_utilization): the probe's caches grow in place under its graphs (every graph captured once), or,
+with DRAFTGRAPH_KV_VMM=0, the probe's graphs are released and captured again; either way the final engine
+re-uses the compiled code (no trace, no Inductor compile), gives NONE's tokens with blocks past the probe's
+in use, and stays inside its share of device memory."""
 
 import gc
 
@@ -16,7 +18,10 @@ from tests.test_engine import ragged
 pytestmark = pytest.mark.gpu
 
 
-def test_kv_cache_sized_after_graph_memory():
+@pytest.mark.parametrize("grow", [True, False], ids=["grown_in_place", "captured_twice"])
+def test_kv_cache_sized_after_graph_memory(grow, monkeypatch):
+    if not grow:
+        monkeypatch.setenv("DRAFTGRAPH_KV_VMM", "0")
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
     drafter = make_drafter("eagle", target)
     prompts, params, arrivals = ragged(16)
@@ -35,16 +40,23 @@ def test_kv_cache_sized_after_graph_memory():
     plan = eng.memory_plan
     print(eng.warm_up_report)
     assert plan is not None and plan.graph_memory > 0 and plan.num_blocks == eng.config.num_kv_blocks
+    assert plan.kept_graphs == grow and eng.runner.kv_grows_in_place == grow
     assert eng.runner.target_cache.spec.num_blocks == plan.num_blocks
-    budget = int(util * total) - plan.outside - plan.peak_without_kv - plan.graph_memory
+    budget = int(util * total) - plan.outside - plan.peak_without_kv - plan.graph_memory - plan.mapping_slack
     assert 0 <= budget - plan.num_blocks * plan.bytes_per_block < plan.bytes_per_block
+    assert (plan.mapping_slack > 0) == grow
     c = eng.compiled.counters
     # compiled once; the draft loop runs around the drafter step inside the one-graph step (fuse_draft_loop auto)
     assert c.traces["target"] == 1 and c.traces["drafter"] == 1 and "draft_loop" not in c.traces
-    assert c.graphs_captured > 0 and c.graph_memory_bytes > 0
+    assert c.graphs_captured > 0 and c.graph_memory_bytes > 0 and len(eng.compiled.ctx.graphs) == c.graphs_captured
+    assert c.graphs_released == (0 if grow else c.graphs_captured)  # captured once, or twice
+    probe_blocks = eng.config.max_blocks_per_req + 1
     out = eng.generate(prompts, params, arrivals)
     assert [o.token_ids for o in out] == ref
-    assert eng.stats()["fallbacks"] == 0
+    stats = eng.stats()
+    assert stats["fallbacks"] == 0 and sum(stats["dispatch"].get(k, 0) for k in stats["dispatch"] if k != "none") > 0
+    # the step wrote blocks the probe's cache did not have (blocks are handed out from 0 up)
+    assert eng.runner.target_cache.layers[0][0][probe_blocks:].abs().sum().item() > 0
     torch.cuda.synchronize()
     used = total - torch.cuda.mem_get_info()[0]
     print(f"device memory in use {used / 2**20:.0f} MiB, budget {util * total / 2**20:.0f} MiB")
