@@ -73,6 +73,7 @@ def test_graph_captured_on_the_small_tensor_reaches_the_grown_one():
     assert big[far].item() == 3.5 and out.item() == 7.0
 
 
+@pytest.mark.whole_device
 def test_memory_goes_back_when_the_last_tensor_is_gone():
     g = granularity("cuda")
     torch.cuda.synchronize()

@@ -15,7 +15,7 @@ from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 from tests.test_engine import ragged
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_device]
 
 
 @pytest.mark.parametrize("grow", [True, False], ids=["grown_in_place", "captured_twice"])
