@@ -3,7 +3,16 @@ unset gets N compile worker processes instead of the automatic count, so that th
 without the pool (scripts/gpu_next.sh). Those engines share one pool for the whole session
 (`draftgraph.shared_compile_workers`): the workers start once, not once per engine."""
 
+import os
+
 import pytest
+
+# Under pytest-xdist (scripts/gpu_tier.sh) each process compiles into caches of its own, as a one-process run
+# does: tests that count compiles must not find another process's kernels (set before anything compiles).
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        if os.environ.get(var):
+            os.environ[var] = os.path.join(os.environ[var], worker)
 
 
 def pytest_addoption(parser):
@@ -36,9 +45,25 @@ def _shared_compile_workers(request):
 def pytest_runtest_logreport(report):
     """`DRAFTGRAPH_TEST_TIMES=FILE`: each test phase over a second is appended to FILE as it ends (a run
     stopped at its time limit still tells where the time went; --durations prints only at the end)."""
-    import os
-
     path = os.environ.get("DRAFTGRAPH_TEST_TIMES")
+    if getattr(report, "node", None) is not None:  # xdist's controller, for a report its worker wrote already
+        return
     if path and report.duration >= 1.0:
         with open(path, "a") as f:
             f.write(f"{report.duration:7.1f} s  {report.when:<8} {report.outcome:<7} {report.nodeid}\n")
+
+
+@pytest.fixture
+def settled_device(_shared_compile_workers):
+    """For tests that read the device's free memory: the session's compile workers, whose CUDA contexts count
+    as memory held outside the engine, are all up (or gone) before the test reads it."""
+    import time
+
+    pool = _shared_compile_workers
+    deadline = time.monotonic() + 180
+    while pool is not None and time.monotonic() < deadline:
+        up = [w for w in pool.workers if w.ready_s is not None or not w.alive()]
+        if len(up) == pool.n or not pool.accepting and len(up) == len(pool.workers):
+            break
+        time.sleep(0.2)
+    yield

@@ -22,15 +22,16 @@ def _run(target, drafter, mode):
               for i, p in enumerate(params)]  # fmt: skip
     cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
                            device="cuda", gpu_memory_utilization=0.0, capture_sizes=(1, 4, 16, 64),
-                           full_capture_sizes=(1, 8), progress=False)  # fmt: skip
+                           full_capture_sizes=(1, 8), progress=False, block_size=32)  # fmt: skip
     eng = dg.compile_model(target, drafter, cfg)
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
 
 
 def test_kernels_compiled_ahead():
     torch.backends.cuda.matmul.allow_tf32 = False
-    # A vocabulary no other GPU test uses (97: Triton specialises ints by divisibility by 16): the token-choice
-    # kernels' variants are new to this process even after the rest of the tier ran in it
+    # A vocabulary and a block size no other GPU test uses (97: Triton specialises ints by divisibility by 16;
+    # the advance takes the block size as a constexpr): the token-choice kernels' and the advance's variants
+    # are new to this process whichever tests ran in it before
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=97), device="cuda", attn_impl="triton")
     drafter = make_drafter("eagle", target)
     toks, eng = _run(target, drafter, "FULL_AND_PIECEWISE")  # first: none of its token-choice kernels compiled yet
