@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier (tests/gpu), on the device, with empty Inductor and Triton caches, in two parts:
-#   1. the tests that read the device's free memory (-m whole_device), alone in one process;
+#   1. the tests that read the device's free memory (-m whole_device), alone in one process (no shared compile
+#      workers: they compile nothing, or in their own process);
 #   2. the rest in N pytest processes sharing the GPU (pytest-xdist, a test file at a time per process:
 #      --dist loadfile keeps a file's module fixtures in one process). N=1: one process, no xdist.
 #   N=4 W=4 DIST=loadfile bash scripts/gpu_tier.sh [more pytest args]   (the device's image has pytest-xdist)
@@ -17,7 +18,7 @@ W=${W:+--compile-workers $W}
 common=(-q -p no:cacheprovider -p no:logging --tb=short)
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$SECONDS
-python3 -m pytest "${common[@]}" -m whole_device tests/gpu "$@" 2>&1 | tee "$OUT/tier_alone.log" | tail -15
+python3 -m pytest "${common[@]}" -m whole_device --compile-workers 0 tests/gpu "$@" 2>&1 | tee "$OUT/tier_alone.log" | tail -15
 alone=$((SECONDS - t0))
 par=()
 [ "$N" -gt 1 ] && par=(-n "$N" --dist "${DIST:-loadfile}")
