@@ -7,13 +7,6 @@ import os
 
 import pytest
 
-# Under pytest-xdist (scripts/gpu_tier.sh) each process compiles into caches of its own, as a one-process run
-# does: tests that count compiles must not find another process's kernels (set before anything compiles).
-if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        if os.environ.get(var):
-            os.environ[var] = os.path.join(os.environ[var], worker)
-
 
 def pytest_addoption(parser):
     parser.addoption(
