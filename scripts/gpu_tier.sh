@@ -4,7 +4,8 @@
 #      workers: they compile nothing, or in their own process);
 #   2. the rest in N pytest processes sharing the GPU (pytest-xdist, a test file at a time per process:
 #      --dist loadfile keeps a file's module fixtures in one process). N=1: one process, no xdist.
-#   N=4 W=4 DIST=loadfile bash scripts/gpu_tier.sh [more pytest args]   (the device's image has pytest-xdist)
+#   N=1 bash scripts/gpu_tier.sh [more pytest args]; N=3 W=3 DIST=load ... (the device's image has pytest-xdist;
+#   on its 16 cores 2-4 processes took as long as one: docs/benchmarks.md, session 15)
 # W: compile workers per pytest process (tests/gpu/conftest.py --compile-workers; default: the engines' own
 # automatic count, half the cores, at most 8, in every process).
 # Each test phase over a second is appended to $OUT/test_times.txt as it ends (tests/gpu/conftest.py).
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 export DRAFTGRAPH_TEST_TIMES=$OUT/test_times.txt
-N=${N:-4}
+N=${N:-1}
 W=${W:+--compile-workers $W}
 common=(-q -p no:cacheprovider -p no:logging --tb=short)
 nvidia-smi --query-gpu=name --format=csv,noheader
