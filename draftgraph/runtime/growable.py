@@ -18,6 +18,7 @@ management, `DRAFTGRAPH_KV_VMM` is not 0); callers fall back to plain allocation
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -147,6 +148,9 @@ class _Mapping:
         _check(_libcuda().cuMemAddressReserve(ctypes.byref(self.base), capacity, 0, 0, 0), "cuMemAddressReserve")
 
     def release(self) -> None:
+        # work queued on the memory finishes before it is unmapped (CUDA may be torn down at interpreter exit)
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(self.index)
         lib = _libcuda()
         for offset, size, handle in reversed(self.chunks):
             lib.cuMemUnmap(self.base.value + offset, size)

@@ -1,5 +1,6 @@
 """GPU tier: 2,000 steps of continuous batching (arrivals, departures, chunked prefill beside decodes)
-in FULL_AND_PIECEWISE with the fused draft loop give the tokens of eager mode NONE."""
+in FULL_AND_PIECEWISE (one-graph steps for uniform batches, piece graphs for mixed ones) give the tokens of
+eager mode NONE."""
 
 import pytest
 import torch
