@@ -17,6 +17,8 @@ graphs for the later single-token steps, or compiled code).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftgraph.compiler.build import LOOP_VARIANTS
@@ -28,6 +30,27 @@ from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch, Dispatcher
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, Chooser, draft_loop
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.sampler import SamplingTensors
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What the target's verify (a mixed batch's step, runtime/step.py) hands the proposer: the batch's parts and
+    the step's device tensors, by name."""
+
+    sampled: list  # requests that emitted a token: decodes, then prompts whose last chunk ran
+    decodes: list
+    chunks: list  # prompt chunks (ScheduledChunk), last or not
+    chunk_rows: list[tuple[int, int]]  # (first row, rows) of each chunk in the flat batch
+    ids: list[int]  # the flat batch's input ids on the host (padding excluded)
+    input_ids: torch.Tensor  # [T padded]
+    positions: torch.Tensor  # [T padded]
+    meta: object  # the target's AttentionMetadata
+    hidden: torch.Tensor  # the target's last hidden states [T padded, H]
+    aux: tuple | None  # EAGLE-3's auxiliary layer outputs
+    accepted: torch.Tensor  # [decodes] accepted drafts
+    y: torch.Tensor  # [sampled] each request's new token
+    st: SamplingTensors  # sampled requests' parameters
+    d: Dispatch  # the target's dispatch
 
 
 class Proposer:
@@ -73,10 +96,11 @@ class Proposer:
 
     # ---- one proposal ------------------------------------------------------------------------------
 
-    def propose(self, sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
-                y, st: SamplingTensors, d: Dispatch) -> torch.Tensor:  # fmt: skip
-        """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step. `d` is the
+    def propose(self, v: Verified) -> torch.Tensor:
+        """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step. `v.d` is the
         target's dispatch: a hidden-state drafter's first step runs on the same rows, so the same shape."""
+        sampled, decodes, chunks, chunk_rows, ids = v.sampled, v.decodes, v.chunks, v.chunk_rows, v.ids
+        input_ids, positions, accepted, y, st, d = v.input_ids, v.positions, v.accepted, v.y, v.st, v.d
         k, dev, nd = self.k, self.device, len(decodes)
         y_dec, y_pre = y[:nd], y[nd:]
         j = torch.arange(k + 2, device=dev)[None, :]
@@ -90,8 +114,8 @@ class Proposer:
             tok = torch.tensor(shifted, dtype=torch.long).to(dev, non_blocking=True)
             drafts_pad = torch.cat([input_ids[: nd * (k + 1)].view(nd, k + 1)[:, 1:], y_dec[:, None]], dim=1)
             tok[: nd * (k + 1)] = torch.where(j[:, : k + 1] < accepted[:, None], drafts_pad, y_dec[:, None]).flatten()
-            d_meta, d_pos, d1 = meta, positions, d
-            h_in = torch.cat(aux, dim=-1) if self.aux else hidden
+            d_meta, d_pos, d1 = v.meta, positions, d
+            h_in = torch.cat(v.aux, dim=-1) if self.aux else v.hidden
         else:
             slices, host_tok = [], []
             for r in decodes:

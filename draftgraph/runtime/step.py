@@ -24,7 +24,7 @@ from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatcher
 from draftgraph.runtime.drafting import advance
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
-from draftgraph.runtime.proposer import Proposer
+from draftgraph.runtime.proposer import Proposer, Verified
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.sampler import SamplingTensors, sample
@@ -202,24 +202,9 @@ class StepRunner:
 
         parts = [dec_tokens.flatten(), accepted, pre_tokens]
         if k and (sampled or chunks):  # drafter KV for prompt chunks is written even when nothing samples
-            parts.append(
-                self.proposer.propose(
-                    sampled,
-                    decodes,
-                    chunks,
-                    chunk_rows,
-                    ids,
-                    input_ids,
-                    positions,
-                    meta,
-                    hidden,
-                    aux,
-                    accepted,
-                    y,
-                    st,
-                    d,
-                ).flatten()
-            )
+            v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
+                         y, st, d)  # fmt: skip
+            parts.append(self.proposer.propose(v).flatten())
         host = self.host.fetch(torch.cat(parts))  # the step's one device -> host copy
 
         dec_flat, host = host[: nd * (k + 1)], host[nd * (k + 1) :]
