@@ -110,8 +110,10 @@ class StepShapes:
 class CapturedGraph:
     """One CUDA graph over a flat list of inputs."""
 
-    def __init__(self, key: GraphKey, fn: Callable[[list], object], args: list, in_place: list[bool], pool):
-        self.key, self.in_place = key, in_place
+    def __init__(
+        self, key: GraphKey, fn: Callable[[list], object], args: list, in_place: list[bool], pool, static: list[bool]
+    ):
+        self.key, self.in_place, self.static = key, in_place, static
         self.inputs = [a if s or not isinstance(a, torch.Tensor) else strided_copy(a) for a, s in zip(args, in_place)]
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         self.shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
@@ -126,9 +128,7 @@ class CapturedGraph:
             if not isinstance(a, torch.Tensor):
                 continue
             where = f"{self.key} input {names[i] if names else i}"
-            # An in-place input is checked by its address below: a KV cache that grew in place (runtime/
-            # growable.py) keeps its address and holds more blocks than at capture.
-            if check and not self.in_place[i] and tuple(a.shape) != self.shapes[i]:
+            if check and tuple(a.shape) != self.shapes[i] and not self._grown(i, a):
                 raise RuntimeError(
                     f"{where} has shape {tuple(a.shape)}, captured with {self.shapes[i]}; a padded shape must "
                     "replay only its own graph"
@@ -146,6 +146,17 @@ class CapturedGraph:
             self.inputs[i].copy_(a)
         self.graph.replay()
         return self.outputs
+
+    def _grown(self, i: int, a: torch.Tensor) -> bool:
+        """Input i is a static tensor (a parameter or KV cache: CudaGraphs.static_ptrs) that grew along its first
+        dimension at the same address, as a KV cache sized after capture does (runtime/growable.py); its address
+        is checked below. Metadata views are not static: their shape must match."""
+        return (
+            self.static[i]
+            and a.data_ptr() == self.addresses[i]
+            and tuple(a.shape[1:]) == self.shapes[i][1:]
+            and a.shape[0] >= self.shapes[i][0]
+        )
 
 
 @dataclass
@@ -206,7 +217,7 @@ class CudaGraphs:
                     f"{key}: inputs {stray} are parameters the engine did not register as static "
                     "(CudaGraphs.register_static); refusing to capture copies of weights"
                 )
-            graph = self._capture(key, lambda xs: code(*xs), list(args), static)
+            graph = self._capture(key, lambda xs: code(*xs), list(args), static, static)
             self.counters.static_buffer_bytes += sum(
                 a.numel() * a.element_size() for a, s in zip(args, static) if isinstance(a, torch.Tensor) and not s
             )
@@ -223,12 +234,13 @@ class CudaGraphs:
         if graph is None and self.allow_capture:
             in_place = self.static_ptrs | self.persistent_ptrs
             static = [v is not None and v.data_ptr() in in_place for v in inputs.values()]
+            weights_and_caches = [v is not None and v.data_ptr() in self.static_ptrs for v in inputs.values()]
 
             def fn(xs):
                 with self.whole_capture():
                     return call(dict(zip(names, xs)))
 
-            graph = self._capture(key, fn, list(inputs.values()), static)
+            graph = self._capture(key, fn, list(inputs.values()), static, weights_and_caches)
         if graph is None:  # not captured (outside capture, or lazily not yet): the compiled code itself
             self.counters.compiled_runs[key.name] += 1
             return call(inputs)
@@ -253,9 +265,9 @@ class CudaGraphs:
         finally:
             self.allow_capture = saved
 
-    def _capture(self, key: GraphKey, fn, args: list, in_place: list[bool]) -> CapturedGraph:
+    def _capture(self, key: GraphKey, fn, args: list, in_place: list[bool], static: list[bool]) -> CapturedGraph:
         t0 = time.perf_counter()
-        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool())
+        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool(), static)
         self.counters.capture_seconds += time.perf_counter() - t0
         self.counters.graphs_captured += 1
         self.graphs[key] = graph
