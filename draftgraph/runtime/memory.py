@@ -120,6 +120,8 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
         plan = replace(plan, kept_graphs=True)
         if engine.compiled is not None:
             reset_runtime_counters(engine)  # the sizing run above is not a serving step
+            # capture="lazy" keeps its promise: a graph the probe did not capture is captured when first needed
+            engine.compiled.ctx.allow_capture = rc.graphs_enabled and rc.lazy_capture
         engine.warm_up_report = report
     else:
         if engine.compiled is not None:
