@@ -21,8 +21,14 @@ PACKAGES = ("draftgraph", "torch/_dynamo", "torch/_inductor", "torch/fx", "torch
 
 
 class SampleProfiler:
-    def __init__(self, interval: float = 0.01, packages: tuple[str, ...] = PACKAGES, thread_id: int | None = None):
-        self.interval, self.packages = interval, packages
+    def __init__(
+        self,
+        interval: float = 0.01,
+        packages: tuple[str, ...] = PACKAGES,
+        thread_id: int | None = None,
+        inclusive_of: tuple[str, ...] = ("draftgraph", "scripts"),
+    ):
+        self.interval, self.packages, self.inclusive_of = interval, packages, inclusive_of
         self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
         self.inclusive: collections.Counter = collections.Counter()
         self.self_time: collections.Counter = collections.Counter()
@@ -51,7 +57,7 @@ class SampleProfiler:
                     top = top or key
                     seen.add(key)
                 frame = frame.f_back
-            self.inclusive.update(k for k in seen if k.startswith(("draftgraph", "scripts")))
+            self.inclusive.update(k for k in seen if k.startswith(self.inclusive_of))
             self.self_time[top or "(outside the packages)"] += 1
 
     def __enter__(self) -> SampleProfiler:

@@ -55,23 +55,39 @@ def test_pieces_compiled_by_workers_match_and_save(tmp_path):
 
 def test_engines_built_in_a_shared_workers_block_take_one_pool():
     """pool_lifetime.shared_workers: two builds inside the block use its one pool, which stays running
-    between them and closes at the block's end; a build with other settings starts a pool of its own."""
+    between them and closes at the block's end; the second compiles nothing (every piece is the first's:
+    pool_lifetime.shared_pieces); a build with other Inductor settings in the block, or with other worker
+    settings (its own pool), compiles its own."""
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
     drafter = make_drafter("eagle", target)
     base = dict(num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
     ref = _tokens(dg.compile_model(target, drafter, dg.CompileConfig(mode="NONE", **base)))
     config = dg.CompileConfig(mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, **base)
+    tuned = dg.CompileConfig(
+        mode="PIECEWISE", capture_sizes=(4, 16), compile_workers=2, inductor_options=(("max_autotune", False),), **base
+    )
     with shared_workers(2, device="cpu") as pool:
         first = dg.compile_model(target, drafter, config)
         assert not pool.closed and pool.usable()
         second = dg.compile_model(target, drafter, config)
+        other_options = dg.compile_model(target, drafter, tuned)
         other = dg.compile_model(target, drafter, dg.CompileConfig(mode="PIECEWISE", compile_workers=1, **base))
-    assert pool.closed
-    t1, t2 = (e.stats()["compile"]["compile_pool"] for e in (first, second))
+    assert pool.closed and pool not in pool_lifetime._shared_pieces
+    c1, c2, c3, c4 = (e.stats()["compile"] for e in (first, second, other_options, other))
+    t1, t2 = c1["compile_pool"], c2["compile_pool"]
     assert t1["workers"] == t2["workers"] == 2 and 0 <= t1["taken_s"] < t2["taken_s"]  # the same pool, taken twice
-    assert t2["pieces"] == second.stats()["compile"]["inductor_compiles"] >= 1  # its own pieces counted
-    assert other.stats()["compile"]["compile_pool"]["workers"] == 1
-    assert _tokens(first) == _tokens(second) == _tokens(other) == ref
+    # the first compiles every piece with kernels once (the input-checks piece is host-only: no compile)
+    assert c1["pieces_reused"] == c1["compiles_reused"] == 0
+    assert t1["pieces"] == c1["inductor_compiles"] == c1["unique_pieces"] - _host_only(first) >= 2
+    # the second has the same unique pieces, all the first's: no compile, nothing sent to the workers
+    assert c2["unique_pieces"] == c2["pieces_reused"] == c1["unique_pieces"]
+    assert c2["inductor_compiles"] == t2["pieces"] == 0 and c2["compiles_reused"] == c1["inductor_compiles"]
+    assert "compiled by an earlier engine" in second.warm_up_report
+    # other Inductor options are another scope; other worker settings another pool: both compile their own
+    assert c3["pieces_reused"] == 0 and c3["inductor_compiles"] == c1["inductor_compiles"]
+    assert c4["pieces_reused"] == 0 and c4["compile_pool"]["workers"] == 1
+    assert c4["inductor_compiles"] == c1["inductor_compiles"]
+    assert _tokens(first) == _tokens(second) == _tokens(other_options) == _tokens(other) == ref
 
 
 def _host_only(engine) -> int:

@@ -19,7 +19,7 @@ from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.kernels_ahead import KernelsAhead, async_compile_mode
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
-from draftgraph.compiler.pool_lifetime import release
+from draftgraph.compiler.pool_lifetime import release, shared_pieces
 from draftgraph.passes.manager import PassManager
 
 LOOP_VARIANTS = ("greedy", "sample")
@@ -45,6 +45,7 @@ class CompiledModels:
             ahead, self.ahead = self.ahead, None
             self.counters.kernels_ahead = ahead.close()
         if self.pool is None:
+            self.pieces.publish()
             return
         pool, self.pool = self.pool, None
         try:
@@ -53,6 +54,7 @@ class CompiledModels:
                 self.counters.piece_compile_seconds[p.name] = p.seconds
             self.counters.compile_worker_failures += pool.failures
             self.counters.compile_pool = pool.timeline()
+            self.pieces.publish()  # loaded: the next build in a shared_workers block runs them as they are
         finally:
             release(pool)  # a shared pool (pool_lifetime.shared_workers) stays for the next build
 
@@ -79,7 +81,9 @@ def build_compiled(
     piece_graphs = rc.graphs_enabled and rc.mode in PIECEWISE_MODES
     ctx = CudaGraphs(counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, check_addresses, progress)
     passes = PassManager(dump_dir=dump_dir or None)
-    shared = PieceCache()
+    # compiled code depends on the graph (the piece key) and on these; a shared pool keeps pieces per scope
+    scope = (compile_backend, rc.inductor_options, rc.compile_sizes, str(rc.device))
+    shared = PieceCache(earlier=shared_pieces(pool, scope))
     ahead = kernels_ahead(rc)
 
     def backend(name):

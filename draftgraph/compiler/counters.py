@@ -14,6 +14,10 @@ class CompileCounters:
     pieces: int = 0  # compute pieces produced by splitting (attention pieces not counted)
     unique_pieces: int = 0  # compute pieces after deduplicating identical layers
     inductor_compiles: int = 0  # Inductor compiles (per unique piece, per size, plus dynamic versions)
+    # unique pieces whose compiled code an earlier engine of this process compiled (a shared_compile_workers
+    # block: pool_lifetime.shared_pieces), and the Inductor compiles that saved
+    pieces_reused: int = 0
+    compiles_reused: int = 0
     graphs_captured: int = 0
     graphs_released: int = 0  # graphs dropped to be captured again (a KV cache sized by reallocation: memory.py)
     graph_replays: Counter = field(default_factory=Counter)  # key "fn/size" -> replays of its piece graphs
@@ -40,6 +44,8 @@ class CompileCounters:
             "pieces": self.pieces,
             "unique_pieces": self.unique_pieces,
             "inductor_compiles": self.inductor_compiles,
+            "pieces_reused": self.pieces_reused,
+            "compiles_reused": self.compiles_reused,
             "graphs_captured": self.graphs_captured,
             "graphs_released": self.graphs_released,
             "graph_replays": dict(self.graph_replays),

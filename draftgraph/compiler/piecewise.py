@@ -5,7 +5,9 @@ backend runs the pass manager (which ends by splitting at the attention op) and 
 compute piece once with Inductor, the token count left symbolic; CUDA graphs for every capture size are
 captured from that one compiled code (compiler/piece_runner.py). Pieces are unique across every function
 of an engine (`PieceCache`): a draft model truncated from its target, or the fused draft loop, reuses the
-target's or the drafter's compiled layers. Per-size compiles happen only for the sizes a user lists
+target's or the drafter's compiled layers. Within a `shared_compile_workers` block, pieces are also unique
+across the engines built in it (`PieceCache.earlier`, compiler/pool_lifetime.py): a later engine runs the code
+an earlier one compiled. Per-size compiles happen only for the sizes a user lists
 (`CompileConfig.compile_sizes`). Attention pieces stay as they are and run eagerly.
 """
 
@@ -49,10 +51,55 @@ class CompiledPiece:
 
 @dataclass
 class PieceCache:
-    """Compiled pieces by structural key, shared by every function (backend) of one engine."""
+    """Compiled pieces by structural key, shared by every function (backend) of one engine; and, where
+    `earlier` is given (pool_lifetime.shared_pieces), with the engines built before it in one process."""
 
     compiled: dict[str, CompiledPiece] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)  # key -> the function that compiled it
+    # pieces earlier engines compiled, by cross-engine key (`engine_key`): read here, added to by `publish`
+    earlier: dict | None = None
+    cross_keys: dict[str, str] = field(default_factory=dict)  # structural key -> cross-engine key
+    reused: set = field(default_factory=set)  # structural keys whose code came from `earlier`
+
+    def take_earlier(self, piece: Piece, cross_key: str) -> CompiledPiece | None:
+        """An earlier engine's compiled code for `piece`, now this engine's too; None when there is none."""
+        self.cross_keys[piece.key] = cross_key
+        found = self.earlier.get(cross_key) if self.earlier is not None else None
+        if found is not None:
+            self.compiled[piece.key] = found
+            self.reused.add(piece.key)
+        return found
+
+    def publish(self) -> None:
+        """Offer this engine's compiled pieces to the engines built after it (their compiles are loaded)."""
+        if self.earlier is None:
+            return
+        for key, cp in self.compiled.items():
+            if key in self.cross_keys:
+                self.earlier.setdefault(self.cross_keys[key], cp)
+
+
+def engine_key(piece: Piece) -> str:
+    """What compiled code depends on beyond a piece's structural key: the value ranges of its symbols
+    (Inductor picks 32-bit indexing, and drops checks, from what a size can be), in order of first appearance.
+    Equal in another engine's trace, the same compiled code serves both."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    env = ctx.fake_mode.shape_env if ctx is not None and ctx.fake_mode is not None else None
+    seen: list = []
+    for node in piece.graph.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        ev = node.meta.get("example_value")
+        dims = [ev] if isinstance(ev, torch.SymInt) else []
+        if isinstance(ev, torch.Tensor):
+            dims = list(ev.shape) + (list(ev.stride()) if ev.layout == torch.strided else [])
+        for d in dims:
+            if isinstance(d, torch.SymInt):
+                seen += [s for s in sorted(d.node.expr.free_symbols, key=str) if s not in seen]
+    ranges = [str(env.var_to_range.get(s)) if env is not None else "?" for s in seen]
+    return piece.key + "|" + ";".join(ranges)
 
 
 class PiecewiseBackend:
@@ -100,7 +147,9 @@ class PiecewiseBackend:
         self.traces.append((gm, split))
         token = token_symbol(gm)
         pieces = split.compute_pieces
-        todo = list({p.key: p for p in pieces if p.key not in self.shared.compiled}.values())
+        new = list({p.key: p for p in pieces if p.key not in self.shared.compiled}.values())
+        todo = [p for p in new if self.shared.take_earlier(p, engine_key(p)) is None]
+        reused = len(new) - len(todo)
         per_piece = len(self.compile_sizes) + 1 if self.compile_backend == "inductor" else 0
         bar = tqdm(
             total=len(todo) * per_piece,
@@ -130,12 +179,20 @@ class PiecewiseBackend:
             }
         )
         counters.pieces += len(pieces)
-        counters.unique_pieces += len(todo)
+        counters.unique_pieces += len(new)
+        counters.pieces_reused += reused
+        counters.compiles_reused += sum(
+            self._compiles_of(self.shared.compiled[p.key]) for p in new if p.key in self.shared.reused
+        )
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
         if queued is not None:  # our kernels' compiles are queued before the traced code first launches them
             queued.wait(timeout=60.0)
         return _recorded(self, len(self.records) - 1, split.module)
+
+    def _compiles_of(self, cp: CompiledPiece) -> int:
+        """The Inductor compiles a piece's code took (what reusing it saves)."""
+        return 0 if self.compile_backend == "eager" or cp.host_only else len(cp.per_size) + 1
 
     def _compile(self, piece: Piece, token, bar, name: str) -> CompiledPiece:
         gm = piece.graph

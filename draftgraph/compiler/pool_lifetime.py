@@ -4,7 +4,8 @@ By default an engine build starts its own pool when the build begins and closes 
 ends (before KV-cache sizing measures the device: a worker holds a CUDA context). Two ways start one earlier:
 `prestart` (the `draftgraph` command, before it imports torch: the next build takes it when its settings
 match) and `shared_workers` (a block within which every matching build takes one running pool and leaves it
-running: a process that builds several engines pays the workers' start once).
+running: a process that builds several engines pays the workers' start once, and compiles each piece once:
+`shared_pieces`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def discard_prestarted() -> None:
 
 
 _shared: list[CompilePool] = []  # the pools of open `shared_workers` blocks, innermost last
+# per shared pool: compiled pieces of the builds that took it, by scope (compile settings) and piece key
+_shared_pieces: dict[CompilePool, dict] = {}
 
 
 @contextlib.contextmanager
@@ -66,7 +69,8 @@ def shared_workers(workers: int | None = None, device: str = "cuda"):
     """Within this block, every engine build that compiles with `workers` workers on `device` (the automatic
     count when None, as CompileConfig.compile_workers=None gives) takes one pool, started on entry, and leaves
     it running for the next build: a process that builds several engines (a sweep, a test suite) pays the
-    workers' start (seconds: torch, Inductor, CUDA) once, and their Inductor caches stay warm. Builds with
+    workers' start (seconds: torch, Inductor, CUDA) once, and a piece one build compiled is not compiled (nor
+    waited for) again by the next (`shared_pieces`). Builds with
     other settings start pools of their own, as outside the block. Yields the pool (None when no worker is
     wanted: 0 workers, or the automatic count on the CPU). While it runs, each worker holds a CUDA context
     (about 0.5 GiB), which KV-cache sizing from free memory then leaves aside."""
@@ -79,11 +83,23 @@ def shared_workers(workers: int | None = None, device: str = "cuda"):
         return
     pool = CompilePool(n, str(dev), progress=True)
     _shared.append(pool)
+    _shared_pieces[pool] = {}
     try:
         yield pool
     finally:
         _shared.remove(pool)
+        _shared_pieces.pop(pool, None)
         pool.close()
+
+
+def shared_pieces(pool: CompilePool | None, scope: tuple) -> dict | None:
+    """The compiled pieces that earlier builds taking `pool` published under `scope` (the settings compiled
+    code depends on beyond the graph: backend, Inductor options, compile sizes, device), by piece key (the
+    structural key and the ranges of its symbols: piecewise.py); a build adds its own once its compiles are
+    loaded (build.CompiledModels.finish_compiles). None when `pool` is not a `shared_workers` pool: outside
+    such a block every build compiles its own pieces (Inductor's cache on disk still applies)."""
+    store = _shared_pieces.get(pool) if pool is not None else None
+    return None if store is None else store.setdefault(scope, {})
 
 
 def release(pool: CompilePool) -> None:

@@ -165,8 +165,9 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
             f" ({compile_s - phases['compile_workers_wait']:.1f} s tracing and first runs, then "
             f"{phases['compile_workers_wait']:.1f} s waiting for {counters.compile_workers} compile workers)"
         )
+    reused = f", {counters.pieces_reused} compiled by an earlier engine" if counters.pieces_reused else ""
     line = (
-        f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique, {compiles} Inductor compiles, "
+        f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique{reused}, {compiles} Inductor compiles, "
         f"token count symbolic{kernels}) in {compile_s:.1f} s{waited}; {graphs_line}"
     )
     log.info(line)

@@ -35,6 +35,12 @@ def _shared_compile_workers(request):
         yield pool
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that read the device's free memory (`whole_device`) run last, when the session's compile workers
+    are long up and idle (`settled_device` still waits for them)."""
+    items.sort(key=lambda item: item.get_closest_marker("whole_device") is not None)  # stable: order kept
+
+
 def pytest_runtest_logreport(report):
     """`DRAFTGRAPH_TEST_TIMES=FILE`: each test phase over a second is appended to FILE as it ends (a run
     stopped at its time limit still tells where the time went; --durations prints only at the end)."""
@@ -60,3 +66,19 @@ def settled_device(_shared_compile_workers):
             break
         time.sleep(0.2)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sample_profile():
+    """`DRAFTGRAPH_SAMPLE_PROFILE=FILE`: a wall-clock sampling profile of the whole session's main thread
+    (scripts/sample_profile.py; where the tier's time goes, by draftgraph and test function), written to FILE."""
+    path = os.environ.get("DRAFTGRAPH_SAMPLE_PROFILE")
+    if not path:
+        yield
+        return
+    from scripts.sample_profile import PACKAGES, SampleProfiler
+
+    with SampleProfiler(packages=PACKAGES + ("tests/",), inclusive_of=("draftgraph", "tests/")) as prof:
+        yield
+    with open(path, "w") as f:
+        f.write(prof.report(top=120, min_share=0.002))

@@ -50,9 +50,10 @@ def test_graph_replay_equals_eager(target):
     counters = eng.compiled.counters
     # one trace; a 3-layer model gives 4 compute pieces with kernels (layers 1 and 2 between attentions are
     # the same: 3 unique) and the input-checks piece (host only, no graph): 3 Inductor compiles, 4 graphs at
-    # each of the sizes, all captured from the one symbolic compile
+    # each of the sizes, all captured from the one symbolic compile (compiles an earlier engine of the session
+    # made for the same pieces are not made again: pool_lifetime.shared_pieces)
     assert counters.traces["target"] == 1 and counters.pieces == 5 and counters.unique_pieces == 4
-    assert counters.inductor_compiles == 3
+    assert counters.inductor_compiles + counters.compiles_reused == 3
     assert counters.graphs_captured == 4 * len(SIZES)
     for t in range(1, 41):
         ids = torch.randint(0, 96, (t,), device="cuda")
