@@ -32,7 +32,7 @@ CONV_BLOCK_T, CONV_BLOCK_C = 16, 128
 COUNT_BLOCK = 16  # tokens read at a time when counting a run's valid tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "B"])  # tokens and requests: one compiled variant for every batch
 def _conv_kernel(
     x_ptr, w_ptr, ring_ptr, out_ptr, rows_ptr, qsl_ptr, req_ptr, kvlen_ptr,
     T, C, B, stride_x, stride_ring_r, stride_ring_p, stride_out,

@@ -18,7 +18,7 @@ from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.launch import launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # pairs = tokens x k: one compiled variant for every batch
 def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
