@@ -68,8 +68,8 @@ class _Launches:
             importlib.import_module(info.name)
         importlib.import_module("draftgraph.runtime.sampling_triton")
         for module in list(sys.modules.values()):
-            name = getattr(module, "__name__", "")
-            if name.startswith("draftgraph.") and module is not launch_module and getattr(module, "launch", None) is original:
+            ours = getattr(module, "__name__", "").startswith("draftgraph.") and module is not launch_module
+            if ours and getattr(module, "launch", None) is original:
                 monkeypatch.setattr(module, "launch", recording)
 
     def step(self) -> None:
@@ -92,9 +92,12 @@ class _Launches:
                     continue
                 if arg in const:
                     problems.add(f"{name}: constexpr {arg} takes {sorted({repr(v) for v in values})}")
-                elif all(type(v) is int for v in values) and len({(v == 1, v % 16 == 0) for v in values}) > 1:
-                    if arg not in not_specialised:
-                        problems.add(f"{name}: int {arg} takes {sorted(set(values))}: do_not_specialize it")
+                elif (
+                    all(type(v) is int for v in values)
+                    and len({(v == 1, v % 16 == 0) for v in values}) > 1
+                    and arg not in not_specialised
+                ):
+                    problems.add(f"{name}: int {arg} takes {sorted(set(values))}: do_not_specialize it")
         assert not problems, "a compiled variant per batch size class:\n" + "\n".join(sorted(problems))
 
 
@@ -122,7 +125,8 @@ def test_deepseek_v3_kernels(monkeypatch, form):
     set_mla_form(model, form)
     rec = _Launches(monkeypatch)
     _run_steps(model, _steps(), rec)
-    rec.check({"_grouped_gemm_kernel", "_write_rows_kernel"} | ({"_latent_kernel"} if form == "absorbed" else {"_mla_decompressed_kernel"}))
+    attention = {"_latent_kernel"} if form == "absorbed" else {"_mla_decompressed_kernel"}
+    rec.check({"_grouped_gemm_kernel", "_write_rows_kernel"} | attention)
 
 
 def test_deepseek_v32_kernels(monkeypatch):
@@ -145,7 +149,7 @@ def test_gated_delta_net_kernels(monkeypatch):
     """Qwen3.5's op on its own (its state rings are not the paged cache): decodes of 1, 16 and 3 requests,
     then 2 verify runs of 4 tokens."""
     from draftgraph.ops.linear_attention.triton_gdn import gated_delta_net_triton
-    from tests.test_linear_attention_triton import C, DK, DV, HV, RING, W, batch
+    from tests.test_linear_attention_triton import DK, DV, HV, RING, C, W, batch
 
     rows_total = 18
     g = torch.Generator().manual_seed(0)
