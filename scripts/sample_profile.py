@@ -32,6 +32,9 @@ class SampleProfiler:
         self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
         self.inclusive: collections.Counter = collections.Counter()
         self.self_time: collections.Counter = collections.Counter()
+        # samples inside Triton's compiler, by the innermost of our functions on the stack: who compiles kernels
+        self.waits_in = ("triton/backends", "triton/compiler")
+        self.waits_by_caller: collections.Counter = collections.Counter()
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -50,15 +53,19 @@ class SampleProfiler:
             if frame is None:
                 continue
             self.samples += 1
-            seen, top = set(), None
+            seen, top, ours = set(), None, None
             while frame is not None:
                 key = self._key(frame.f_code)
                 if key is not None:
                     top = top or key
+                    if ours is None and key.startswith(self.inclusive_of):
+                        ours = key
                     seen.add(key)
                 frame = frame.f_back
             self.inclusive.update(k for k in seen if k.startswith(self.inclusive_of))
             self.self_time[top or "(outside the packages)"] += 1
+            if top is not None and top.startswith(self.waits_in):
+                self.waits_by_caller[ours or "(no caller of ours)"] += 1
 
     def __enter__(self) -> SampleProfiler:
         self._t0 = time.perf_counter()
@@ -73,7 +80,11 @@ class SampleProfiler:
     def report(self, top: int = 45, min_share: float = 0.01) -> str:
         n = max(1, self.samples)
         lines = [f"sampled {self.samples} stacks over {self.seconds:.1f} s (every {self.interval * 1e3:.0f} ms)"]
-        views = (("draftgraph, inclusive", self.inclusive), ("innermost frame of the packages", self.self_time))
+        views = (
+            ("draftgraph, inclusive", self.inclusive),
+            ("innermost frame of the packages", self.self_time),
+            ("Triton compiling, by the innermost of our functions above it", self.waits_by_caller),
+        )
         for title, counter in views:
             lines.append(f"-- {title}: seconds, share, function")
             for key, c in counter.most_common(top):

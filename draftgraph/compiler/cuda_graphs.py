@@ -108,20 +108,34 @@ class StepShapes:
 
 
 class CapturedGraph:
-    """One CUDA graph over a flat list of inputs."""
+    """One CUDA graph over a flat list of inputs, captured on `stream` (a side stream, as capture requires)."""
 
     def __init__(
-        self, key: GraphKey, fn: Callable[[list], object], args: list, in_place: list[bool], pool, static: list[bool]
+        self,
+        key: GraphKey,
+        fn: Callable[[list], object],
+        args: list,
+        in_place: list[bool],
+        pool,
+        static: list[bool],
+        stream: torch.cuda.Stream,
     ):
         self.key, self.in_place, self.static = key, in_place, static
         self.inputs = [a if s or not isinstance(a, torch.Tensor) else strided_copy(a) for a, s in zip(args, in_place)]
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         self.shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
         fn(self.inputs)  # warm-up outside capture: autotuning and lazy initialisation happen here
+        # What `with torch.cuda.graph(...)` does, less its torch.cuda.empty_cache() at every capture: hundreds of
+        # captures in a row would each hand the allocator's cached blocks back to the driver, and the next
+        # warm-up would allocate them again (vLLM captures with empty_cache disabled for the same reason).
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(self.inputs)
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(pool=pool)
+            try:
+                self.outputs = fn(self.inputs)
+            finally:
+                self.graph.capture_end()
 
     def replay(self, args: list, check: bool, names=None):
         for i, a in enumerate(args):
@@ -180,6 +194,7 @@ class CudaGraphs:
     persistent_ptrs: set = field(default_factory=set)
     _in_whole_capture: int = 0
     _pieces: int = 0
+    _stream: object = None  # the side stream graphs are captured on (made at the first capture)
 
     def new_piece_id(self) -> int:
         """An id for one piece runner (the piece part of its graphs' keys)."""
@@ -267,7 +282,9 @@ class CudaGraphs:
 
     def _capture(self, key: GraphKey, fn, args: list, in_place: list[bool], static: list[bool]) -> CapturedGraph:
         t0 = time.perf_counter()
-        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool(), static)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool(), static, self._stream)
         self.counters.capture_seconds += time.perf_counter() - t0
         self.counters.graphs_captured += 1
         self.graphs[key] = graph
