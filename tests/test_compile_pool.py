@@ -162,3 +162,28 @@ def test_settings():
     assert auto_workers("cpu") == 0 and 1 <= auto_workers("cuda") <= 8
     with pytest.raises(ValueError, match="compile_workers=-1 must lie in 0..64"):
         dg.CompileConfig(compile_workers=-1)
+
+
+def test_pieces_differing_only_in_a_constant_do_not_share_code():
+    """The cross-engine key (piecewise.engine_key) holds the values of a piece's get_attr constants, which the
+    structural key names only: compiled code bakes them in."""
+    from torch import fx
+
+    from draftgraph.compiler.piecewise import engine_key
+    from draftgraph.passes.split_attention import Piece, structural_key
+
+    class Scale(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.register_buffer("c", torch.tensor([value, 2.0], dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return x * self.c
+
+    def piece(value):
+        gm = fx.symbolic_trace(Scale(value))
+        return Piece(0, "submod_0", False, gm, structural_key(gm))
+
+    one, three, one_again = piece(1.0), piece(3.0), piece(1.0)
+    assert one.key == three.key  # the structure alone cannot tell them apart
+    assert engine_key(one) != engine_key(three) and engine_key(one) == engine_key(one_again)

@@ -13,6 +13,7 @@ an earlier one compiled. Per-size compiles happen only for the sizes a user list
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -99,7 +100,26 @@ def engine_key(piece: Piece) -> str:
             if isinstance(d, torch.SymInt):
                 seen += [s for s in sorted(d.node.expr.free_symbols, key=str) if s not in seen]
     ranges = [str(env.var_to_range.get(s)) if env is not None else "?" for s in seen]
-    return piece.key + "|" + ";".join(ranges)
+    return piece.key + "|" + ";".join(ranges) + "|" + _constants_hash(piece.graph)
+
+
+def _constants_hash(gm: fx.GraphModule) -> str:
+    """The values of the tensors a piece reads as constants (get_attr): the structural key names them only,
+    and compiled code bakes them in; two models' pieces alike but for such a value must not share code."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous().reshape(-1)  # 1-D: viewable as bytes at any rank
+            h.update(f"{node.target}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(f"{node.target}:{value!r}".encode())
+    return h.hexdigest()[:16]
 
 
 class PiecewiseBackend:
