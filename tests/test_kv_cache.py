@@ -1,5 +1,6 @@
 """Block allocator, block tables and the metadata builder (addresses stable, padding harmless)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,30 @@ def test_allocator_and_block_table():
         b.ensure_capacity(16)
     a.release()
     assert alloc.num_free == 5
+
+
+def test_block_table_ids_are_a_read_only_array_across_growth():
+    """The ids live in a numpy array (grown by doubling): kept in order across growth, read-only to callers,
+    returned whole by release; a build from them equals a build from the same ids as a list."""
+    alloc = BlockAllocator(40)
+    other, t = BlockTable(alloc, 4), BlockTable(alloc, 4)
+    other.ensure_capacity(8)  # blocks 0, 1: the table's ids do not start at 0
+    for n in (1, 5, 17, 70, 130):  # 1, 2, 5, 18 and 33 blocks: across the 16- and 32-entry growth points
+        t.ensure_capacity(n)
+        assert t.blocks.dtype == np.int64 and t.blocks.tolist() == list(range(2, 2 + -(-n // 4)))
+    with pytest.raises(ValueError, match="read-only"):
+        t.blocks[0] = 7
+    builders = [MetadataBuilder(max_tokens=8, max_reqs=2, max_blocks_per_req=40, block_size=4, device="cpu")
+                for _ in range(2)]  # fmt: skip
+    metas = [
+        b.build([RequestSlice(ids, 126, 4), RequestSlice(other.blocks, 3, 1)], num_tokens_padded=8)[0]
+        for b, ids in zip(builders, (t.blocks, t.blocks.tolist()))
+    ]
+    assert all(torch.equal(getattr(metas[0], f), getattr(metas[1], f)) for f in ("slot_mapping", "block_tables"))
+    # positions 126..129: table entries 31 and 32, blocks 33 and 34
+    assert metas[0].slot_mapping[:4].tolist() == [33 * 4 + 2, 33 * 4 + 3, 34 * 4, 34 * 4 + 1]
+    t.release()
+    assert len(t.blocks) == 0 and alloc.num_free == 38
 
 
 def test_spec_rejects_bad_block_size():

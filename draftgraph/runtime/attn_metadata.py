@@ -45,6 +45,16 @@ class MetadataBuilder:
         self._h_tables, self.block_tables = pair((max_reqs, max_blocks_per_req), torch.int32)
         self._h_seq, self.seq_lens = pair((max_reqs,), torch.int32)
         self._h_qsl, self.query_start_loc = pair((max_reqs + 1,), torch.int32)
+        # numpy views of the pinned mirrors, made once (each build writes through them)
+        self._np = {
+            "slot": self._h_slot.numpy(),
+            "req": self._h_req.numpy(),
+            "kvlen": self._h_kvlen.numpy(),
+            "pos": self._h_pos.numpy(),
+            "seq": self._h_seq.numpy(),
+            "qsl": self._h_qsl.numpy(),
+            "tables": self._h_tables.numpy(),
+        }
 
     def build(
         self,
@@ -64,26 +74,21 @@ class MetadataBuilder:
         np.cumsum(qlens, out=starts[1:])
         req_of_token = np.repeat(np.arange(len(reqs)), qlens)
         positions = cached[req_of_token] + (np.arange(num_tokens) - starts[req_of_token])
-        tables = np.zeros((b_pad, self.max_blocks_per_req), dtype=np.int64)
+        # Rows go straight into the pinned mirror; a BlockTable's ids are a numpy array: one copy per row.
+        h = self._np
+        tables = h["tables"][:b_pad]
+        tables.fill(0)
         for i, r in enumerate(reqs):
             tables[i, : len(r.block_table)] = r.block_table
-        slots = tables[req_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        block_of_token = tables[req_of_token, positions // self.block_size].astype(np.int64)
+        slots = block_of_token * self.block_size + positions % self.block_size
 
-        h = {
-            "slot": self._h_slot.numpy(),
-            "req": self._h_req.numpy(),
-            "kvlen": self._h_kvlen.numpy(),
-            "pos": self._h_pos.numpy(),
-            "seq": self._h_seq.numpy(),
-            "qsl": self._h_qsl.numpy(),
-        }
         h["slot"][:num_tokens], h["slot"][num_tokens:t_pad] = slots, -1  # padding rows write nothing
         h["req"][:num_tokens], h["req"][num_tokens:t_pad] = req_of_token, 0
         h["kvlen"][:num_tokens], h["kvlen"][num_tokens:t_pad] = positions + 1, 0  # padding sees nothing
         h["pos"][:num_tokens], h["pos"][num_tokens:t_pad] = positions, 0
         h["seq"][: len(reqs)], h["seq"][len(reqs) : b_pad] = cached + qlens, 0
         h["qsl"][: len(reqs) + 1], h["qsl"][len(reqs) + 1 : b_pad + 1] = starts, num_tokens
-        self._h_tables.numpy()[:b_pad] = tables
 
         for host, dev, n in (
             (self._h_slot, self.slot_mapping, t_pad),

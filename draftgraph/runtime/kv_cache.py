@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 
@@ -149,22 +150,40 @@ class BlockAllocator:
 
 
 class BlockTable:
-    """The blocks one request owns, grown on demand; shrinking is by length only (no copies)."""
+    """The blocks one request owns, grown on demand; shrinking is by length only (no copies). The ids are kept
+    in a numpy array (`blocks`: a read-only view), so that every step's metadata build copies a request's row in
+    one call (runtime/attn_metadata.py) instead of converting a list id by id: at long contexts that conversion
+    was most of the build's host time."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator = allocator
         self.block_size = block_size
-        self.blocks: list[int] = []
+        self._ids = np.empty(0, dtype=np.int64)
+        self._n = 0
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The ids of the blocks, in position order (a read-only view: grow with `ensure_capacity`)."""
+        view = self._ids[: self._n]
+        view.flags.writeable = False
+        return view
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks to allocate before the table holds `num_tokens` positions."""
-        return max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+        return max(0, -(-num_tokens // self.block_size) - self._n)
 
     def ensure_capacity(self, num_tokens: int) -> None:
         needed = self.blocks_needed(num_tokens)
-        if needed:
-            self.blocks.extend(self.allocator.allocate(needed))
+        if not needed:
+            return
+        new = self.allocator.allocate(needed)
+        if self._n + needed > len(self._ids):  # doubling: a request's table is copied O(log n) times
+            grown = np.empty(max(16, 2 * len(self._ids), self._n + needed), dtype=np.int64)
+            grown[: self._n] = self._ids[: self._n]
+            self._ids = grown
+        self._ids[self._n : self._n + needed] = new
+        self._n += needed
 
     def release(self) -> None:
-        self.allocator.free(self.blocks)
-        self.blocks = []
+        self.allocator.free(self.blocks.tolist())
+        self._n = 0
