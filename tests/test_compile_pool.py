@@ -187,3 +187,32 @@ def test_pieces_differing_only_in_a_constant_do_not_share_code():
     one, three, one_again = piece(1.0), piece(3.0), piece(1.0)
     assert one.key == three.key  # the structure alone cannot tell them apart
     assert engine_key(one) != engine_key(three) and engine_key(one) == engine_key(one_again)
+
+
+def test_pieces_whose_sizes_range_differently_do_not_share_code():
+    """The cross-engine key holds the value ranges of a piece's symbols (Inductor's code depends on them:
+    32-bit indexing, dropped checks); the structural key renames symbols and cannot see them."""
+    from torch import fx
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from draftgraph.compiler.piecewise import engine_key
+    from draftgraph.passes.split_attention import Piece, structural_key
+
+    def keys(upper: int) -> tuple[str, str]:
+        env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=env)
+        with env.ignore_fresh_unbacked_symbols():
+            u = env.create_unbacked_symint()
+        env.constrain_symbol_range(u.node.expr, compiler_min=0, compiler_max=upper)
+        gm = fx.symbolic_trace(lambda x: x * 2)
+        with mode:
+            next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"] = torch.empty(u, 4)
+        piece = Piece(0, "submod_0", False, gm, structural_key(gm))
+        with tracing(TracingContext(mode)):
+            return piece.key, engine_key(piece)
+
+    (k_small, e_small), (k_large, e_large), (_, e_again) = keys(4096), keys(2**31), keys(4096)
+    assert k_small == k_large and e_small != e_large and e_small == e_again
+    assert "[0, 4096]" in e_small
