@@ -35,8 +35,8 @@ ALLOWED = {
     ("_recurrent_kernel", "NV"): "head_v_dim / BV: three values with BV",
     ("_recurrent_kernel", "CH"): "conv channels per program: three values with NV",
     ("_recurrent_kernel", "CH_PAD"): "CH's power of two: three values with CH",
+    # split-KV's and the MLA latent kernel's merges (on CUDA, where the rule splits by SM count)
     ("_merge_kernel", "S_PAD"): "the split count's power of two (the rule gives powers of two up to 64)",
-    ("_merge_splits_kernel", "S_PAD"): "the split count's power of two (the rule gives powers of two up to 64)",
 }
 
 # batch shapes: (request, new tokens) per step, after a prefill of every request; token counts 1, 16, 3, 8
