@@ -113,7 +113,7 @@ def _run_steps(model, steps, rec):
             assert torch.isfinite(hidden).all()
 
 
-def _steps(prompt: int = 6):
+def _steps(prompt: int = 2):
     return [[(r, prompt) for r in range(16)], *DECODES]
 
 
