@@ -44,8 +44,7 @@ class CompiledModels:
         if self.ahead is not None:
             ahead, self.ahead = self.ahead, None
             self.counters.kernels_ahead = ahead.close()
-        if self.pool is None:
-            self.pieces.publish()
+        if self.pool is None:  # no pool, so no shared one: nothing to publish
             return
         pool, self.pool = self.pool, None
         try:

@@ -60,15 +60,16 @@ class PieceCache:
     # pieces earlier engines compiled, by cross-engine key (`engine_key`): read here, added to by `publish`
     earlier: dict | None = None
     cross_keys: dict[str, str] = field(default_factory=dict)  # structural key -> cross-engine key
-    reused: set = field(default_factory=set)  # structural keys whose code came from `earlier`
 
-    def take_earlier(self, piece: Piece, cross_key: str) -> CompiledPiece | None:
-        """An earlier engine's compiled code for `piece`, now this engine's too; None when there is none."""
-        self.cross_keys[piece.key] = cross_key
-        found = self.earlier.get(cross_key) if self.earlier is not None else None
+    def take_earlier(self, piece: Piece) -> CompiledPiece | None:
+        """An earlier engine's compiled code for `piece`, now this engine's too; None when there is none (or no
+        earlier engines to look at: the cross-engine key is then not computed)."""
+        if self.earlier is None:
+            return None
+        cross_key = self.cross_keys[piece.key] = engine_key(piece)
+        found = self.earlier.get(cross_key)
         if found is not None:
             self.compiled[piece.key] = found
-            self.reused.add(piece.key)
         return found
 
     def publish(self) -> None:
@@ -168,8 +169,9 @@ class PiecewiseBackend:
         token = token_symbol(gm)
         pieces = split.compute_pieces
         new = list({p.key: p for p in pieces if p.key not in self.shared.compiled}.values())
-        todo = [p for p in new if self.shared.take_earlier(p, engine_key(p)) is None]
-        reused = len(new) - len(todo)
+        todo, taken = [], []  # to compile here; compiled by an earlier engine
+        for p in new:
+            (todo if self.shared.take_earlier(p) is None else taken).append(p)
         per_piece = len(self.compile_sizes) + 1 if self.compile_backend == "inductor" else 0
         bar = tqdm(
             total=len(todo) * per_piece,
@@ -200,10 +202,8 @@ class PiecewiseBackend:
         )
         counters.pieces += len(pieces)
         counters.unique_pieces += len(new)
-        counters.pieces_reused += reused
-        counters.compiles_reused += sum(
-            self._compiles_of(self.shared.compiled[p.key]) for p in new if p.key in self.shared.reused
-        )
+        counters.pieces_reused += len(taken)
+        counters.compiles_reused += sum(self._compiles_of(self.shared.compiled[p.key]) for p in taken)
         counters.compile_seconds += time.perf_counter() - t0
         split.module.recompile()
         if queued is not None:  # our kernels' compiles are queued before the traced code first launches them

@@ -94,10 +94,11 @@ def shared_workers(workers: int | None = None, device: str = "cuda"):
 
 def shared_pieces(pool: CompilePool | None, scope: tuple) -> dict | None:
     """The compiled pieces that earlier builds taking `pool` published under `scope` (the settings compiled
-    code depends on beyond the graph: backend, Inductor options, compile sizes, device), by piece key (the
-    structural key and the ranges of its symbols: piecewise.py); a build adds its own once its compiles are
-    loaded (build.CompiledModels.finish_compiles). None when `pool` is not a `shared_workers` pool: outside
-    such a block every build compiles its own pieces (Inductor's cache on disk still applies)."""
+    code depends on beyond the graph: backend, Inductor options, compile sizes, device), by piece key
+    (piecewise.engine_key: the structural key, the ranges of its symbols, its constants); a build adds its own
+    once its compiles are loaded (build.CompiledModels.finish_compiles). None when `pool` is not a
+    `shared_workers` pool: outside such a block every build compiles its own pieces (Inductor's cache on disk
+    still applies)."""
     store = _shared_pieces.get(pool) if pool is not None else None
     return None if store is None else store.setdefault(scope, {})
 
