@@ -20,6 +20,25 @@ import time
 PACKAGES = ("draftgraph", "torch/_dynamo", "torch/_inductor", "torch/fx", "torch/_subclasses", "triton", "scripts")
 
 
+# What a sample was doing, by frames on its stack (first match wins): where a test's time goes.
+CATEGORIES = {
+    "triton": lambda top, seen: top.startswith(("triton/backends", "triton/compiler", "triton/runtime/build")),
+    "workers": lambda top, seen: any("compile_pool.py" in k and k.endswith(("(load)", "(wait_all)")) for k in seen),
+    "capture": lambda top, seen: any(k.endswith("(_capture)") and "cuda_graphs.py" in k for k in seen),
+    "inductor": lambda top, seen: top.startswith("torch/_inductor"),
+    "trace": lambda top, seen: top.startswith(("torch/_dynamo", "torch/_subclasses", "torch/fx")),
+    "steps": lambda top, seen: any(k.endswith(("(step)", "(generate)")) and "runtime/engine.py" in k for k in seen),
+    "build": lambda top, seen: any(k.endswith("(compile_model)") for k in seen),
+}
+
+
+def category(top: str | None, seen: set[str]) -> str:
+    for name, match in CATEGORIES.items():
+        if top is not None and match(top, seen):
+            return name
+    return "other"
+
+
 class SampleProfiler:
     def __init__(
         self,
@@ -27,6 +46,7 @@ class SampleProfiler:
         packages: tuple[str, ...] = PACKAGES,
         thread_id: int | None = None,
         inclusive_of: tuple[str, ...] = ("draftgraph", "scripts"),
+        by_test: bool = False,
     ):
         self.interval, self.packages, self.inclusive_of = interval, packages, inclusive_of
         self.thread_id = thread_id if thread_id is not None else threading.main_thread().ident
@@ -35,6 +55,9 @@ class SampleProfiler:
         # samples inside Triton's compiler, by the innermost of our functions on the stack: who compiles kernels
         self.waits_in = ("triton/backends", "triton/compiler")
         self.waits_by_caller: collections.Counter = collections.Counter()
+        # `by_test`: for each test function on the stack (a frame in tests/ named test_*), samples per category
+        self.by_test = by_test
+        self.tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -53,7 +76,7 @@ class SampleProfiler:
             if frame is None:
                 continue
             self.samples += 1
-            seen, top, ours = set(), None, None
+            seen, top, ours, test = set(), None, None, None
             while frame is not None:
                 key = self._key(frame.f_code)
                 if key is not None:
@@ -61,11 +84,28 @@ class SampleProfiler:
                     if ours is None and key.startswith(self.inclusive_of):
                         ours = key
                     seen.add(key)
+                    if key.startswith("tests/") and frame.f_code.co_name.startswith("test_"):
+                        test = key  # the outermost test function wins (the walk goes outwards)
                 frame = frame.f_back
+            if self.by_test:
+                self.tests[test or "(outside tests)"][category(top, seen)] += 1
             self.inclusive.update(k for k in seen if k.startswith(self.inclusive_of))
             self.self_time[top or "(outside the packages)"] += 1
             if top is not None and top.startswith(self.waits_in):
                 self.waits_by_caller[ours or "(no caller of ours)"] += 1
+
+    def test_report(self, top: int = 40) -> str:
+        """Seconds per test function (the most first) and the share of each category in it."""
+        n = max(1, self.samples)
+        scale = self.seconds / n
+        cats = list(CATEGORIES) + ["other"]
+        totals = collections.Counter({cat: sum(c[cat] for c in self.tests.values()) for cat in cats})
+        lines = ["-- by test function: seconds in all, then by category", " ".join(f"{c:>9}" for c in cats) + "  test"]
+        rows = [("(every test)", totals)] + sorted(self.tests.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+        for name, c in rows:
+            total = sum(c.values()) * scale
+            lines.append(" ".join(f"{c[cat] * scale:9.1f}" for cat in cats) + f"  {total:6.1f} s {name}")
+        return "\n".join(lines)
 
     def __enter__(self) -> SampleProfiler:
         self._t0 = time.perf_counter()

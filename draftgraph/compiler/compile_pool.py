@@ -47,17 +47,12 @@ def worker_threads(workers: int) -> int:
 
 def draftgraph_modules() -> list[str]:
     """The draftgraph modules a worker imports: those defining the custom ops this process has registered (a
-    graph's calls of them resolve only where they are defined). Not the rest: the models' modules import
-    transformers, seconds on every worker's critical path. Every loaded draftgraph module where torch keeps
-    no record of where its custom ops were defined."""
-    loaded = sorted(m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph."))
-    try:
-        from torch._library.custom_ops import OPDEFS
+    graph's calls of them resolve only where they are defined; ops/registry.py records where). Not the rest: the
+    models' modules import transformers, seconds on every worker's critical path."""
+    from draftgraph.ops.registry import DEFINED_IN
 
-        defined = {getattr(d._init_fn, "__module__", None) for k, d in OPDEFS.items() if k.startswith("draftgraph::")}
-    except (ImportError, AttributeError):
-        return loaded
-    return sorted(m for m in defined if m in loaded)
+    loaded = {m for m in sys.modules if m == "draftgraph" or m.startswith("draftgraph.")}
+    return sorted({m for op, m in DEFINED_IN.items() if op.startswith("draftgraph::") and m in loaded})
 
 
 _stopping: list[int] = []  # killed workers' process ids not yet seen to exit (wait_stopped)

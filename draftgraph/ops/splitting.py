@@ -12,6 +12,7 @@ import draftgraph.ops.attention.op  # noqa: F401  (registers draftgraph::paged_a
 import draftgraph.ops.linear_attention.op  # noqa: F401  (registers draftgraph::gated_delta_net)
 import draftgraph.ops.mla.op  # noqa: F401  (registers draftgraph::mla_attention)
 import draftgraph.ops.sparse_mla.op  # noqa: F401  (registers draftgraph::sparse_mla_attention and indexer_topk)
+from draftgraph.ops.registry import custom_op
 
 # indexer_topk is deliberately absent: it stays inside the piece before sparse_mla_attention (sparse_mla/op.py).
 SPLITTING_OPS: list[str] = [
@@ -23,7 +24,7 @@ SPLITTING_OPS: list[str] = [
 ]
 
 
-@torch.library.custom_op("draftgraph::piece_boundary", mutates_args=("tensors",))
+@custom_op("draftgraph::piece_boundary", mutates_args=("tensors",))
 def piece_boundary(tensors: list[torch.Tensor]) -> None:
     """Does nothing to `tensors`: a split point. Around a module call inside a larger traced function (the
     drafter's forward inside the fused draft loop) it makes the call's pieces exactly the module's own, so

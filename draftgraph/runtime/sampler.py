@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph.ops.registry import custom_op
 from draftgraph.ops.sampling.op import greedy_argmax
 
 _MASK = 0xFFFFFFFF
@@ -165,7 +166,7 @@ def probabilities_torch_ops(logits, temperature, top_k, top_p) -> torch.Tensor:
 
 # Registering the op is this module's one import-time action (once per process, before any graph naming it
 # is traced or loaded from artifacts).
-@torch.library.custom_op("draftgraph::sampling_probs", mutates_args=())
+@custom_op("draftgraph::sampling_probs", mutates_args=())
 def _sampling_probs(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:

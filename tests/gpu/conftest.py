@@ -78,7 +78,7 @@ def _sample_profile():
         return
     from scripts.sample_profile import PACKAGES, SampleProfiler
 
-    with SampleProfiler(packages=PACKAGES + ("tests/",), inclusive_of=("draftgraph", "tests/")) as prof:
+    with SampleProfiler(packages=PACKAGES + ("tests/",), inclusive_of=("draftgraph", "tests/"), by_test=True) as prof:
         yield
     with open(path, "w") as f:
-        f.write(prof.report(top=120, min_share=0.002))
+        f.write(prof.report(top=120, min_share=0.002) + "\n" + prof.test_report())

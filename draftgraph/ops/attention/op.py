@@ -15,9 +15,10 @@ import torch
 from draftgraph.ops.attention.reference import paged_attention_reference
 from draftgraph.ops.attention.sdpa import paged_attention_sdpa
 from draftgraph.ops.backends import check_device
+from draftgraph.ops.registry import custom_op
 
 
-@torch.library.custom_op("draftgraph::paged_attention", mutates_args=("k_cache", "v_cache"))
+@custom_op("draftgraph::paged_attention", mutates_args=("k_cache", "v_cache"))
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.launch import launch
+from draftgraph.ops.registry import custom_op
 
 BLOCK = 128
 
@@ -39,7 +40,7 @@ def _advance_kernel(tables, stride_t, pos_in, valid, pos_out, slot_out, req_out,
     tl.store(qsl_out + B + offs * 0, B, mask=offs == 0)  # the last query start: B
 
 
-@torch.library.custom_op("draftgraph::advance_next", mutates_args=(), device_types="cuda")
+@custom_op("draftgraph::advance_next", mutates_args=(), device_types="cuda")
 def advance_next_triton(
     tables: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from draftgraph.ops.registry import custom_op
+
 _GROUPS: dict[str, Any] = {}
 
 
@@ -98,7 +100,7 @@ class ParallelGroup:
         return x if self.is_single else torch.ops.draftgraph.all_gather_last(x, self.group_name)
 
 
-@torch.library.custom_op("draftgraph::all_reduce", mutates_args=())
+@custom_op("draftgraph::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of x over the ranks of the group registered as `group_name` ("" = one process: a copy)."""
     out = x.contiguous().clone()
@@ -114,7 +116,7 @@ def _(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("draftgraph::all_gather_last", mutates_args=())
+@custom_op("draftgraph::all_gather_last", mutates_args=())
 def all_gather_last(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The ranks' x [..., n] concatenated along the last dim in rank order -> [..., n * world_size]."""
     if not group_name:

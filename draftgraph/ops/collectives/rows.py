@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from draftgraph.ops.collectives.op import get_group, group_size
+from draftgraph.ops.registry import custom_op
 
 
-@torch.library.custom_op("draftgraph::all_gather_rows", mutates_args=())
+@custom_op("draftgraph::all_gather_rows", mutates_args=())
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """[T, ...] on each rank -> [W*T, ...]: rank r's rows at [r*T, (r+1)*T)."""
     if not group_name:
@@ -37,7 +38,7 @@ def _(x, group_name):
     return x.new_empty((x.shape[0] * group_size(group_name), *x.shape[1:]))
 
 
-@torch.library.custom_op("draftgraph::reduce_scatter_rows", mutates_args=())
+@custom_op("draftgraph::reduce_scatter_rows", mutates_args=())
 def reduce_scatter_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """[W*T, ...] on each rank -> the sum over ranks of rows [r*T, (r+1)*T) on rank r."""
     if not group_name:

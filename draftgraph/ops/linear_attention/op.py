@@ -48,9 +48,10 @@ import torch
 
 from draftgraph.ops.backends import check_linear_attention
 from draftgraph.ops.linear_attention.reference import gated_delta_net_reference
+from draftgraph.ops.registry import custom_op
 
 
-@torch.library.custom_op("draftgraph::gated_delta_net", mutates_args=("conv_states", "ssm_states"))
+@custom_op("draftgraph::gated_delta_net", mutates_args=("conv_states", "ssm_states"))
 def gated_delta_net(
     x: torch.Tensor,
     g: torch.Tensor,

@@ -9,9 +9,10 @@ import torch
 
 from draftgraph.ops.backends import check_device
 from draftgraph.ops.mla.forms import check_form, mla_forward
+from draftgraph.ops.registry import custom_op
 
 
-@torch.library.custom_op("draftgraph::mla_attention", mutates_args=("latent_cache", "rope_cache"))
+@custom_op("draftgraph::mla_attention", mutates_args=("latent_cache", "rope_cache"))
 def mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,

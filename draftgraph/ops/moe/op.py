@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from draftgraph.ops.backends import check_device
+from draftgraph.ops.registry import custom_op
 
 
-@torch.library.custom_op("draftgraph::moe_experts", mutates_args=())
+@custom_op("draftgraph::moe_experts", mutates_args=())
 def moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, impl: str
 ) -> torch.Tensor:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.ops.registry import custom_op
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("draftgraph::argmax_rows", mutates_args=())
+@custom_op("draftgraph::argmax_rows", mutates_args=())
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] float32 / bfloat16 / float16 (any strides) -> [N] int64: each row's first maximum."""
     if logits.is_cuda:

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from draftgraph.ops.backends import check_device, family_backend
+from draftgraph.ops.registry import custom_op
 
 
 @functools.cache
@@ -46,7 +47,7 @@ def _check(impl: str, device_type: str) -> None:
     check_device(impl, device_type)
 
 
-@torch.library.custom_op("draftgraph::indexer_topk", mutates_args=("index_k_cache",))
+@custom_op("draftgraph::indexer_topk", mutates_args=("index_k_cache",))
 def indexer_topk(
     index_q: torch.Tensor,
     index_k: torch.Tensor,
@@ -74,7 +75,7 @@ def _(index_q, index_k, index_w, index_k_cache, slot_mapping, block_tables, toke
     return index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32)
 
 
-@torch.library.custom_op("draftgraph::sparse_mla_attention", mutates_args=("latent_cache", "rope_cache"))
+@custom_op("draftgraph::sparse_mla_attention", mutates_args=("latent_cache", "rope_cache"))
 def sparse_mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
