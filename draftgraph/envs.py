@@ -7,6 +7,9 @@ DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at
 DRAFTGRAPH_KV_VMM=0            (no flag)           a KV cache sized from measured memory is allocated twice and
                                                    every graph captured twice, instead of growing in place under
                                                    the probe's graphs (runtime/growable.py): for comparisons
+DRAFTGRAPH_TORCH_CUSTOM_OP=1   (no flag)           draftgraph's ops are defined through torch.library.custom_op
+                                                   (Python autograd layers around every eager call), not straight
+                                                   into the dispatcher (ops/registry.py): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -34,3 +37,7 @@ def prestart_workers() -> bool:
 
 def kv_vmm() -> bool:
     return os.environ.get("DRAFTGRAPH_KV_VMM", "1") != "0"
+
+
+def torch_custom_op() -> bool:
+    return os.environ.get("DRAFTGRAPH_TORCH_CUSTOM_OP", "0") == "1"
