@@ -10,6 +10,9 @@ DRAFTGRAPH_KV_VMM=0            (no flag)           a KV cache sized from measure
 DRAFTGRAPH_TORCH_CUSTOM_OP=1   (no flag)           draftgraph's ops are defined through torch.library.custom_op
                                                    (Python autograd layers around every eager call), not straight
                                                    into the dispatcher (ops/registry.py): for comparisons
+DRAFTGRAPH_UNFUSE_ADDMM=0      (no flag)           Inductor fuses residual adds into cuBLAS addmm (a copy of the
+                                                   residual first) instead of keeping mm + add
+                                                   (passes/unfuse_addmm.py): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -41,3 +44,7 @@ def kv_vmm() -> bool:
 
 def torch_custom_op() -> bool:
     return os.environ.get("DRAFTGRAPH_TORCH_CUSTOM_OP", "0") == "1"
+
+
+def unfuse_addmm() -> bool:
+    return os.environ.get("DRAFTGRAPH_UNFUSE_ADDMM", "1") != "0"

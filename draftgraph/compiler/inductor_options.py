@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
+from draftgraph import envs
+
 DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = ()
 
 
@@ -50,9 +52,15 @@ def resolve_inductor_options(given) -> tuple[tuple[str, object], ...]:
 
 
 def inductor_patch(options: tuple[tuple[str, object], ...]):
-    """A context under which Inductor compiles with `options` (nothing when empty)."""
-    if not options:
+    """A context under which Inductor compiles with `options`, and with draftgraph's post-grad pass
+    (passes/unfuse_addmm.py) unless the options name a post-grad pass of their own or DRAFTGRAPH_UNFUSE_ADDMM=0."""
+    patch = dict(options)
+    if "post_grad_custom_post_pass" not in patch and envs.unfuse_addmm():
+        from draftgraph.passes.unfuse_addmm import UnfuseResidualAddmm
+
+        patch["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
+    if not patch:
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch(dict(options))
+    return inductor_config.patch(patch)
