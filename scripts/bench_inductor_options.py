@@ -6,7 +6,9 @@ the GPU busy share (kernel time over the span of kernels).
 
 Variants: "default" = draftgraph's defaults (compiler/inductor_options.py), "no-split" = split_reductions off,
 "combo" = combo_kernels on (independent pointwise kernels launched as one), "no-autotune" = one config per
-pointwise kernel (no first-call benchmarking: faster cold start).
+pointwise kernel (no first-call benchmarking: faster cold start), "addmm" = without draftgraph's post-grad pass
+(residual adds fused into cuBLAS addmm, passes/unfuse_addmm.py). A variant may repeat (default,addmm,default,addmm):
+each run builds its engines afresh, so repeats show the drift.
 
 Usage: python scripts/bench_inductor_options.py [--sizes 1,32] [--variants default,no-split,combo,no-autotune]
 """
@@ -26,6 +28,8 @@ VARIANTS = {
     "no-split": (("split_reductions", False),),
     "combo": (("combo_kernels", True),),
     "no-autotune": (("triton.autotune_pointwise", False),),
+    # Inductor's own post-grad choice: residual adds fused into cuBLAS addmm (passes/unfuse_addmm.py left out)
+    "addmm": (("post_grad_custom_post_pass", None),),
 }
 
 
