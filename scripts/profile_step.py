@@ -7,7 +7,9 @@
 2. F.linear at the pair's shapes for M = 1, 5, 8 rows (cuBLAS through aten, as Inductor's extern mm calls
    it): microseconds and achieved bandwidth against the measured copy speed.
 
-Usage: python scripts/profile_step.py [--sizes 1,32] [--k 4] [--context 512]
+Usage: python scripts/profile_step.py [--sizes 1,32] [--k 4] [--context 512] [--kinds plain,spec]
+       [--variants default,addmm] (Inductor settings of scripts/bench_inductor_options.py, profiled one after the
+       other) [--no-linear]
 """
 
 from __future__ import annotations
@@ -99,19 +101,27 @@ def main():
     ap.add_argument("--sizes", default="1,32")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kinds", default="plain,spec")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--no-linear", action="store_true")
     args = ap.parse_args()
+    from scripts.bench_inductor_options import VARIANTS
+
     target, drafter = build_pair()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    kinds = {"plain": None, "spec": drafter}
     for b in [int(s) for s in args.sizes.split(",")]:
-        for name, d in (("plain", None), ("spec", drafter)):
-            eng = engine(target, d, b, args.k, args.context)
-            s = profile(eng, b, args.context)
-            print(f"\n== {name} B={b}: {s.graph_launches / max(s.steps, 1):.0f} graph launches/step")
-            print(s.format_time(25))
-            del eng
-            torch.cuda.empty_cache()
-    linear_table(target, bw)
+        for name in args.kinds.split(","):
+            for variant in args.variants.split(","):
+                eng = engine(target, kinds[name], b, args.k, args.context, inductor_options=VARIANTS[variant])
+                s = profile(eng, b, args.context)
+                print(f"\n== {name} B={b} ({variant}): {s.graph_launches / max(s.steps, 1):.0f} graph launches/step")
+                print(s.format_time(25))
+                del eng
+                torch.cuda.empty_cache()
+    if not args.no_linear:
+        linear_table(target, bw)
 
 
 if __name__ == "__main__":
