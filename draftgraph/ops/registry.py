@@ -1,21 +1,22 @@
 """How draftgraph defines its custom ops: `@custom_op("draftgraph::name", mutates_args=...)`, straight into the
 dispatcher.
 
-`torch.library.custom_op` wraps every call of an op in Python layers (an autograd function, an
-ADInplaceOrView kernel that fills defaults and bumps version counters): 30-120 us a call on a CPU, growing with
-the argument count (scripts/bench_op_dispatch.py), paid by every eager call and by every op a piecewise
-runtime runs between its pieces (attention in each layer of each forward). draftgraph only runs inference, so
-here an op is its schema (inferred from the function's annotations, as custom_op infers it), one Python kernel
-registered with `torch.library.Library.impl` (for every device, as custom_op's default, or the device types
-named), and a fake: a call is the C++ dispatcher and
-one Python call. Traced graphs name `torch.ops.draftgraph.<name>` exactly as before (same schema: mutated
-arguments `Tensor(a!)`, so Dynamo and Inductor functionalize them alike). No autograd: gradients never
-flow through these ops.
+`torch.library.custom_op` wraps every call of an op in Python layers (an autograd function, an ADInplaceOrView
+kernel that fills defaults and bumps version counters), paid by every eager call and by every op a piecewise
+runtime runs between its pieces (attention in each layer of each forward): an attention-shaped op cost 22 us a
+call against 7.6 us here on the H100 machine's host, 67 against 7 on a slower CPU (scripts/bench_op_dispatch.py),
+and the 1B-shaped pair's PIECEWISE draft steps ran 43 % faster at batch 1 (docs/benchmarks.md, session 17).
+draftgraph only runs inference, so here an op is its schema (inferred from the function's annotations, as
+custom_op infers it), one Python kernel registered with `torch.library.Library.impl` (for every device, as
+custom_op's default, or for the device types named) and a fake: a call is the C++ dispatcher and one Python
+call. Traced graphs name `torch.ops.draftgraph.<name>` exactly as before (the same schema: mutated arguments
+`Tensor(a!)`, so Dynamo and Inductor functionalize them alike). No autograd: gradients never flow through
+these ops.
 
 Registering is the defining module's one import-time action (once per process, before any graph naming the
 op is traced or loaded); DRAFTGRAPH_TORCH_CUSTOM_OP=1 defines them through torch.library.custom_op instead, for
-comparisons (draftgraph/envs.py). `DEFINED_IN` records which module defines each op, for compile workers that must
-import exactly those (compiler/compile_pool.py).
+comparisons (draftgraph/envs.py). `DEFINED_IN` records which module defines each op, for compile workers that
+must import exactly those (compiler/compile_pool.py).
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ pointwise (here: the piece's output, the residual the next layer reads). On the 
 residual into the output buffer (one kernel) before cuBLAS adds in place, twice per decoder layer (o_proj and
 down_proj): at one decode token those copies are 1 us kernels plus their launch gaps inside the graph
 (docs/benchmarks.md, session 7: 30 memcpy kernels per plain step of the 1B-shaped target). Kept as `mm` + `add`,
-the add fuses into the kernel that follows (the next RMSNorm reads the sum anyway) and the copy disappears.
-It also rounds as eager PyTorch and transformers do: the product to the model's dtype, then the add.
+the add can fuse into the kernel that follows (the next RMSNorm reads the sum anyway), and it rounds as eager
+PyTorch and transformers do: the product to the model's dtype, then the add. Measured (docs/benchmarks.md,
+session 17): the 1B-shaped pair's plain decode step at batch 1 6 % faster in two runs on two machines; the
+other batch sizes and the speculative step moved both ways within run-to-run spread. Which kernels it removes
+per layer is not yet profiled kernel by kernel (scripts/gpu_session17c.sh does it).
 
 Only full-size addends on CUDA tensors with alpha = beta = 1 are unfused: a broadcast bias (a [N] row) keeps
 cuBLAS's fused epilogue, and CPU code keeps Inductor's choice. Installed for every piece by
