@@ -13,6 +13,9 @@ DRAFTGRAPH_TORCH_CUSTOM_OP=1   (no flag)           draftgraph's ops are defined 
 DRAFTGRAPH_UNFUSE_ADDMM=0      (no flag)           Inductor fuses residual adds into cuBLAS addmm (a copy of the
                                                    residual first) instead of keeping mm + add
                                                    (passes/unfuse_addmm.py): for comparisons
+DRAFTGRAPH_RACE_KERNEL=1       (no flag)           eager token draws on CUDA run the Triton exponential race
+                                                   (ops/sampling/triton_race.py) instead of torch ops over
+                                                   [N, V] noise: opt-in until measured on a GPU
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -48,3 +51,7 @@ def torch_custom_op() -> bool:
 
 def unfuse_addmm() -> bool:
     return os.environ.get("DRAFTGRAPH_UNFUSE_ADDMM", "1") != "0"
+
+
+def race_kernel() -> bool:
+    return os.environ.get("DRAFTGRAPH_RACE_KERNEL", "0") == "1"

@@ -133,3 +133,23 @@ def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
     assert [a["tensor"]["dtype"] for a in probs] == ["float32", "float32", "int64", "float32"]
     for call in calls:  # each runs on zero inputs (on the CPU: the ops' reference paths)
         run_op_call(json.loads(json.dumps(call)), "cpu")
+
+
+def test_the_race_kernel_calls_join_when_opted_in(monkeypatch):
+    """With DRAFTGRAPH_RACE_KERNEL=1 the one-graph step's draws (the Triton race, ops/sampling/triton_race.py) are
+    seeded too: one row per request, per FULL capture size, over the target's and the unfused drafter's
+    vocabularies; without it, none."""
+    from draftgraph.runtime.warmup import step_sampling_calls
+
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
+                              max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
+                              progress=False)  # fmt: skip
+    engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    assert not any(c["op"] == "draftgraph::race_sample" for c in step_sampling_calls(engine))
+    monkeypatch.setenv("DRAFTGRAPH_RACE_KERNEL", "1")
+    race = [c for c in step_sampling_calls(engine) if c["op"] == "draftgraph::race_sample"]
+    assert [c["args"][0]["tensor"]["shape"] for c in race] == [[1, 96], [2, 96], [8, 96]]  # one vocabulary here
+    for call in race:
+        assert [a["tensor"]["dtype"] for a in call["args"][:3]] == ["float32", "int64", "int64"]
+        run_op_call(json.loads(json.dumps(call)), "cpu")  # the reference path on the CPU

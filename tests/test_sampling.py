@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 import draftgraph as dg
 from draftgraph.models.drafters import truncated_draft_model
 from draftgraph.models.llama import CausalLM
+from draftgraph.ops.sampling.noise import uniform_noise
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.sampler import (
     SamplingTensors,
@@ -23,7 +24,6 @@ from draftgraph.runtime.sampler import (
     _threshold_key,
     probabilities,
     sample_from_probs,
-    uniform_noise,
 )
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.ops.sampling.noise import uniform_noise
 from draftgraph.ops.sampling.op import greedy_argmax
-from draftgraph.runtime.sampler import (
-    SALT_ACCEPT,
-    SALT_TARGET,
-    SamplingTensors,
-    probabilities,
-    sample_from_probs,
-    uniform_noise,
-)
+from draftgraph.runtime.sampler import SALT_ACCEPT, SALT_TARGET, SamplingTensors, probabilities, sample_from_probs
 
 
 def rejection_sample(

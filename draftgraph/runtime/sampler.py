@@ -26,32 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+from draftgraph import envs
 from draftgraph.ops.registry import custom_op
+from draftgraph.ops.sampling.noise import race_reference
 from draftgraph.ops.sampling.op import greedy_argmax
-
-_MASK = 0xFFFFFFFF
 
 # Purposes get distinct noise streams so no two decisions share a uniform.
 SALT_TARGET = 0x1B873593  # sampling the target (plain decode, bonus and recovery tokens)
 SALT_DRAFT = 0x2D8F1C35  # sampling draft tokens
 SALT_ACCEPT = 0x5BD1E995  # acceptance uniforms of the rejection sampler
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer on int64 tensors holding values in [0, 2^32); products stay < 2^63."""
-    x = x & _MASK
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK
-    x = ((x ^ (x >> 15)) * 0x68E31DA5) & _MASK
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width: int = 0) -> torch.Tensor:
-    """Uniforms in (0, 1), float32: [N] when width == 0, else [N, width] (one per vocabulary entry)."""
-    base = _mix32(_mix32(seeds.long() ^ salt) + positions.long())  # [N]
-    if width:
-        cols = _mix32(torch.arange(width, device=seeds.device, dtype=torch.long) * 0x3C6EF373 + salt)
-        base = _mix32(base[:, None] ^ cols[None, :])  # [N, width]
-    return ((base >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
 @dataclass
@@ -179,9 +162,14 @@ def _(logits, temperature, top_k, top_p):
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """One token per row from probs [N, V] by the exponential race with hashed noise."""
-    u = uniform_noise(seeds, positions, salt, probs.shape[-1])
-    return (probs / -torch.log(u)).argmax(-1)
+    """One token per row from probs [N, V] by the exponential race with hashed noise (ops/sampling/noise.py).
+    Traced code keeps the torch ops (Inductor fuses the noise into the reduction). Eager code on CUDA (mode NONE,
+    the one-graph step's acceptance, captured as it runs) may take the Triton race (`draftgraph::race_sample`,
+    the noise in registers instead of [N, V] temporaries) with DRAFTGRAPH_RACE_KERNEL=1: opt-in until measured
+    on a GPU."""
+    if probs.is_cuda and not torch.compiler.is_compiling() and envs.race_kernel():
+        return torch.ops.draftgraph.race_sample(probs, seeds.long(), positions.long(), salt)
+    return race_reference(probs, seeds, positions, salt)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int = SALT_TARGET):

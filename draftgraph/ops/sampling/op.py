@@ -50,3 +50,21 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if not logits.is_cuda or logits.dtype not in SUPPORTED_DTYPES or vocab == 0:
         return logits.argmax(-1)
     return torch.ops.draftgraph.argmax_rows(logits.reshape(-1, vocab)).view(logits.shape[:-1])
+
+
+@custom_op("draftgraph::race_sample", mutates_args=())
+def race_sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+    """One token per row of probs [N, V] float32 by the exponential race with hashed noise (noise.race_reference):
+    on CUDA in Triton with the noise in registers (triton_race.py), elsewhere the reference."""
+    if probs.is_cuda:
+        from draftgraph.ops.sampling.triton_race import race_triton  # Triton loads on first use
+
+        return race_triton(probs, seeds, positions, salt)
+    from draftgraph.ops.sampling.noise import race_reference
+
+    return race_reference(probs, seeds, positions, salt)
+
+
+@race_sample.register_fake
+def _(probs, seeds, positions, salt):
+    return probs.new_empty(probs.shape[0], dtype=torch.int64)
