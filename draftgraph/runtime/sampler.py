@@ -1,9 +1,9 @@
 """Token choice on the device: greedy, temperature with top-k / top-p, and per-(seed, position) noise.
 
-Randomness is a counter-based hash of (request seed, token position, purpose), not a stateful generator:
-the same request and position always draw the same noise whatever the batch around it, nothing syncs
-with the host, and the code can sit inside a captured graph. Sampling uses the exponential race
-(argmax p / E with E ~ Exp(1)), which draws exactly from p.
+Randomness is a counter-based hash of (request seed, token position, purpose), not a stateful generator
+(ops/sampling/noise.py): the same request and position always draw the same noise whatever the batch around
+it, nothing syncs with the host, and the code can sit inside a captured graph. Sampling uses the exponential
+race (argmax p / E with E ~ Exp(1)), which draws exactly from p.
 
 Top-k and top-p never sort the vocabulary. Each row's logits (temperature-scaled, float32) are mapped to
 int32 keys whose integer order is the float order (`_ordered_keys`), and each cut is the largest key t with
