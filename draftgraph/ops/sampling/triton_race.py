@@ -6,8 +6,9 @@ dozen elementwise launches. Here stage 1, grid (N, S) as triton_argmax's, hashes
 registers (the same bits as noise._mix32 on int64), computes p / -log(u) and folds (value, first index); stage 2
 is triton_argmax's. The same chunk rule (`choose_chunk`) spreads a few rows over the SMs.
 
-Tokens equal race_reference's wherever float32 log rounds alike in both (the race's winner is decided by
-p / -log(u); a different last bit of log could only flip an exact tie between two columns).
+On CUDA the race's values are computed as torch's kernels compute them (libdevice's logf, IEEE division), so
+the tokens are race_reference's; under the Triton interpreter (no libdevice) log may differ in its last bit,
+which could only flip a tie between two columns' values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.launch import launch
 from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE
 from draftgraph.ops.sampling.triton_argmax import (
@@ -42,9 +45,17 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _log(x, ACCURATE: tl.constexpr):
+    if ACCURATE:  # logf as torch's kernels (the interpreter has no libdevice)
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
 @triton.jit(do_not_specialize=["S", "salt"])
 def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr, idx_ptr, out_ptr, S,
-                 ONE_STAGE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 ONE_STAGE: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     salt32 = salt.to(tl.uint32)
@@ -62,7 +73,8 @@ def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr,
         h = _mix32(base ^ col_hash)
         u = ((h >> 8).to(tl.float32) + 0.5) * _UNIFORM_SCALE
         p = tl.load(p_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
-        acc_v, acc_i = _fold(acc_v, acc_i, p / -tl.log(u), cols, valid)
+        # IEEE division and libdevice's logf, as torch's elementwise kernels compute p / -log(u)
+        acc_v, acc_i = _fold(acc_v, acc_i, tl.math.div_rn(p, -_log(u, ACCURATE)), cols, valid)
     v, i = _merge(acc_v, acc_i)
     if ONE_STAGE:
         tl.store(out_ptr + row, i.to(tl.int64))
@@ -103,14 +115,16 @@ def race_triton(
     splits = triton.cdiv(vocab, chunk)
     warps = min(8, max(1, block // 256))
     seeds, positions = seeds.contiguous(), positions.contiguous()
+    accurate = not triton_interpreting()
     if splits == 1:
         launch(_race_stage1, (rows, 1))(probs, probs.stride(0), seeds, positions, salt, vocab, vocab, out, out, out,
-                                        1, ONE_STAGE=True, BLOCK=block, num_warps=warps)  # fmt: skip
+                                        1, ONE_STAGE=True, BLOCK=block, ACCURATE=accurate,
+                                        num_warps=warps)  # fmt: skip
         return out
     values = torch.empty(rows, splits, dtype=torch.float32, device=probs.device)
     indices = torch.empty(rows, splits, dtype=torch.int32, device=probs.device)
     launch(_race_stage1, (rows, splits))(probs, probs.stride(0), seeds, positions, salt, vocab, chunk, values,
-                                         indices, out, splits, ONE_STAGE=False, BLOCK=block,
+                                         indices, out, splits, ONE_STAGE=False, BLOCK=block, ACCURATE=accurate,
                                          num_warps=warps)  # fmt: skip
     most = triton.cdiv(vocab, DEFAULT_ARGMAX_RULE.min_chunk)  # stage 2's block from the vocabulary, as argmax's
     launch(_stage2, (rows,))(values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
