@@ -117,6 +117,12 @@ def _stage1(x_ptr, stride_row, stride_col, V, chunk, val_ptr, idx_ptr, out_ptr, 
         valid = cols < hi
         x = tl.load(x_ptr + row * stride_row + cols.to(tl.int64) * stride_col, mask=valid, other=float("-inf"))
         acc_v, acc_i = _fold(acc_v, acc_i, x.to(tl.float32), cols, valid)
+    finish_fold(acc_v, acc_i, row, split, val_ptr, idx_ptr, out_ptr, S, ONE_STAGE)
+
+
+@triton.jit
+def finish_fold(acc_v, acc_i, row, split, val_ptr, idx_ptr, out_ptr, S, ONE_STAGE: tl.constexpr):
+    """The end of a stage-1 program: its lanes merged, then the row's answer (one stage) or this split's partial."""
     v, i = _merge(acc_v, acc_i)
     if ONE_STAGE:
         tl.store(out_ptr + row, i.to(tl.int64))
@@ -168,19 +174,29 @@ def argmax_triton(
         block = min(STEP_BYTES // logits.element_size(), triton.next_power_of_2(chunk))
     if chunk < 1 or block < 1 or block & (block - 1):
         raise ValueError(f"argmax_rows needs chunk >= 1 and a power-of-two block; got chunk {chunk}, block {block}")
+    lead = (logits, logits.stride(0), logits.stride(1))
+    return launch_folds(_stage1, lead, out, vocab, chunk, block, (rule or DEFAULT_ARGMAX_RULE).min_chunk)
+
+
+def launch_folds(stage1, lead: tuple, out: torch.Tensor, vocab: int, chunk: int, block: int, min_chunk: int,
+                 **constexprs) -> torch.Tensor:  # fmt: skip
+    """Launch a stage-1 kernel whose arguments are `lead`, then (V, chunk, values, indices, out, S, ONE_STAGE,
+    BLOCK, constexprs), over (rows, splits) of `chunk` columns, then stage 2 when a row has several splits;
+    `out` [rows] int64 receives each row's first index of its maximum (the fold `_fold` / `finish_fold` define)."""
+    rows = out.shape[0]
     splits = triton.cdiv(vocab, chunk)
     warps = min(8, max(1, block // 256))  # 8+ columns per thread: 16-byte loads of 16-bit types
     if splits == 1:
-        launch(_stage1, (rows, 1))(logits, logits.stride(0), logits.stride(1), vocab, vocab, out, out, out, 1,
-                                   ONE_STAGE=True, BLOCK=block, num_warps=warps)  # fmt: skip
+        launch(stage1, (rows, 1))(*lead, vocab, vocab, out, out, out, 1, ONE_STAGE=True, BLOCK=block,
+                                  num_warps=warps, **constexprs)  # fmt: skip
         return out
-    values = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-    launch(_stage1, (rows, splits))(logits, logits.stride(0), logits.stride(1), vocab, chunk, values, indices, out,
-                                    splits, ONE_STAGE=False, BLOCK=block, num_warps=warps)  # fmt: skip
+    values = torch.empty(rows, splits, dtype=torch.float32, device=out.device)
+    indices = torch.empty(rows, splits, dtype=torch.int32, device=out.device)
+    launch(stage1, (rows, splits))(*lead, vocab, chunk, values, indices, out, splits, ONE_STAGE=False, BLOCK=block,
+                                   num_warps=warps, **constexprs)  # fmt: skip
     # BLOCK from the vocabulary only (the most splits the rule gives), not from this call's splits: one
     # compiled stage-2 variant serves every row count (the loop covers more splits if a caller forces them)
-    most = triton.cdiv(vocab, (rule or DEFAULT_ARGMAX_RULE).min_chunk)
+    most = triton.cdiv(vocab, min_chunk)
     launch(_stage2, (rows,))(values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
                              num_warps=4)  # fmt: skip
     return out

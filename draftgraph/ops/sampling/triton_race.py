@@ -19,18 +19,16 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from draftgraph.ops.backends import triton_interpreting
-from draftgraph.ops.launch import launch
 from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE
 from draftgraph.ops.sampling.triton_argmax import (
     _NONE,
     DEFAULT_ARGMAX_RULE,
-    STAGE2_BLOCK,
     STEP_BYTES,
     _fold,
-    _merge,
-    _stage2,
     choose_chunk,
     device_sm_count,
+    finish_fold,
+    launch_folds,
 )
 
 _COLUMN_MULT = tl.constexpr(COLUMN_MULT)
@@ -75,12 +73,7 @@ def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr,
         p = tl.load(p_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
         # IEEE division and libdevice's logf, as torch's elementwise kernels compute p / -log(u)
         acc_v, acc_i = _fold(acc_v, acc_i, tl.math.div_rn(p, -_log(u, ACCURATE)), cols, valid)
-    v, i = _merge(acc_v, acc_i)
-    if ONE_STAGE:
-        tl.store(out_ptr + row, i.to(tl.int64))
-    else:
-        tl.store(val_ptr + row * S + split, v)
-        tl.store(idx_ptr + row * S + split, i)
+    finish_fold(acc_v, acc_i, row, split, val_ptr, idx_ptr, out_ptr, S, ONE_STAGE)
 
 
 def race_triton(
@@ -112,21 +105,8 @@ def race_triton(
         chunk = choose_chunk(rows, vocab, device_sm_count(probs.device))
     if block is None:
         block = min(STEP_BYTES // 4, triton.next_power_of_2(chunk))
-    splits = triton.cdiv(vocab, chunk)
-    warps = min(8, max(1, block // 256))
     seeds, positions = seeds.contiguous(), positions.contiguous()
-    accurate = not triton_interpreting()
-    if splits == 1:
-        launch(_race_stage1, (rows, 1))(probs, probs.stride(0), seeds, positions, salt, vocab, vocab, out, out, out,
-                                        1, ONE_STAGE=True, BLOCK=block, ACCURATE=accurate,
-                                        num_warps=warps)  # fmt: skip
-        return out
-    values = torch.empty(rows, splits, dtype=torch.float32, device=probs.device)
-    indices = torch.empty(rows, splits, dtype=torch.int32, device=probs.device)
-    launch(_race_stage1, (rows, splits))(probs, probs.stride(0), seeds, positions, salt, vocab, chunk, values,
-                                         indices, out, splits, ONE_STAGE=False, BLOCK=block, ACCURATE=accurate,
-                                         num_warps=warps)  # fmt: skip
-    most = triton.cdiv(vocab, DEFAULT_ARGMAX_RULE.min_chunk)  # stage 2's block from the vocabulary, as argmax's
-    launch(_stage2, (rows,))(values, indices, out, splits, BLOCK=min(STAGE2_BLOCK, triton.next_power_of_2(most)),
-                             num_warps=4)  # fmt: skip
-    return out
+    lead = (probs, probs.stride(0), seeds, positions, salt)
+    return launch_folds(
+        _race_stage1, lead, out, vocab, chunk, block, DEFAULT_ARGMAX_RULE.min_chunk, ACCURATE=not triton_interpreting()
+    )
