@@ -48,7 +48,7 @@ class CustomOp:
         unknown = sorted(set(device_types or ()) - set(DEVICE_KEYS))
         if unknown:
             raise ValueError(f"op {qualname!r}: device_types {unknown} unknown; allowed: {sorted(DEVICE_KEYS)}")
-        self.qualname, self.fn, self.__doc__ = qualname, fn, fn.__doc__
+        self.qualname, self.__doc__ = qualname, fn.__doc__
         lib = _library(namespace)
         schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
         lib.define(name + schema)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from draftgraph.ops.registry import custom_op
+from draftgraph.ops.sampling.noise import race_reference
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -60,8 +61,6 @@ def race_sample(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
         from draftgraph.ops.sampling.triton_race import race_triton  # Triton loads on first use
 
         return race_triton(probs, seeds, positions, salt)
-    from draftgraph.ops.sampling.noise import race_reference
-
     return race_reference(probs, seeds, positions, salt)
 
 
