@@ -35,10 +35,43 @@ def _shared_compile_workers(request):
         yield pool
 
 
+_SIDE_RUNS: dict = {}  # reference name -> tests.gpu.side_process.SideRun, started once the tests are collected
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that read the device's free memory (`whole_device`) run last, when the session's compile workers
-    are long up and idle (`settled_device` still waits for them)."""
+    are long up and idle (`settled_device` still waits for them). The selected tests' side references
+    (tests/gpu/side_process.py) start now, in processes beside this one."""
     items.sort(key=lambda item: item.get_closest_marker("whole_device") is not None)  # stable: order kept
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("DRAFTGRAPH_SIDE_REFERENCES", "1") == "0":
+        return  # each xdist worker collects every test but runs a share: references run in the test instead
+    from tests.gpu import side_process
+
+    names = [side_process.qualname(m.args[0]) for item in items for m in item.iter_markers("side_reference")]
+    if names:
+        _SIDE_RUNS.update(side_process.start(names))
+
+
+def pytest_unconfigure(config):
+    for run in _SIDE_RUNS.values():
+        run.stop()
+
+
+@pytest.fixture
+def side_reference():
+    """`side_reference(fn)`: what `fn()` returned in its side process (waiting for it), or `fn()` run here
+    when no side process runs it (tests/gpu/side_process.py)."""
+    from tests.gpu import side_process
+
+    def get(fn):
+        run = _SIDE_RUNS.get(side_process.qualname(fn))
+        if run is None:
+            return fn()
+        data = run.result()
+        print(f"side reference {run.name}: {run.wall_s:.1f} s in its own process")
+        return data
+
+    return get
 
 
 def pytest_runtest_logreport(report):
@@ -58,6 +91,8 @@ def settled_device(_shared_compile_workers):
     as memory held outside the engine, are all up (or gone) before the test reads it."""
     import time
 
+    for run in _SIDE_RUNS.values():  # a side reference's CUDA context is memory held outside the engine too
+        run.wait()
     pool = _shared_compile_workers
     deadline = time.monotonic() + 180
     while pool is not None and time.monotonic() < deadline:
