@@ -73,6 +73,17 @@ def test_noise_is_uniform_and_keyed_by_seed_and_position():
     assert uniform_noise(torch.tensor([5]), torch.tensor([10]), salt=2) != a[0]
 
 
+def test_noise_extremes_stay_inside_the_open_interval():
+    """The largest and smallest hashes give uniforms strictly inside (0, 1) in float32: a uniform of 1.0 makes
+    -log(u) a signed zero, whose sign torch and Triton's negation disagree on (the race would pick differently)."""
+    from draftgraph.ops.sampling.noise import UNIFORM_SCALE, UNIFORM_SHIFT
+
+    hashes = torch.tensor([0, (1 << UNIFORM_SHIFT) - 1, 0xFFFFFFFF, 0xFFFFFFFF - (1 << UNIFORM_SHIFT)])
+    u = ((hashes >> UNIFORM_SHIFT).float() + 0.5) * UNIFORM_SCALE
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((-torch.log(u) > 0).all())  # a strictly positive exponential: no signed zero to divide by
+
+
 def test_exponential_race_draws_from_p():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 100_000

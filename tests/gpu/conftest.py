@@ -3,7 +3,9 @@ unset gets N compile worker processes instead of the automatic count, so that th
 without the pool (scripts/gpu_next.sh). Those engines share one pool for the whole session
 (`draftgraph.shared_compile_workers`): the workers start once, not once per engine."""
 
+import contextlib
 import os
+import time
 
 import pytest
 
@@ -23,16 +25,34 @@ def _compile_workers(request, monkeypatch):
         monkeypatch.setattr(pool_lifetime, "auto_workers", lambda device_type, local_ranks=1: n)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shared_compile_workers(request):
-    n = request.config.getoption("--compile-workers", default=None)
+_SESSION = contextlib.ExitStack()  # the session's compile pool, from pytest_configure to pytest_unconfigure
+_POOL: list = []  # [the pool or None] once started
+
+
+def _start_shared_pool(config) -> None:
+    n = config.getoption("--compile-workers", default=None)
     if n == 0:
-        yield None
+        _POOL.append(None)
         return
     import draftgraph as dg
 
-    with dg.shared_compile_workers(n) as pool:
-        yield pool
+    _POOL.append(_SESSION.enter_context(dg.shared_compile_workers(n)))
+
+
+def pytest_configure(config):
+    """The session's compile workers start before the tests are collected (their start, seconds of importing
+    torch and Inductor, overlaps the collection instead of the first test's wait). Not in an xdist controller,
+    which runs no test, nor for --collect-only."""
+    controller = config.getoption("numprocesses", default=None) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if not controller and not config.option.collectonly:
+        _start_shared_pool(config)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_compile_workers(request):
+    if not _POOL:
+        _start_shared_pool(request.config)
+    yield _POOL[0]
 
 
 _SIDE_RUNS: dict = {}  # reference name -> tests.gpu.side_process.SideRun, started once the tests are collected
@@ -55,6 +75,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     for run in _SIDE_RUNS.values():
         run.stop()
+    _SESSION.close()
 
 
 @pytest.fixture
@@ -67,8 +88,13 @@ def side_reference():
         run = _SIDE_RUNS.get(side_process.qualname(fn))
         if run is None:
             return fn()
+        t0 = time.monotonic()
         data = run.result()
-        print(f"side reference {run.name}: {run.wall_s:.1f} s in its own process")
+        line = f"{run.wall_s:.1f} s in its own process, the test waited {time.monotonic() - t0:.1f} s for it"
+        print(f"side reference {run.name}: {line}")
+        if os.environ.get("DRAFTGRAPH_TEST_TIMES"):
+            with open(os.environ["DRAFTGRAPH_TEST_TIMES"], "a") as f:
+                f.write(f"{run.wall_s:7.1f} s  side     passed  {run.name} ({line})\n")
         return data
 
     return get
@@ -89,8 +115,6 @@ def pytest_runtest_logreport(report):
 def settled_device(_shared_compile_workers):
     """For tests that read the device's free memory: the session's compile workers, whose CUDA contexts count
     as memory held outside the engine, are all up (or gone) before the test reads it."""
-    import time
-
     for run in _SIDE_RUNS.values():  # a side reference's CUDA context is memory held outside the engine too
         run.wait()
     pool = _shared_compile_workers

@@ -13,7 +13,11 @@ import torch
 
 _MASK = 0xFFFFFFFF
 COLUMN_MULT = 0x3C6EF373  # a column's hash input: column * COLUMN_MULT + salt
-UNIFORM_SCALE = 1.0 / (1 << 24)  # a uniform: ((hash >> 8) + 0.5) * UNIFORM_SCALE, in (0, 1)
+# A uniform: ((hash >> UNIFORM_SHIFT) + 0.5) * UNIFORM_SCALE, 2^23 values in [2^-24, 1 - 2^-24], each exact in float32.
+# (24 bits would round the largest, 1 - 2^-25, up to 1.0: -log(u) = -0.0, and p / -0.0 is -inf to torch but +inf
+# where the negation is a subtraction from zero, as Triton's is: the race's tokens would differ.)
+UNIFORM_SHIFT = 9
+UNIFORM_SCALE = 1.0 / (1 << (32 - UNIFORM_SHIFT))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +34,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width
     if width:
         cols = _mix32(torch.arange(width, device=seeds.device, dtype=torch.long) * COLUMN_MULT + salt)
         base = _mix32(base[:, None] ^ cols[None, :])  # [N, width]
-    return ((base >> 8).float() + 0.5) * UNIFORM_SCALE
+    return ((base >> UNIFORM_SHIFT).float() + 0.5) * UNIFORM_SCALE
 
 
 def race_reference(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from draftgraph.ops.backends import triton_interpreting
-from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE
+from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE, UNIFORM_SHIFT
 from draftgraph.ops.sampling.triton_argmax import (
     _NONE,
     DEFAULT_ARGMAX_RULE,
@@ -33,6 +33,7 @@ from draftgraph.ops.sampling.triton_argmax import (
 
 _COLUMN_MULT = tl.constexpr(COLUMN_MULT)
 _UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)
+_UNIFORM_SHIFT = tl.constexpr(UNIFORM_SHIFT)
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr,
         valid = cols < hi
         col_hash = _mix32(cols.to(tl.uint32) * _COLUMN_MULT + salt32)
         h = _mix32(base ^ col_hash)
-        u = ((h >> 8).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+        u = ((h >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
         p = tl.load(p_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
         # IEEE division and libdevice's logf, as torch's elementwise kernels compute p / -log(u)
         acc_v, acc_i = _fold(acc_v, acc_i, tl.math.div_rn(p, -_log(u, ACCURATE)), cols, valid)
