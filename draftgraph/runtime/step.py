@@ -162,6 +162,8 @@ class StepRunner:
             d = self.dispatcher.dispatch(BatchDescriptor(nd * uniform, nd, uniform))
             if self.uniform.applies(d):
                 return self._uniform_result(decodes, *self.uniform.run(decodes, d))
+        if self.uniform is not None:  # requests may join, leave or lose their blocks in a step the rows do not see
+            self.uniform.tables.invalidate()
 
         slices, ids = [], []
         for r in decodes:

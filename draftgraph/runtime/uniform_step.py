@@ -8,11 +8,12 @@ loop, or the loop around the drafter step), and it returns one packed int64 tens
     [accepted (B) | verify tokens (B x (K + 1)) | drafts (B x K)]
 
 In FULL modes on CUDA it is one graph per (padded request count, variant): `GraphKey.step`, variants
-"greedy" (every request greedy, known on the host) and "sample". Its inputs are the target's metadata
-buffers (and a draft model's), and the step's own named buffers (`StepBuffers`: input ids, request slots,
-valid rows, sampling parameters), all filled on the host and sent by pinned asynchronous copies; the host
-then waits once, for the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM head and
-token choice in one graph.
+"greedy" (every request greedy, known on the host) and "sample". Its inputs are the block tables the device
+keeps per request slot (`DeviceTables`: only new blocks are sent) and the step's own named buffers
+(`StepBuffers`: input ids, request slots, cached lengths, valid rows, sampling parameters), filled on the host
+and sent by one pinned asynchronous copy; the attention metadata of the verify (and of a draft model's first
+step) is built inside the graph from them (ops/attention/uniform_metadata.py). The host then waits once, for
+the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM head and token choice in one graph.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.cuda_graphs import GraphKey
-from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
-from draftgraph.runtime.attn_metadata import RequestSlice
+from draftgraph.ops.attention.metadata import META_FIELDS
+from draftgraph.ops.attention.uniform_metadata import uniform_metadata
+from draftgraph.runtime.device_tables import DeviceTables
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
 from draftgraph.runtime.rejection import rejection_sample
@@ -46,6 +48,7 @@ class UniformStep:
             [
                 Field("input_ids", torch.int64, max_b * q),
                 Field("slots", torch.int64, max_b),
+                Field("lengths", torch.int64, max_b),
                 Field("valid", torch.int64, max_b),
                 Field("temperature", torch.float32, max_b),
                 Field("top_k", torch.int64, max_b),
@@ -54,6 +57,7 @@ class UniformStep:
             ],
             dev,
         )
+        self.tables = DeviceTables(runner.shape.max_num_seqs, runner.shape.max_blocks_per_req, dev)
         self.fns = {v: self._body(v == "sample") for v in LOOP_VARIANTS}
         self.k = k
 
@@ -72,25 +76,22 @@ class UniformStep:
 
     def inputs(self, decodes, d: Dispatch, sampled: bool) -> dict:
         """Fill every buffer the step reads for `decodes` (padded as `d`) and send them to the device."""
-        r, k, b, buf = self.r, self.k, d.num_reqs, self.buffers
-        slices = [RequestSlice(x.block_table.blocks, x.num_computed, k + 1) for x in decodes]
-        meta, positions = r.target_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=b)
+        r, b, buf = self.r, d.num_reqs, self.buffers
+        if d.num_tokens != b * r.shapes.verify:
+            raise ValueError(f"a uniform step pads {b} requests to {b * r.shapes.verify} rows, not {d.num_tokens}")
+        self.tables.update(decodes)
         buf.fill("input_ids", [t for x in decodes for t in (x.tokens[-1], *x.drafts)], d.num_tokens)
-        buf.fill("slots", [x.slot for x in decodes], b, pad=r.shape.max_num_seqs)
+        buf.fill("slots", [x.slot for x in decodes], b, pad=self.tables.scratch)
+        buf.fill("lengths", [x.num_computed for x in decodes], b)
         buf.fill("valid", [1] * len(decodes), b)
-        fields = ["input_ids", "slots", "valid"]
+        fields = ["input_ids", "slots", "lengths", "valid"]
         if sampled:
             for f in SAMPLING_FIELDS:
                 values = [x.seed for x in decodes] if f == "seeds" else [getattr(x.params, f) for x in decodes]
                 buf.fill(f, values, b, pad=_SAMPLE_PAD[f])
             fields += list(SAMPLING_FIELDS)
-        x = {"positions": positions, **{f: getattr(meta, f) for f in META_FIELDS}}
+        x = {"tables": self.tables.tables}
         x.update({f: buf.view(f, d.num_tokens if f == "input_ids" else b) for f in fields})
-        if k and not r.proposer.hidden_kind:  # a draft model's first step: K + 2 rows per request
-            d1 = self.dispatch_first(d)
-            first = [RequestSlice(s.block_table, s.num_cached, k + 2) for s in slices]
-            dm, dp = r.draft_meta.build(first, num_tokens_padded=d1.num_tokens, num_reqs_padded=b)
-            x.update({"draft_positions": dp, **{f"draft_{f}": getattr(dm, f) for f in META_FIELDS}})
         buf.upload()
         return x
 
@@ -117,8 +118,8 @@ class UniformStep:
     def _body(self, sampled: bool):
         def step(x: dict) -> torch.Tensor:
             r, k = self.r, self.k
-            meta = AttentionMetadata(**{f: x[f] for f in META_FIELDS})
-            ids, pos, slots = x["input_ids"], x["positions"], x["slots"]
+            ids, slots = x["input_ids"], x["slots"]
+            pos, meta = uniform_metadata(x["tables"], slots, x["lengths"], x["valid"], k + 1, r.shape.block_size)
             b = slots.shape[0]
             hidden, aux = r.forwards.target_fn(ids, pos, meta, r.target_cache.layers, r.aux_layers)
             logits = r.target.compute_logits(hidden)  # every verify row (padding rows too: cheaper than a gather)
@@ -132,12 +133,12 @@ class UniformStep:
             q = r.proposer.draft_probs[slots] if sampled else None
             tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts)
             y = tokens.gather(1, accepted[:, None])[:, 0]
-            drafts = self._propose(x, meta, hidden, aux, accepted, y, sampled)
+            drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
             return torch.cat([accepted, tokens.flatten(), drafts.flatten()])
 
         return step
 
-    def _propose(self, x, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
+    def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
         """The K drafts [B, K] after acceptance: the drafter's first-step tokens from the accepted count, then
         the loop (runtime/proposer.py says which rows the first step reads)."""
         r, k, p = self.r, self.k, self.r.proposer
@@ -147,13 +148,12 @@ class UniformStep:
         if p.hidden_kind:  # row i pairs the hidden state at i with the token at i + 1
             drafts_pad = torch.cat([ids.view(b, k + 1)[:, 1:], y[:, None]], dim=1)
             tok = torch.where(j[:, : k + 1] < accepted[:, None], drafts_pad, y[:, None]).flatten()
-            d_pos, d_meta = x["positions"], meta
+            d_pos, d_meta = pos, meta
             h_in = torch.cat(aux, dim=-1) if p.aux else hidden
-        else:  # a draft model: its own tokens n..n+K+1, with y at n+a+1
+        else:  # a draft model: its own tokens n..n+K+1, with y at n+a+1 (K + 2 rows per request)
             dec = torch.cat([ids.view(b, k + 1), torch.zeros_like(y)[:, None]], dim=1)
             tok = torch.where(j == accepted[:, None] + 1, y[:, None], dec).flatten()
-            d_pos = x["draft_positions"]
-            d_meta = AttentionMetadata(**{f: x[f"draft_{f}"] for f in META_FIELDS})
+            d_pos, d_meta = uniform_metadata(x["tables"], slots, x["lengths"], x["valid"], k + 2, r.shape.block_size)
             h_in = None
         offset = 0 if p.hidden_kind else 1
         sample_rows = torch.arange(b, device=ids.device) * p.first_q + accepted + offset

@@ -36,8 +36,8 @@ def register_in_place(engine) -> None:
     builders = [runner.target_meta] + ([runner.draft_meta] if hasattr(runner, "draft_meta") else [])
     fields = ("slot_mapping", "token_req", "token_kv_len", "positions", "block_tables", "seq_lens", "query_start_loc")
     graphs.register_persistent(getattr(b, f) for b in builders for f in fields)
-    if runner.uniform is not None:  # the one-graph step's named buffers
-        graphs.register_persistent(runner.uniform.buffers.device_tensors())
+    if runner.uniform is not None:  # the one-graph step's named buffers and per-slot block tables
+        graphs.register_persistent([*runner.uniform.buffers.device_tensors(), runner.uniform.tables.tables])
 
 
 def step_sampling_calls(engine) -> list[dict]:
@@ -45,7 +45,8 @@ def step_sampling_calls(engine) -> list[dict]:
     FULL capture size B: its acceptance (greedy argmax, then the sampled variant's probabilities, over
     B x (K + 1) verify rows of the target's logits) and, when the draft loop runs unfused inside the step
     (fuse_draft_loop auto), the drafter's token choice (the same two over B rows of draft logits) and, on
-    CUDA, the metadata advance between its steps (one kernel variant for every row count). Compiled ahead in
+    CUDA, the metadata advance between its steps (one kernel variant for every row count), and on CUDA the step's
+    own metadata (ops/attention/uniform_metadata.py, a variant per rows-per-request). Compiled ahead in
     threads while the forwards are traced, instead of one after another at the step's first run (3-4 s of the
     built-in pair's cold start on an H100, docs/benchmarks.md, session 13). The argmax's kernels specialise
     on the row count (its chunk)."""
@@ -58,6 +59,15 @@ def step_sampling_calls(engine) -> list[dict]:
         vocab, dtype = engine.drafter.draft_vocab_size, engine.drafter.cfg.dtype
         shapes |= {(b, vocab, dtype) for b in rc.full_capture_sizes}
     calls = []
+    if engine.runner.uniform is not None and rc.device.type == "cuda":  # the step's metadata (elsewhere: torch ops)
+        import draftgraph.ops.attention.uniform_metadata  # noqa: F401  registers the op
+
+        tables = engine.runner.uniform.tables.tables
+        rows = {q} | ({q + 1} if engine.drafter is not None and not engine.runner.hidden_kind and q > 1 else set())
+        ints = tensor_arg((max(rc.full_capture_sizes),), torch.int64)
+        for width in sorted(rows):  # the verify's rows per request, and a draft model's first step's
+            calls.append(op_call("draftgraph::uniform_metadata", tensor_arg(tuple(tables.shape), torch.int32), ints,
+                                 ints, ints, width, rc.block_size))  # fmt: skip
     if unfused and rc.num_speculative_tokens > 1 and rc.device.type == "cuda":  # (elsewhere: torch ops)
         import draftgraph.ops.attention.triton_advance  # noqa: F401  registers the op
 

@@ -44,3 +44,33 @@ def test_replays_from_a_graph():
     ref_pos, ref = advance(tables, pos + 1, valid, 16)
     assert torch.equal(out_pos, ref_pos)
     assert all(torch.equal(getattr(meta, f), getattr(ref, f)) for f in META_FIELDS)
+
+
+@pytest.mark.parametrize("q", [1, 5, 6])
+@pytest.mark.parametrize("b", [1, 3, 64, 129])
+def test_uniform_metadata_kernel_equals_the_reference(b, q):
+    """The one-graph step's metadata (ops/attention/uniform_metadata.py): one kernel against the torch ops, at
+    batch sizes across the kernel's token block, padding rows (the scratch slot) included."""
+    from draftgraph.ops.attention.uniform_metadata import uniform_metadata, uniform_metadata_reference
+
+    g = torch.Generator().manual_seed(b * 10 + q)
+    width, bs, n_slots = 300, 16, 200  # rows wider than one BLOCK_W step
+    tables = torch.randint(0, 5000, (n_slots + 1, width), generator=g, dtype=torch.int32)
+    tables[n_slots] = 0
+    valid = (torch.rand(b, generator=g) < 0.8).long()
+    slots = torch.where(valid != 0, torch.randperm(n_slots, generator=g)[:b], n_slots)
+    lengths = torch.where(valid != 0, torch.randint(0, width * bs - q, (b,), generator=g), 0)
+    args = [t.cuda() for t in (tables, slots, lengths, valid)]
+    ref_pos, ref = uniform_metadata_reference(*args, q, bs)
+    got_pos, got = uniform_metadata(*args, q, bs)
+    assert torch.equal(got_pos, ref_pos)
+    for f in META_FIELDS:
+        r, x = getattr(ref, f), getattr(got, f)
+        assert x.dtype == r.dtype and x.shape == r.shape and torch.equal(x, r), f
+    graph = torch.cuda.CUDAGraph()  # and from a graph, on inputs changed in place
+    with torch.cuda.graph(graph):
+        out_pos, meta = uniform_metadata(*args, q, bs)
+    args[2].add_(1)
+    graph.replay()
+    ref_pos, ref = uniform_metadata_reference(*args, q, bs)
+    assert torch.equal(out_pos, ref_pos) and all(torch.equal(getattr(meta, f), getattr(ref, f)) for f in META_FIELDS)
