@@ -13,9 +13,9 @@ DRAFTGRAPH_TORCH_CUSTOM_OP=1   (no flag)           draftgraph's ops are defined 
 DRAFTGRAPH_UNFUSE_ADDMM=0      (no flag)           Inductor fuses residual adds into cuBLAS addmm (a copy of the
                                                    residual first) instead of keeping mm + add
                                                    (passes/unfuse_addmm.py): for comparisons
-DRAFTGRAPH_RACE_KERNEL=1       (no flag)           eager token draws on CUDA run the Triton exponential race
-                                                   (ops/sampling/triton_race.py) instead of torch ops over
-                                                   [N, V] noise: opt-in until measured on a GPU
+DRAFTGRAPH_RACE_KERNEL=0       (no flag)           eager token draws on CUDA run torch ops over [N, V] noise
+                                                   instead of the Triton exponential race
+                                                   (ops/sampling/triton_race.py): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -54,4 +54,4 @@ def unfuse_addmm() -> bool:
 
 
 def race_kernel() -> bool:
-    return os.environ.get("DRAFTGRAPH_RACE_KERNEL", "0") == "1"
+    return os.environ.get("DRAFTGRAPH_RACE_KERNEL", "1") != "0"

@@ -135,10 +135,10 @@ def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
         run_op_call(json.loads(json.dumps(call)), "cpu")
 
 
-def test_the_race_kernel_calls_join_when_opted_in(monkeypatch):
-    """With DRAFTGRAPH_RACE_KERNEL=1 the one-graph step's draws (the Triton race, ops/sampling/triton_race.py) are
-    seeded too: one row per request, per FULL capture size, over the target's and the unfused drafter's
-    vocabularies; without it, none."""
+def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch):
+    """The one-graph step's draws (the Triton race, ops/sampling/triton_race.py) are seeded too: one row per
+    request, per FULL capture size, over the target's and the unfused drafter's vocabularies; with
+    DRAFTGRAPH_RACE_KERNEL=0 (the torch ops), none."""
     from draftgraph.runtime.warmup import step_sampling_calls
 
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
@@ -146,8 +146,9 @@ def test_the_race_kernel_calls_join_when_opted_in(monkeypatch):
                               max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
                               progress=False)  # fmt: skip
     engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    monkeypatch.setenv("DRAFTGRAPH_RACE_KERNEL", "0")
     assert not any(c["op"] == "draftgraph::race_sample" for c in step_sampling_calls(engine))
-    monkeypatch.setenv("DRAFTGRAPH_RACE_KERNEL", "1")
+    monkeypatch.delenv("DRAFTGRAPH_RACE_KERNEL")
     race = [c for c in step_sampling_calls(engine) if c["op"] == "draftgraph::race_sample"]
     assert [c["args"][0]["tensor"]["shape"] for c in race] == [[1, 96], [2, 96], [8, 96]]  # one vocabulary here
     for call in race:

@@ -91,7 +91,7 @@ def source_hash() -> str:
 def config_fields(rc) -> dict[str, str]:
     """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
     skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason",
-            "compile_workers"}  # fmt: skip
+            "compile_workers", "overlap_steps"}  # fmt: skip
     return {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
 
 

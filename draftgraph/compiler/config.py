@@ -103,6 +103,9 @@ class CompileConfig:
     # FULL modes: a uniform decode batch's whole step (verify, LM head, acceptance, the K drafts) is one graph
     # (False: a verify graph, then the acceptance outside graphs, then the draft loop's graph or graphs).
     one_graph_step: bool = True
+    # With one_graph_step: in steady uniform decoding the next step is launched before the host reads the last
+    # one's tokens (the step advances its own inputs on the device), so the host's work overlaps the GPU's.
+    overlap_steps: bool = True
     check_addresses: bool = False  # debug: verify static input addresses at every graph replay
     dump_graphs_dir: str = ""  # write each pass's before/after graph here
     progress: bool = True  # progress bars for compile and capture
@@ -192,6 +195,7 @@ class ResolvedConfig:
     graphs_enabled: bool  # CUDA graphs are captured (a graph mode on a CUDA device)
     fuse_draft_loop: bool = False  # a FULL mode with a drafter and fusing on
     one_graph_step: bool = False  # a FULL mode with one_graph_step on
+    overlap_steps: bool = False  # one_graph_step with overlap_steps on
     lazy_capture: bool = False  # graphs are captured when a step first needs them (capture="lazy")
     compile_sizes: tuple[int, ...] = ()  # token counts with a per-size Inductor compile (opt-in)
     gpu_memory_utilization: float = 0.0  # > 0: the KV cache is sized from measured CUDA memory
@@ -309,6 +313,7 @@ def resolve(
         graphs_enabled=graphs,
         fuse_draft_loop=full and k > 0 and fuse_loop(config),
         one_graph_step=full and config.one_graph_step,
+        overlap_steps=full and config.one_graph_step and config.overlap_steps,
         lazy_capture=graphs and config.capture == "lazy",
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
         gpu_memory_utilization=util,

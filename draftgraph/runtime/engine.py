@@ -15,12 +15,13 @@ from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
-from draftgraph.runtime.scheduler import Scheduler
+from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
 from draftgraph.runtime.step import RunnerShape, StepRunner
 from draftgraph.runtime.step_writes import StepWrites
 from draftgraph.runtime.streaming import StreamDelta, stream_requests
 from draftgraph.runtime.text import decode_text, encode_prompt
+from draftgraph.runtime.uniform_step import Launched
 
 
 class Engine:
@@ -70,6 +71,7 @@ class Engine:
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
         self.lockstep = None  # runtime/lockstep.py: steps agreed with other data-parallel ranks (expert parallel)
+        self._pending: tuple[ScheduledBatch, Launched] | None = None  # a launched step not read yet (overlap_steps)
         self.reset_stats()
 
     def warm_up(self, lazy: bool | None = None) -> str:
@@ -137,7 +139,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it. With overlapped steps (`overlap_steps`), a
+        uniform decode step is launched and read at the next call, after the step that follows it is queued."""
+        if self._pending is not None:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         self._stats["preemptions"] += batch.num_preempted
         if self.lockstep is not None:  # one step shape with the other ranks; a dummy step when only they have work
@@ -147,14 +152,64 @@ class Engine:
         if self.states is not None:
             self.states.admit(batch.prefills)
         t0 = time.perf_counter()
-        result = self.runner.run(batch)
+        defer = self.config.overlap_steps and self.lockstep is None and not batch.prefills
+        result = self.runner.run(batch, defer=defer)
         self._stats["seconds"] += time.perf_counter() - t0
         self._stats["steps"] += 1
+        if isinstance(result, Launched):  # read at the next call, once the step after it is queued
+            self._pending = (batch, result)
+            self.last_step_tokens = []
+            return []
+        return self._apply(batch, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Queue the next step of the pending step's requests when nothing about the batch changes (no request
+        waits to join, none can reach max_tokens in the pending step, their blocks fit), then read the pending
+        step: the host's reading and bookkeeping overlap the queued step on the GPU."""
+        batch, launched = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        nxt = self.runner.relaunch(launched) if self._may_relaunch(launched) else None
+        result = self.runner.finish(launched)
+        self._stats["seconds"] += time.perf_counter() - t0
+        if nxt is not None:
+            self._stats["steps"] += 1
+            self._stats["overlapped_steps"] += 1
+            self._pending = (batch, nxt)
+        done = self._apply(batch, result)
+        if self._pending is not None and all(r.finish_reason is not None for r in nxt.decodes):
+            self._pending = None  # every request stopped in the step just read: the queued one is dropped
+            self.runner.finish(nxt)
+            self._stats["dropped_steps"] += 1
+        return done
+
+    def _may_relaunch(self, launched: Launched) -> bool:
+        """Whether the step after `launched` (not yet read) runs the same batch: nothing waits to join, no
+        request may reach max_tokens within `launched` (a stop token still may: its next step is dropped), and
+        every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here)."""
+        if self.scheduler.waiting:
+            return False
+        k1, writes = self.k + 1, self.scheduler.writes
+        for r in launched.decodes:
+            if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
+                return False
+        need = [(r, writes.slots(r.num_computed + k1, writes.decode_rows, True)) for r in launched.decodes]
+        if sum(r.block_table.blocks_needed(n) for r, n in need) > self.allocator.num_free:
+            return False
+        for r, n in need:
+            r.block_table.ensure_capacity(n)
+        return True
+
+    def _apply(self, batch, result) -> list[RequestOutput]:
+        """A step's outcome into its requests: tokens, drafts, lengths, statistics; the finished ones leave.
+        Requests that stopped in the step before (an overlapped step ran them once more) are skipped."""
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
         done = []
         self.last_step_tokens = []
         for i, req in enumerate(result.sampled):
+            if req.finish_reason is not None:
+                continue
             emitted = result.emitted[i]
             if i < len(result.accepted):  # a decode: the last token and `accepted` drafts now have KV
                 a = result.accepted[i]
@@ -222,6 +277,8 @@ class Engine:
             "generated_tokens": 0,
             "acceptance_histogram": [0] * (self.k + 1),
             "preemptions": 0,
+            "overlapped_steps": 0,  # steps launched before the host read the step before them (overlap_steps)
+            "dropped_steps": 0,  # of those, steps whose every request had stopped in the step before
             "seconds": 0.0,
         }
         self.runner.forwards.reset()

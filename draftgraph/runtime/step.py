@@ -30,7 +30,7 @@ from draftgraph.runtime.request import Request
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.scheduler import ScheduledBatch
 from draftgraph.runtime.step_inputs import HostCopy
-from draftgraph.runtime.uniform_step import UniformStep
+from draftgraph.runtime.uniform_step import Launched, UniformStep
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ class StepRunner:
     # ---- the step --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> StepResult:
+    def run(self, batch: ScheduledBatch, defer: bool = False) -> StepResult | Launched:
+        """Run `batch`'s step and read its outcome; with `defer`, a uniform batch's one-graph step is only
+        launched (a `Launched` that `finish` reads later, after `relaunch` may have queued the next step)."""
         k, dev = self.k, self.device
         decodes, chunks = batch.decodes, batch.prefills
         last_chunks = [c for c in chunks if c.last]
@@ -161,7 +163,8 @@ class StepRunner:
         if uniform is not None and self.uniform is not None:
             d = self.dispatcher.dispatch(BatchDescriptor(nd * uniform, nd, uniform))
             if self.uniform.applies(d):
-                return self._uniform_result(decodes, *self.uniform.run(decodes, d))
+                launched = self.uniform.launch(decodes, d)
+                return launched if defer else self.finish(launched)
         if self.uniform is not None:  # requests may join, leave or lose their blocks in a step the rows do not see
             self.uniform.tables.invalidate()
 
@@ -215,6 +218,15 @@ class StepRunner:
         emitted = [dec_flat[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)] + [[t] for t in pre]
         drafts = [host[i * k : (i + 1) * k] for i in range(len(sampled))] if k else [[] for _ in sampled]
         return StepResult(sampled, emitted, acc, drafts)
+
+    @torch.no_grad()
+    def relaunch(self, last: Launched) -> Launched:
+        """The next one-graph step of `last`'s requests, queued before `last` is read (UniformStep.relaunch)."""
+        return self.uniform.relaunch(last)
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for a launched step's packed result (the step's one wait) and unpack it."""
+        return self._uniform_result(launched.decodes, self.host.wait(launched.ticket), launched.num_reqs)
 
     def _uniform_result(self, decodes, host: list[int], b: int) -> StepResult:
         """StepResult from the one-graph step's packed result [accepted | tokens | drafts] at b padded requests."""

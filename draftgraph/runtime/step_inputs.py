@@ -75,24 +75,46 @@ class StepBuffers:
 
 
 class HostCopy:
-    """Device results to the host through one pinned buffer; `waits` counts the host's waits on the device."""
+    """Device results to the host through pinned buffers; `waits` counts the host's waits on the device.
+
+    Two buffers, used in turn: a step's copy may be in flight (`start`) while the host still reads the one
+    before it (`wait`), which is what an overlapped step needs (runtime/engine.py launches step n + 1 before
+    it reads step n). At most two copies may be outstanding."""
 
     def __init__(self, capacity: int, device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._buf = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda)
-        self._event = torch.cuda.Event() if self.cuda else None
+        self._bufs = [torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self._next = 0
+        self._outstanding: list[int] = []  # buffer indices started and not yet waited for
         self.waits = 0
+
+    def start(self, t: torch.Tensor) -> tuple:
+        """Begin copying `t` (1-D int64 on the device) to a pinned buffer; returns the ticket `wait` takes."""
+        if len(self._outstanding) == 2:
+            raise RuntimeError("HostCopy holds two copies the host has not read; wait for one before a third")
+        i, n = self._next, t.numel()
+        self._next = 1 - i
+        self._outstanding.append(i)
+        if not self.cuda:
+            return i, t.tolist()
+        if n > self._bufs[i].numel():
+            self._bufs[i] = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+        self._bufs[i][:n].copy_(t, non_blocking=True)
+        self._events[i].record()
+        return i, n
+
+    def wait(self, ticket: tuple) -> list[int]:
+        """The values of a started copy as a Python list, after waiting for that copy alone."""
+        i, n = ticket
+        self._outstanding.remove(i)
+        self.waits += 1
+        if not self.cuda:
+            return n  # the list itself
+        self._events[i].synchronize()
+        return self._bufs[i][:n].numpy().tolist()
 
     def fetch(self, t: torch.Tensor) -> list[int]:
         """`t` (1-D int64 on the device) as a Python list, after waiting for its copy alone."""
-        n = t.numel()
-        if n > self._buf.numel():
-            self._buf = torch.zeros(n, dtype=torch.int64, pin_memory=self.cuda)
-        self.waits += 1
-        if not self.cuda:
-            return t.tolist()
-        self._buf[:n].copy_(t, non_blocking=True)
-        self._event.record()
-        self._event.synchronize()
-        return self._buf[:n].numpy().tolist()
+        return self.wait(self.start(t))

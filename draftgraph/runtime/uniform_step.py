@@ -18,6 +18,8 @@ the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftgraph.compiler.build import LOOP_VARIANTS
@@ -30,6 +32,19 @@ from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.step_inputs import Field, StepBuffers
+
+
+@dataclass
+class Launched:
+    """A one-graph step launched on the device: its requests, padded request count, graph key and inputs, and
+    the ticket of its packed result's copy to the host (`HostCopy.wait`)."""
+
+    decodes: list
+    num_reqs: int
+    key: GraphKey
+    x: dict
+    ticket: tuple | None
+
 
 # Row sampling parameters when every request is greedy: nothing reads the tensors (all_greedy is host-known).
 _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-type]
@@ -95,13 +110,26 @@ class UniformStep:
         buf.upload()
         return x
 
-    def run(self, decodes, d: Dispatch) -> tuple[list[int], int]:
-        """Run the step for `decodes`; returns the packed result on the host and the padded request count."""
+    def launch(self, decodes, d: Dispatch) -> Launched:
+        """Run the step for `decodes` from the host's view of them; its packed result starts its copy to the
+        host (`HostCopy.start`), which `Launched.ticket` waits for."""
         sampled = not all(x.params.temperature <= 0 for x in decodes)
         variant = LOOP_VARIANTS[1 if sampled else 0]
         x = self.inputs(decodes, d, sampled)
-        packed = self.r.forwards.step(GraphKey.step(self.r.shapes.verify, d.num_reqs, variant), x, self.fns[variant])
-        return self.r.host.fetch(packed), d.num_reqs
+        key = GraphKey.step(self.r.shapes.verify, d.num_reqs, variant)
+        return self._replay(Launched(list(decodes), d.num_reqs, key, x, None))
+
+    def relaunch(self, last: Launched) -> Launched:
+        """The next step of the same requests, launched before the host has read `last`: the step advanced its
+        own inputs (next tokens and lengths) on the device, so nothing is sent but blocks the requests gained
+        (their tables must hold this step's rows: runtime/engine.py grows them first)."""
+        self.tables.update(last.decodes)
+        return self._replay(Launched(last.decodes, last.num_reqs, last.key, last.x, None))
+
+    def _replay(self, step: Launched) -> Launched:
+        packed = self.r.forwards.step(step.key, step.x, self.fns[step.key.variant])
+        step.ticket = self.r.host.start(packed)
+        return step
 
     def dummy(self, num_reqs: int) -> None:
         """Run (capturing while allowed) both variants at `num_reqs` padded requests, on padding only."""
@@ -128,15 +156,28 @@ class UniformStep:
             st = SamplingTensors(*(x[f] for f in SAMPLING_FIELDS), greedy_rows=(False,)) if sampled else _GREEDY
             if not k:
                 tokens = sample(logits[:, 0], st, predicts[:, 0])
-                return torch.cat([torch.zeros_like(tokens), tokens])
+                accepted = torch.zeros_like(tokens)
+                self._advance(x, accepted, tokens)
+                return torch.cat([accepted, tokens])
             draft_ids = ids.view(b, k + 1)[:, 1:]
             q = r.proposer.draft_probs[slots] if sampled else None
             tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts)
             y = tokens.gather(1, accepted[:, None])[:, 0]
             drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
-            return torch.cat([accepted, tokens.flatten(), drafts.flatten()])
+            packed = torch.cat([accepted, tokens.flatten(), drafts.flatten()])
+            self._advance(x, accepted, torch.cat([y[:, None], drafts], dim=1).flatten())
+            return packed
 
         return step
+
+    @staticmethod
+    def _advance(x: dict, accepted: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """The step's own inputs for the next step of the same requests, in place: each request's next verify
+        tokens (its new token, then its new drafts) and its cached length (+ accepted + 1; padding rows stay at
+        0). An overlapped step (`relaunch`) reads them; otherwise the host rewrites them first."""
+        lengths = x["lengths"]
+        lengths.add_(torch.where(x["valid"] != 0, accepted + 1, torch.zeros_like(accepted)))
+        x["input_ids"].copy_(next_ids)
 
     def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
         """The K drafts [B, K] after acceptance: the drafter's first-step tokens from the accepted count, then

@@ -84,7 +84,7 @@ def step_sampling_calls(engine) -> list[dict]:
         calls.append(op_call("draftgraph::argmax_rows", logits))
         params = [tensor_arg((rows,), d) for d in (torch.float32, torch.int64, torch.float32)]
         calls.append(op_call("draftgraph::sampling_probs", logits, *params))  # temperature, top_k, top_p
-    if envs.race_kernel():  # the draws (the opt-in Triton race on CUDA): one row per request
+    if envs.race_kernel():  # the draws (the Triton race on CUDA unless DRAFTGRAPH_RACE_KERNEL=0): one row per request
         vocabs = {target.cfg.vocab_size} | ({engine.drafter.draft_vocab_size} if unfused else set())
         for b, vocab in sorted((b, v) for b in rc.full_capture_sizes for v in vocabs):
             ints = tensor_arg((b,), torch.int64)

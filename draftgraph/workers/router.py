@@ -23,6 +23,8 @@ SUMMED = (
     "preemptions",
     "fallbacks",
     "dummy_steps",
+    "overlapped_steps",
+    "dropped_steps",
 )
 
 

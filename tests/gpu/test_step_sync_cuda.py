@@ -2,7 +2,8 @@
 
 Under `torch.cuda.set_sync_debug_mode("error")` any implicit synchronisation (a blocking copy, `.item()`,
 `.tolist()` of a device tensor, a data-dependent shape) raises; the step's one wait is its explicit event
-wait for the packed result (`HostCopy.waits`). Greedy and sampled, speculative and plain decoding.
+wait for the packed result (`HostCopy.waits`). Greedy and sampled, speculative and plain decoding, overlapped
+(the next step queued before the last is read) and serial.
 """
 
 import pytest
@@ -21,11 +22,16 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
 
 
-@pytest.mark.parametrize("kind", ["eagle", "draft_model", None])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_steady_state_step_waits_once(target, kind, temperature):
+CASES = [(kind, t, True) for kind in ("eagle", "draft_model", None) for t in (0.0, 0.8)] + [("eagle", 0.8, False)]
+
+
+@pytest.mark.parametrize("kind,temperature,overlap", CASES)
+def test_steady_state_step_waits_once(target, kind, temperature, overlap):
+    """Overlapped (the default), the first uniform step is only launched; every later one queues the next step
+    and then waits once, for the step before it, so one step is always in flight. Serial, each waits once."""
     k = 3 if kind else 0
     cfg = dg.CompileConfig(
+        overlap_steps=overlap,
         mode="FULL_AND_PIECEWISE",
         num_speculative_tokens=k,
         max_num_seqs=8,
@@ -45,10 +51,11 @@ def test_steady_state_step_waits_once(target, kind, temperature):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(6):
+        for i in range(6):
             before = host.waits
             eng.step()
-            assert host.waits == before + 1  # the packed result's copy: the step's one wait
+            assert host.waits == before + (0 if overlap and i == 0 else 1)  # the packed result's copy
+            assert (eng._pending is not None) == overlap
     finally:
         torch.cuda.set_sync_debug_mode(0)
     hits = eng.runner.forwards.hits
