@@ -7,12 +7,13 @@ speed):
 * plain decode (no drafter): target layers + LM head, plus KV.
 
 Variants, compiled in this one process and measured side by side:
-* `one graph`: CompileConfig(one_graph_step=True), the default: verify, LM head, acceptance and the K
-  drafts in one CUDA graph per step;
-* `two graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph.
-Then a profiler pass over steady steps of the one-graph engine: graph replays and kernels outside graphs.
+* `overlap`: the default: verify, LM head, acceptance and the K drafts in one CUDA graph per step, and the
+  next step launched before the host reads the last one (CompileConfig.overlap_steps);
+* `serial`: the one graph per step, each read before the next is launched (overlap_steps=False);
+* `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph.
+Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
-Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512]
+Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ from scripts.bench_full import step_time
 from scripts.bench_piecewise import build_pair, copy_bandwidth, layer_bytes, target_layer_bytes
 from scripts.profile_step import engine as full_engine
 
+VARIANTS = {  # name: CompileConfig fields
+    "overlap": dict(one_graph_step=True, overlap_steps=True),
+    "serial": dict(one_graph_step=True, overlap_steps=False),
+    "2 graphs": dict(one_graph_step=False),
+}
 
-def engine(target, drafter, sizes, k, ctx, one_graph: bool):
+
+def engine(target, drafter, sizes, k, ctx, variant: str):
     t0 = time.perf_counter()
-    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, one_graph_step=one_graph)
-    name = f"{'spec' if drafter is not None else 'plain'} {'one graph' if one_graph else 'two graphs'}"
+    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **VARIANTS[variant])
+    name = f"{'spec' if drafter is not None else 'plain'} {variant}"
     print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
     return eng
 
@@ -43,42 +50,39 @@ def main():
     ap.add_argument("--sizes", default="1,8,32,128")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}; the first is profiled")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    variants = args.variants.split(",")
     k, ctx = args.k, args.context
     target, drafter = build_pair()
     bw = copy_bandwidth()
-    engines = {
-        (kind, one): engine(target, d, sizes, k, ctx, one)
-        for kind, d in (("spec", drafter), ("plain", None))
-        for one in (True, False)
-    }
+    with dg.shared_compile_workers():  # the engines share their compiled pieces: each is compiled once
+        engines = {(kind, v): engine(target, d, sizes, k, ctx, v) for kind, d in (("spec", drafter), ("plain", None))
+                   for v in variants}  # fmt: skip
     head = target.head_weight.numel() * target.head_weight.element_size()
     t_bytes, d_bytes = target_layer_bytes(target) + head, layer_bytes(drafter) + head
     print(
         f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy bandwidth "
         f"{bw / 1e9:.0f} GB/s; context {ctx}, K={k}; target {t_bytes / 2**30:.2f} GiB, drafter step "
-        f"{d_bytes / 2**30:.2f} GiB (LM head included); wall ms per step (median)"
+        f"{d_bytes / 2**30:.2f} GiB (LM head included); wall ms per engine.step() (median of 30), then each "
+        f"variant over its floor (weights and KV read once over the copy bandwidth)"
     )
-    hdr = (
-        f"{'B':>4} | {'spec 1 graph':>12} {'2 graphs':>8} {'floor':>6} {'1g/floor':>8} {'2g/1g':>6} | "
-        f"{'plain 1 graph':>13} {'2 graphs':>8} {'floor':>6} {'1g/floor':>8} {'2g/1g':>6}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    for b in sizes:
-        kv = 2 * b * ctx * target.cfg.num_kv_heads * target.cfg.head_dim * 2  # K and V of one layer, bf16
-        plain_floor = (t_bytes + target.cfg.num_layers * kv) / bw * 1e3
-        spec_floor = plain_floor + k * (d_bytes + kv) / bw * 1e3
-        t = {key: step_time(e, b, k, ctx)[0] for key, e in engines.items()}
-        s1, s2, p1, p2 = t["spec", True], t["spec", False], t["plain", True], t["plain", False]
-        print(
-            f"{b:>4} | {s1:>12.3f} {s2:>8.3f} {spec_floor:>6.3f} {s1 / spec_floor:>8.2f} {s2 / s1:>6.2f} | "
-            f"{p1:>13.3f} {p2:>8.3f} {plain_floor:>6.3f} {p1 / plain_floor:>8.2f} {p2 / p1:>6.2f}"
-        )
-    for key in (("spec", True), ("plain", True)):
-        eng = engines[key]
-        print(f"\n{key[0]}, one graph: forwards by artifact {eng.stats()['dispatch']}")
+    for kind in ("spec", "plain"):
+        hdr = f"{kind:>5} B | " + " ".join(f"{v:>9}" for v in variants) + f" {'floor':>7} | "
+        hdr += " ".join(f"{v + '/fl':>11}" for v in variants)
+        print(hdr + "\n" + "-" * len(hdr))
+        for b in sizes:
+            kv = 2 * b * ctx * target.cfg.num_kv_heads * target.cfg.head_dim * 2  # K and V of one layer, bf16
+            floor = (t_bytes + target.cfg.num_layers * kv) / bw * 1e3
+            if kind == "spec":
+                floor += k * (d_bytes + kv) / bw * 1e3
+            t = [step_time(engines[kind, v], b, k, ctx)[0] for v in variants]
+            print(f"{b:>7} | " + " ".join(f"{x:>9.3f}" for x in t) + f" {floor:>7.3f} | "
+                  + " ".join(f"{x / floor:>11.2f}" for x in t))  # fmt: skip
+    for kind in ("spec", "plain"):
+        eng = engines[kind, variants[0]]
+        print(f"\n{kind}, {variants[0]}: forwards by artifact {eng.stats()['dispatch']}")
         for i in range(4):
             eng.add_request([1 + i] * 16, dg.SamplingParams(max_tokens=40, ignore_eos=True))
         eng.step()
