@@ -154,9 +154,9 @@ def test_long_prompts_prefill_in_chunks_beside_decodes(target):
     steps = []
     orig = eng.runner.run
 
-    def spy(batch):
+    def spy(batch, **kw):
         steps.append((len(batch.decodes), [c.num_tokens for c in batch.prefills]))
-        return orig(batch)
+        return orig(batch, **kw)
 
     eng.runner.run = spy
     outs = eng.generate(prompts, params, arrival_steps=[0, 0, 2, 5])

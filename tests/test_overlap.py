@@ -50,15 +50,16 @@ def run(target, drafter, mode, sampled, stops, **kw):
 def test_overlapped_steps_give_the_same_tokens(target, kind, sampled):
     drafter = make_drafter(kind, target) if kind else None
     ref, ref_stats, _ = run(target, drafter, "NONE", sampled, stops=True)
-    one_by_one, serial, _ = run(target, drafter, "FULL_AND_PIECEWISE", sampled, stops=True, overlap_steps=False)
     got, stats, eng = run(target, drafter, "FULL_AND_PIECEWISE", sampled, stops=True)
-    assert got == ref == one_by_one
+    assert got == ref
     assert any(reason == "stop" for _, reason in got) and any(reason == "length" for _, reason in got)
-    assert serial["overlapped_steps"] == 0 and eng.config.overlap_steps
-    assert stats["overlapped_steps"] > stats["steps"] // 3  # most steady steps were queued ahead
+    assert eng.config.overlap_steps and stats["overlapped_steps"] > stats["steps"] // 3  # most steps queued ahead
     assert stats["generated_tokens"] == ref_stats["generated_tokens"]
     if kind is not None and not sampled:  # greedy acceptance is the tokens': the same in every run
-        assert stats["accepted_tokens"] == serial["accepted_tokens"] == ref_stats["accepted_tokens"]
+        assert stats["accepted_tokens"] == ref_stats["accepted_tokens"]
+    if kind == "eagle":  # and serial steps (each read before the next is launched) give them too
+        one_by_one, serial, _ = run(target, drafter, "FULL_AND_PIECEWISE", sampled, stops=True, overlap_steps=False)
+        assert one_by_one == got and serial["overlapped_steps"] == 0
     # every launched step is read once: the runner's copies are all waited for, one wait per step
     assert eng.runner.host.waits == stats["steps"] and eng._pending is None
     assert not eng.has_unfinished()

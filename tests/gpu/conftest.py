@@ -78,7 +78,7 @@ def pytest_unconfigure(config):
     _SESSION.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def side_reference():
     """`side_reference(fn)`: what `fn()` returned in its side process (waiting for it), or `fn()` run here
     when no side process runs it (tests/gpu/side_process.py)."""
