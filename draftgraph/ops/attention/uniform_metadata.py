@@ -71,19 +71,20 @@ def _uniform_kernel(tables, stride_t, slots, lengths, valid, pos_out, slot_out, 
         tl.store(slot_out + t, tl.where(ok, blk * BLOCK_SIZE + p % BLOCK_SIZE, -1), mask=m)
         tl.store(req_out + t, r.to(tl.int32), mask=m)
         tl.store(kv_out + t, tl.where(ok, p + 1, 0).to(tl.int32), mask=m)
-    else:  # per request: its block-table row, sequence length and query start
-        r = pid - token_programs
-        s = tl.load(slots + r)
-        ok = tl.load(valid + r) != 0
-        seq = tl.where(ok, tl.load(lengths + r) + Q, 0)
-        tl.store(seq_out + r, seq.to(tl.int32))
-        tl.store(qsl_out + r, (r * Q).to(tl.int32))
-        if r == B - 1:
+    else:  # per request: its block-table row, sequence length and query start (names of their own: Triton
+        # needs a name to keep one type across both branches)
+        req = pid - token_programs
+        req_slot = tl.load(slots + req)
+        real = tl.load(valid + req) != 0
+        seq = tl.where(real, tl.load(lengths + req) + Q, 0)
+        tl.store(seq_out + req, seq.to(tl.int32))
+        tl.store(qsl_out + req, (req * Q).to(tl.int32))
+        if req == B - 1:
             tl.store(qsl_out + B, (B * Q).to(tl.int32))
         for start in range(0, W, BLOCK_W):
             w = start + tl.arange(0, BLOCK_W)
-            row = tl.load(tables + s * stride_t + w, mask=w < W, other=0)
-            tl.store(rows_out + r.to(tl.int64) * W + w, row, mask=w < W)
+            row = tl.load(tables + req_slot * stride_t + w, mask=w < W, other=0)
+            tl.store(rows_out + req.to(tl.int64) * W + w, row, mask=w < W)
 
 
 def uniform_metadata_kernel(
