@@ -122,7 +122,7 @@ def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
                               max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
                               progress=False, fuse_draft_loop=fuse)  # fmt: skip
     engine = dg.compile_model(target, make_drafter("eagle", target), config)
-    calls = step_sampling_calls(engine)
+    calls = [c for c in step_sampling_calls(engine) if c["op"] != "draftgraph::race_sample"]  # (the next test's)
     sizes = sorted(engine.config.full_capture_sizes)
     rows = sorted({b * 4 for b in sizes} | (set(sizes) if fuse == "auto" else set()))  # (8 rows: both, once)
     assert rows == ([1, 2, 4, 8, 32] if fuse == "auto" else [4, 8, 32])

@@ -108,7 +108,7 @@ def test_more_requests_run_than_worst_case_reservation_admits(target):
     eng = engine(target, "eagle", blocks=16)
     running = []
     run = eng.runner.run
-    eng.runner.run = lambda batch: running.append(len(batch.decodes) + len(batch.prefills)) or run(batch)
+    eng.runner.run = lambda batch, **kw: running.append(len(batch.decodes) + len(batch.prefills)) or run(batch, **kw)
     outs = [o.token_ids for o in eng.generate(prompts, params)]
     assert max(running) >= 5 > 16 // 8
     assert eng.stats()["preemptions"] > 0

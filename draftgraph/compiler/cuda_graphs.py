@@ -124,7 +124,9 @@ class CapturedGraph:
         self.inputs = [a if s or not isinstance(a, torch.Tensor) else strided_copy(a) for a, s in zip(args, in_place)]
         self.addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         self.shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
-        fn(self.inputs)  # warm-up outside capture: autotuning and lazy initialisation happen here
+        # Warm-up outside capture: autotuning and lazy initialisation happen here. Its outputs are this call's
+        # (`take_warm_outputs`): a function that advances its own inputs (the one-graph step) must run once per call.
+        self.warm_outputs = fn(self.inputs)
         # What `with torch.cuda.graph(...)` does, less its torch.cuda.empty_cache() at every capture: hundreds of
         # captures in a row would each hand the allocator's cached blocks back to the driver, and the next
         # warm-up would allocate them again (vLLM captures with empty_cache disabled for the same reason).
@@ -136,6 +138,11 @@ class CapturedGraph:
                 self.outputs = fn(self.inputs)
             finally:
                 self.graph.capture_end()
+
+    def take_warm_outputs(self):
+        """The warm-up run's outputs, once (then dropped: the graph keeps only its own)."""
+        out, self.warm_outputs = self.warm_outputs, None
+        return out
 
     def replay(self, args: list, check: bool, names=None):
         for i, a in enumerate(args):
@@ -233,6 +240,7 @@ class CudaGraphs:
                     "(CudaGraphs.register_static); refusing to capture copies of weights"
                 )
             graph = self._capture(key, lambda xs: code(*xs), list(args), static, static)
+            graph.take_warm_outputs()  # pieces are replayed now (they write nothing but what the replay rewrites)
             self.counters.static_buffer_bytes += sum(
                 a.numel() * a.element_size() for a, s in zip(args, static) if isinstance(a, torch.Tensor) and not s
             )
@@ -256,6 +264,11 @@ class CudaGraphs:
                     return call(dict(zip(names, xs)))
 
             graph = self._capture(key, fn, list(inputs.values()), static, weights_and_caches)
+            # The warm-up before the capture ran this call already: its outputs are the call's, not a replay's
+            # (a whole step advances its own inputs in place: replaying now would run it twice). Counted as the
+            # graph's first run.
+            self.counters.graph_replays[key.name] += 1
+            return graph.take_warm_outputs()
         if graph is None:  # not captured (outside capture, or lazily not yet): the compiled code itself
             self.counters.compiled_runs[key.name] += 1
             return call(inputs)

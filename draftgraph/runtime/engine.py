@@ -140,15 +140,20 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it. With overlapped steps (`overlap_steps`), a
-        uniform decode step is launched and read at the next call, after the step that follows it is queued."""
+        uniform decode step is launched and read at the next call, after the step that follows it is queued; a
+        call whose pending step cannot be followed by the same batch reads it, then schedules and runs a step."""
+        self.last_step_tokens = []
+        done = []
         if self._pending is not None:
-            return self._step_overlapped()
+            done = self._step_overlapped()
+            if self._pending is not None:  # the next step is queued: this call's step
+                return done
         batch = self.scheduler.schedule()
         self._stats["preemptions"] += batch.num_preempted
         if self.lockstep is not None:  # one step shape with the other ranks; a dummy step when only they have work
             self.lockstep.agree(batch)
         if batch.empty:
-            return []
+            return done
         if self.states is not None:
             self.states.admit(batch.prefills)
         t0 = time.perf_counter()
@@ -158,9 +163,8 @@ class Engine:
         self._stats["steps"] += 1
         if isinstance(result, Launched):  # read at the next call, once the step after it is queued
             self._pending = (batch, result)
-            self.last_step_tokens = []
-            return []
-        return self._apply(batch, result)
+            return done
+        return done + self._apply(batch, result)
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Queue the next step of the pending step's requests when nothing about the batch changes (no request
@@ -206,7 +210,6 @@ class Engine:
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
         done = []
-        self.last_step_tokens = []
         for i, req in enumerate(result.sampled):
             if req.finish_reason is not None:
                 continue
