@@ -37,6 +37,7 @@ def _config(args, **over):
         use_cuda_graphs=not args.no_cuda_graphs,
         capture=args.capture,
         fuse_draft_loop=_FUSE[args.fuse_draft_loop],
+        overlap_steps=not getattr(args, "no_overlap_steps", False),
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
@@ -171,6 +172,11 @@ def print_report(s: dict) -> None:
         print(f"  replica {d}: steps {r['steps']}, tokens {r['generated_tokens']}, dummy steps {r['dummy_steps']}")
     if s.get("preemptions"):
         print(f"preemptions {s['preemptions']} (the KV cache ran out: requests were recomputed)")
+    if s.get("overlapped_steps"):
+        print(
+            f"overlapped steps {s['overlapped_steps']} (launched before the step ahead of them was read; "
+            f"{s['dropped_steps']} dropped: every request had stopped)"
+        )
     if k:
         total = max(1, s["verify_steps"])
         print(f"acceptance histogram (accepted drafts per verify step, K={k}):")

@@ -112,6 +112,12 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         "or run the loop around the compiled drafter step (off); auto: on only without the one-graph step",
     )
     p.add_argument(
+        "--no-overlap-steps",
+        action="store_true",
+        help="read each uniform decode step before launching the next (default: the next step is queued first, "
+        "so the host's work overlaps the GPU's)",
+    )
+    p.add_argument(
         "--check-addresses",
         action="store_true",
         default=envs.check_addresses(),

@@ -44,6 +44,7 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     args = parser.parse_args(["generate", "--max-model-len", "128", "--gpu-memory-utilization", "0.5"])
     config = _config(args)
     assert config.mode == "auto" and config.max_model_len == 128 and config.gpu_memory_utilization == 0.5
+    assert config.overlap_steps and not _config(parser.parse_args(["generate", "--no-overlap-steps"])).overlap_steps
 
 
 @pytest.mark.parametrize(
