@@ -10,7 +10,8 @@ Variants, compiled in this one process and measured side by side:
 * `overlap`: the default: verify, LM head, acceptance and the K drafts in one CUDA graph per step, and the
   next step launched before the host reads the last one (CompileConfig.overlap_steps);
 * `serial`: the one graph per step, each read before the next is launched (overlap_steps=False);
-* `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph.
+* `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph;
+* `torch norms`: `overlap` with RMSNorm and the residual adds as torch ops (DRAFTGRAPH_NORM_KERNEL=0).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -19,6 +20,7 @@ Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512]
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -34,12 +36,25 @@ VARIANTS = {  # name: CompileConfig fields
     "overlap": dict(one_graph_step=True, overlap_steps=True),
     "serial": dict(one_graph_step=True, overlap_steps=False),
     "2 graphs": dict(one_graph_step=False),
+    # the overlapped step with RMSNorm and the residual adds as torch ops (Inductor's kernels), not ops/norm's
+    "torch norms": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "0"}),
 }
 
 
 def engine(target, drafter, sizes, k, ctx, variant: str):
     t0 = time.perf_counter()
-    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **VARIANTS[variant])
+    fields = dict(VARIANTS[variant])
+    env = fields.pop("env", {})
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # read while the forwards are traced
+    try:
+        eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **fields)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     name = f"{'spec' if drafter is not None else 'plain'} {variant}"
     print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
     return eng

@@ -44,6 +44,8 @@ KERNEL_OPS = frozenset(
         "argmax_rows",
         "sampling_probs",
         "moe_experts",
+        "rms_norm",
+        "add_rms_norm",
     }
 )
 log = logging.getLogger("draftgraph")

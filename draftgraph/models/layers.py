@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
+import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms_norm and add_rms_norm)
+from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.parallel import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
@@ -15,8 +17,8 @@ from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, the product in x's dtype (Llama); `zero_centered`: x / rms(x) * (1 + w) in float32,
-    then cast (Qwen3.5, whose w is stored around 0)."""
+    """x / rms(x) * w, the product in x's dtype (Llama: `draftgraph::rms_norm`, one Triton kernel on CUDA);
+    `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is stored around 0)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -25,11 +27,21 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered and envs.norm_kernel():
+            return torch.ops.draftgraph.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, the norm of it): the residual add and the norm in one kernel on CUDA
+        (DRAFTGRAPH_NORM_KERNEL=0: torch ops, for comparisons)."""
+        if not self.zero_centered and envs.norm_kernel():
+            return torch.ops.draftgraph.add_rms_norm(x, residual, self.weight, self.eps)
+        s = x + residual
+        return s, self(s)
 
 
 class Attention(nn.Module):
@@ -114,8 +126,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp=tp)
 
     def forward(self, x, cos, sin, meta, kv):
-        h = x + self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)
-        return h + self.mlp(self.post_norm(h))
+        a = self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)
+        h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h): one kernel on CUDA
+        return h + self.mlp(n)
 
 
 def rope_lookup(table: torch.Tensor, positions: torch.Tensor):
