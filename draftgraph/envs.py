@@ -16,9 +16,11 @@ DRAFTGRAPH_UNFUSE_ADDMM=0      (no flag)           Inductor fuses residual adds 
 DRAFTGRAPH_RACE_KERNEL=0       (no flag)           eager token draws on CUDA run torch ops over [N, V] noise
                                                    instead of the Triton exponential race
                                                    (ops/sampling/triton_race.py): for comparisons
-DRAFTGRAPH_NORM_KERNEL=0       (no flag)           RMSNorm and the residual add as torch ops (Inductor's kernels
-                                                   when compiled) instead of draftgraph::rms_norm /
-                                                   add_rms_norm (ops/norm): for comparisons
+DRAFTGRAPH_NORM_KERNEL=1       (no flag)           RMSNorm and the decoder layer's residual add run as
+                                                   draftgraph::rms_norm / add_rms_norm (ops/norm: one Triton
+                                                   kernel each on CUDA) instead of torch ops (Inductor's kernels
+                                                   when compiled): opt-in until a side-by-side measurement
+                                                   shows the step faster
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -61,4 +63,4 @@ def race_kernel() -> bool:
 
 
 def norm_kernel() -> bool:
-    return os.environ.get("DRAFTGRAPH_NORM_KERNEL", "1") != "0"
+    return os.environ.get("DRAFTGRAPH_NORM_KERNEL", "0") == "1"

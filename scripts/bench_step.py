@@ -11,7 +11,7 @@ Variants, compiled in this one process and measured side by side:
   next step launched before the host reads the last one (CompileConfig.overlap_steps);
 * `serial`: the one graph per step, each read before the next is launched (overlap_steps=False);
 * `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph;
-* `torch norms`: `overlap` with RMSNorm and the residual adds as torch ops (DRAFTGRAPH_NORM_KERNEL=0).
+* `norm ops`: `overlap` with RMSNorm and the residual add as ops/norm's kernels (DRAFTGRAPH_NORM_KERNEL=1).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -36,8 +36,8 @@ VARIANTS = {  # name: CompileConfig fields
     "overlap": dict(one_graph_step=True, overlap_steps=True),
     "serial": dict(one_graph_step=True, overlap_steps=False),
     "2 graphs": dict(one_graph_step=False),
-    # the overlapped step with RMSNorm and the residual adds as torch ops (Inductor's kernels), not ops/norm's
-    "torch norms": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "0"}),
+    # the overlapped step with RMSNorm and the residual add as ops/norm's kernels, not torch ops (Inductor's)
+    "norm ops": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "1"}),
 }
 
 

@@ -79,3 +79,19 @@ def test_the_decoder_layer_keeps_its_residual_stream():
 def test_bad_shapes_name_the_fix():
     with pytest.raises(ValueError, match=r"rms_norm takes x \[N, H\] or \[T, heads, H\] and weight \[H\]"):
         torch.ops.draftgraph.rms_norm(torch.zeros(2, 8, device="meta"), torch.zeros(4, device="meta"), 1e-6)
+
+
+@pytest.mark.parametrize("opt_in", ["0", "1"])
+def test_the_layer_norms_use_the_ops_when_opted_in(monkeypatch, opt_in):
+    """DRAFTGRAPH_NORM_KERNEL=1: RMSNorm and the post-attention add are the ops (one node each in a trace);
+    otherwise the torch ops, as the goldens record."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from draftgraph.models.layers import RMSNorm
+
+    monkeypatch.setenv("DRAFTGRAPH_NORM_KERNEL", opt_in)
+    norm = RMSNorm(16, 1e-6)
+    gm = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))(torch.randn(3, 16), torch.randn(3, 16))
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    ops = {"draftgraph.rms_norm.default", "draftgraph.add_rms_norm.default"}
+    assert (ops <= targets) if opt_in == "1" else not (ops & targets), targets

@@ -17,8 +17,9 @@ from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, the product in x's dtype (Llama: `draftgraph::rms_norm`, one Triton kernel on CUDA);
-    `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is stored around 0)."""
+    """x / rms(x) * w, the product in x's dtype (Llama; with DRAFTGRAPH_NORM_KERNEL=1 `draftgraph::rms_norm`, one
+    Triton kernel on CUDA); `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is
+    stored around 0)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -36,8 +37,8 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, the norm of it): the residual add and the norm in one kernel on CUDA
-        (DRAFTGRAPH_NORM_KERNEL=0: torch ops, for comparisons)."""
+        """(x + residual, the norm of it); with DRAFTGRAPH_NORM_KERNEL=1 the add and the norm are one op
+        (`draftgraph::add_rms_norm`: one kernel on CUDA)."""
         if not self.zero_centered and envs.norm_kernel():
             return torch.ops.draftgraph.add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
@@ -127,7 +128,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, kv):
         a = self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)
-        h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h): one kernel on CUDA
+        h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h) (one kernel with the norm ops)
         return h + self.mlp(n)
 
 
