@@ -83,10 +83,15 @@ def test_a_queued_step_of_stopped_requests_is_dropped(target):
     assert again == free
 
 
-def test_config_turns_overlap_off_where_there_is_no_one_graph_step(target):
-    base = dict(num_speculative_tokens=K, max_num_seqs=4, max_num_batched_tokens=64, compile_backend="eager",
-                progress=False)  # fmt: skip
-    drafter = make_drafter("eagle", target)
-    assert not dg.compile_model(target, drafter, dg.CompileConfig(mode="PIECEWISE", **base)).config.overlap_steps
-    off = dg.CompileConfig(mode="FULL_AND_PIECEWISE", one_graph_step=False, **base)
-    assert not dg.compile_model(target, drafter, off).config.overlap_steps
+def test_config_turns_overlap_off_where_there_is_no_one_graph_step():
+    from draftgraph.compiler.config import resolve
+
+    base = dict(num_speculative_tokens=K, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+
+    def resolved(**kw):
+        return resolve(dg.CompileConfig(**base, **kw), 512, has_drafter=True).overlap_steps
+
+    assert resolved(mode="FULL_AND_PIECEWISE") and resolved(mode="FULL")
+    assert not resolved(mode="PIECEWISE") and not resolved(mode="NONE")
+    assert not resolved(mode="FULL_AND_PIECEWISE", one_graph_step=False)
+    assert not resolved(mode="FULL_AND_PIECEWISE", overlap_steps=False)
