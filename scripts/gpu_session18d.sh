@@ -4,13 +4,6 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 - <<'PY'  # the host's speed: tier times compare only across machines of similar speed
-import time
-t0 = time.perf_counter(); s = 0
-for i in range(3_000_000):
-    s += i * i % 7
-print(f"host calibration: 3M-iteration Python loop {time.perf_counter() - t0:.2f} s")
-PY
 DRAFTGRAPH_SAMPLE_PROFILE=$OUT/profile.txt N=1 timeout 360 bash scripts/gpu_tier.sh 2>&1 | tail -24
 grep -a " side " "$OUT/test_times.txt"
 timeout 170 python3 scripts/bench_step.py --sizes 1,8,32 --variants overlap,serial 2>&1 | grep -av "Warning\|warn" \

@@ -19,6 +19,15 @@ N=${N:-1}
 W=${W:+--compile-workers $W}
 common=(-q -p no:cacheprovider -p no:logging --tb=short)
 nvidia-smi --query-gpu=name --format=csv,noheader
+# The host's speed: the tier is CPU-bound (tracing, Triton), and H100 hosts differ by up to 1.5x in it (sessions 17-18);
+# compare tier times only between runs whose calibration is alike.
+python3 - <<'PY'
+import time
+t0 = time.perf_counter(); s = 0
+for i in range(3_000_000):
+    s += i * i % 7
+print(f"host calibration: 3M-iteration Python loop {time.perf_counter() - t0:.2f} s")
+PY
 t0=$SECONDS
 if [ "$N" -le 1 ]; then
   python3 -m pytest "${common[@]}" --durations=15 $W tests/gpu "$@" 2>&1 \
