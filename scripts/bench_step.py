@@ -15,12 +15,14 @@ Variants, compiled in this one process and measured side by side:
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
+                                   [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -66,6 +68,9 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}; the first is profiled")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure the variants in turn this many times (A B A B ...), each cell the median of them: "
+                    "a drift over the run (clocks, heat) then hits every variant alike")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
@@ -92,7 +97,8 @@ def main():
             floor = (t_bytes + target.cfg.num_layers * kv) / bw * 1e3
             if kind == "spec":
                 floor += k * (d_bytes + kv) / bw * 1e3
-            t = [step_time(engines[kind, v], b, k, ctx)[0] for v in variants]
+            runs = [[step_time(engines[kind, v], b, k, ctx)[0] for v in variants] for _ in range(args.repeats)]
+            t = [statistics.median(r[i] for r in runs) for i in range(len(variants))]
             print(f"{b:>7} | " + " ".join(f"{x:>9.3f}" for x in t) + f" {floor:>7.3f} | "
                   + " ".join(f"{x / floor:>11.2f}" for x in t))  # fmt: skip
     for kind in ("spec", "plain"):
