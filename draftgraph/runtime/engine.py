@@ -193,7 +193,7 @@ class Engine:
         every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here)."""
         if self.scheduler.waiting:
             return False
-        k1, writes = self.k + 1, self.scheduler.writes
+        k1, writes = self.shapes.verify, self.scheduler.writes  # the most tokens a step emits per request
         for r in launched.decodes:
             if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
                 return False

@@ -32,8 +32,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.launch import launch
 
@@ -75,17 +75,9 @@ def _float_of(u):
 
 
 @triton.jit
-def _exp(x, ACCURATE: tl.constexpr):
-    if ACCURATE:  # expf as torch's kernels (the interpreter has no libdevice)
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
 def _tie_mass(t_k, r_k, m, ACCURATE: tl.constexpr):
     """The unnormalised mass of the r_k tokens kept at the top-k cut (all equal to the cut's float)."""
-    return tl.where(r_k > 0, r_k.to(tl.float32) * _exp(_float_of(t_k) - m, ACCURATE), 0.0)
+    return tl.where(r_k > 0, r_k.to(tl.float32) * triton_math.exp(_float_of(t_k) - m, ACCURATE), 0.0)
 
 
 @triton.jit
@@ -271,7 +263,7 @@ def _top_p_pass(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_pt
             live = inb & _matches(u, prefix, PASS, BITS) & (u >= t_k)
             if tl.max(live.to(tl.int32), axis=0) > 0:  # else skip the block (most, with a small top-k)
                 digit = ((u >> _shift(32 - BITS * (PASS + 1))) & (BINS - 1)).to(tl.int32)
-                w = tl.where(live & (all_k | (u > t_k)), _exp(x - m, ACCURATE), 0.0)
+                w = tl.where(live & (all_k | (u > t_k)), triton_math.exp(x - m, ACCURATE), 0.0)
                 acc += tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0)
                 if PASS == PASSES - 1:  # the tie counts at the top-p cut, for the ranks
                     counts += tl.histogram(digit, BINS, mask=live)
@@ -338,7 +330,7 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp
             d_p = (t_p & (BINS - 1)).to(tl.int32)
             run_p, n_tp = _ties_before(hc_ptr, row, 0, split, d_p, S, 1, BINS, S_BLOCK)
             n_in = tl.where(all_k | (t_p > t_k), n_tp, tl.where(t_p == t_k, r_k.to(tl.int32), 0))
-            e_tp = tl.where(n_in > 0, _exp(_float_of(t_p) - m, ACCURATE), 0.0)
+            e_tp = tl.where(n_in > 0, triton_math.exp(_float_of(t_p) - m, ACCURATE), 0.0)
             j = _tie_quota(n_in, tl.math.div_rn(above_p, total), tl.math.div_rn(e_tp, total), top_p)
             kept = above_p + j.to(tl.float32) * e_tp
         for start in range(lo, hi, BLOCK):
@@ -354,7 +346,7 @@ def _write(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, hk_ptr, kst_ptr, hp
                 rank_p = run_p + tl.cumsum(tie_p.to(tl.int32), axis=0)
                 run_p += tl.sum(tie_p.to(tl.int32), axis=0)
                 keep = keep & ((u > t_p) | (tie_p & (rank_p <= j)))
-            p = tl.where(keep, tl.math.div_rn(_exp(x - m, ACCURATE), tl.where(kept > 0, kept, 1.0)), 0.0)
+            p = tl.where(keep, tl.math.div_rn(triton_math.exp(x - m, ACCURATE), tl.where(kept > 0, kept, 1.0)), 0.0)
             tl.store(out_ptr + row * V + cols, tl.where(kept > 0, p, float("nan")), mask=inb)
 
 

@@ -147,7 +147,8 @@ class UniformStep:
         def step(x: dict) -> torch.Tensor:
             r, k = self.r, self.k
             ids, slots = x["input_ids"], x["slots"]
-            pos, meta = uniform_metadata(x["tables"], slots, x["lengths"], x["valid"], k + 1, r.shape.block_size)
+            lengths, valid, bs = x["lengths"], x["valid"], r.shape.block_size
+            pos, meta = uniform_metadata(x["tables"], slots, lengths, valid, r.shapes.verify, bs)
             b = slots.shape[0]
             hidden, aux = r.forwards.target_fn(ids, pos, meta, r.target_cache.layers, r.aux_layers)
             logits = r.target.compute_logits(hidden)  # every verify row (padding rows too: cheaper than a gather)
@@ -194,7 +195,8 @@ class UniformStep:
         else:  # a draft model: its own tokens n..n+K+1, with y at n+a+1 (K + 2 rows per request)
             dec = torch.cat([ids.view(b, k + 1), torch.zeros_like(y)[:, None]], dim=1)
             tok = torch.where(j == accepted[:, None] + 1, y[:, None], dec).flatten()
-            d_pos, d_meta = uniform_metadata(x["tables"], slots, x["lengths"], x["valid"], k + 2, r.shape.block_size)
+            d_pos, d_meta = uniform_metadata(x["tables"], slots, x["lengths"], x["valid"], r.shapes.first_draft,
+                                             r.shape.block_size)  # fmt: skip
             h_in = None
         offset = 0 if p.hidden_kind else 1
         sample_rows = torch.arange(b, device=ids.device) * p.first_q + accepted + offset

@@ -63,7 +63,7 @@ def step_sampling_calls(engine) -> list[dict]:
         import draftgraph.ops.attention.uniform_metadata  # noqa: F401  registers the op
 
         tables = engine.runner.uniform.tables.tables
-        rows = {q} | ({q + 1} if engine.drafter is not None and not engine.runner.hidden_kind and q > 1 else set())
+        rows = {q, engine.runner.shapes.first_draft}
         ints = tensor_arg((max(rc.full_capture_sizes),), torch.int64)
         for width in sorted(rows):  # the verify's rows per request, and a draft model's first step's
             calls.append(op_call("draftgraph::uniform_metadata", tensor_arg(tuple(tables.shape), torch.int32), ints,

@@ -14,18 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.launch import launch
-
-
-@triton.jit
-def _rsqrt(x, ACCURATE: tl.constexpr):
-    if ACCURATE:  # libdevice's rsqrtf, as torch's and Inductor's kernels (the interpreter has no libdevice)
-        return libdevice.rsqrt(x)
-    else:
-        return 1.0 / tl.sqrt(x)
 
 
 @triton.jit
@@ -42,7 +34,7 @@ def _rms_norm_kernel(x, res, w, sum_out, y_out, sx0, sx1, sr0, sr1, n1, H, eps, 
         tl.store(sum_out + row * H + cols, xv, mask=m)
     xf = xv.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
-    y = (xf * _rsqrt(var + eps, ACCURATE)).to(xv.dtype)
+    y = (xf * triton_math.rsqrt(var + eps, ACCURATE)).to(xv.dtype)
     wv = tl.load(w + cols, mask=m, other=0.0)
     tl.store(y_out + row * H + cols, (wv.to(tl.float32) * y.to(tl.float32)).to(xv.dtype), mask=m)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE, UNIFORM_SHIFT
 from draftgraph.ops.sampling.triton_argmax import (
@@ -44,14 +44,6 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _log(x, ACCURATE: tl.constexpr):
-    if ACCURATE:  # logf as torch's kernels (the interpreter has no libdevice)
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
 @triton.jit(do_not_specialize=["S", "salt"])
 def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr, idx_ptr, out_ptr, S,
                  ONE_STAGE: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
@@ -73,7 +65,7 @@ def _race_stage1(p_ptr, stride_row, seeds_ptr, pos_ptr, salt, V, chunk, val_ptr,
         u = ((h >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
         p = tl.load(p_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
         # IEEE division and libdevice's logf, as torch's elementwise kernels compute p / -log(u)
-        acc_v, acc_i = _fold(acc_v, acc_i, tl.math.div_rn(p, -_log(u, ACCURATE)), cols, valid)
+        acc_v, acc_i = _fold(acc_v, acc_i, tl.math.div_rn(p, -triton_math.log(u, ACCURATE)), cols, valid)
     finish_fold(acc_v, acc_i, row, split, val_ptr, idx_ptr, out_ptr, S, ONE_STAGE)
 
 
