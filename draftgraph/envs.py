@@ -21,6 +21,9 @@ DRAFTGRAPH_NORM_KERNEL=1       (no flag)           RMSNorm and the decoder layer
                                                    kernel each on CUDA) instead of torch ops (Inductor's kernels
                                                    when compiled): opt-in until a side-by-side measurement
                                                    shows the step faster
+DRAFTGRAPH_GEMV_KERNEL=0      (no flag)           the models' linear layers on CUDA run F.linear (cuBLAS) at every
+                                                   row count instead of draftgraph::linear (ops/linear: a Triton
+                                                   GEMV for a few rows): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -64,3 +67,7 @@ def race_kernel() -> bool:
 
 def norm_kernel() -> bool:
     return os.environ.get("DRAFTGRAPH_NORM_KERNEL", "0") == "1"
+
+
+def gemv_kernel() -> bool:
+    return os.environ.get("DRAFTGRAPH_GEMV_KERNEL", "1") != "0"

@@ -40,6 +40,8 @@ VARIANTS = {  # name: CompileConfig fields
     "2 graphs": dict(one_graph_step=False),
     # the overlapped step with RMSNorm and the residual add as ops/norm's kernels, not torch ops (Inductor's)
     "norm ops": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "1"}),
+    # the overlapped step with every linear layer on cuBLAS (F.linear), not draftgraph::linear's one-row GEMV
+    "cuBLAS": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_GEMV_KERNEL": "0"}),
 }
 
 

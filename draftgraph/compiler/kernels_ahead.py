@@ -46,6 +46,7 @@ KERNEL_OPS = frozenset(
         "moe_experts",
         "rms_norm",
         "add_rms_norm",
+        "linear",
     }
 )
 log = logging.getLogger("draftgraph")

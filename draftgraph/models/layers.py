@@ -10,6 +10,7 @@ import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgrap
 import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms_norm and add_rms_norm)
 from draftgraph import envs
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.linear import Linear
 from draftgraph.models.parallel import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv = nn.Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv = Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -103,7 +104,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, tp: ParallelGroup = SINGLE):
         super().__init__()
         self.inter = intermediate_size or cfg.intermediate_size  # DeepSeek's shared experts pass their own
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.gate_up = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):

@@ -20,6 +20,7 @@ from torch import nn
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
+from draftgraph.models.linear import head_logits
 from draftgraph.models.parallel import embedding, shard_config, shard_state
 from draftgraph.models.weights import (
     assign_weights,
@@ -123,7 +124,7 @@ class CausalLM(nn.Module):
         tensor-parallel rank (local rows' logits, then all_gather_last)."""
         if indices is not None:
             hidden = hidden[indices]
-        return self.tp.all_gather_last(hidden @ self.head_weight.t())
+        return self.tp.all_gather_last(head_logits(hidden, self.head_weight))
 
     # ---- construction -------------------------------------------------------------------------
 

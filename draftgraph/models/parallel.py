@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.linear import Linear, project
 from draftgraph.models.parallel_hybrid import hybrid_cut, hybrid_sizes, scale_hybrid_config
 from draftgraph.models.parallel_mla import deepseek_cut, mla_sizes, scale_mla_config
 from draftgraph.models.shard_cut import Cut, split_cut, take
@@ -100,14 +101,14 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(project(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: ParallelGroup) -> nn.Linear:
     """A row-parallel linear over `in_features` local inputs (nn.Linear itself for one process)."""
     if tp.is_single:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 

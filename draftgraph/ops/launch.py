@@ -33,3 +33,9 @@ def compiling_ahead():
         yield
     finally:
         _AHEAD.reset(token)
+
+
+def ahead_now() -> bool:
+    """Whether this thread is inside `compiling_ahead()` (an op that would launch one variant of many, chosen by
+    a size the trace leaves symbolic, compiles them all there)."""
+    return _AHEAD.get()

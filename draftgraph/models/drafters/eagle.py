@@ -18,6 +18,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import DecoderLayer, materialize, rope_lookup
+from draftgraph.models.linear import Linear, head_logits
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import embedding
 from draftgraph.models.weights import assign_weights, convert_layer, layer_indices
@@ -46,7 +47,7 @@ class EagleDrafter(Drafter):
         local_vocab = cfg.vocab_size // tp.world_size
         self.lm_head = nn.Linear(cfg.hidden_size, local_vocab, bias=False) if own_head else None
         assert (own_embedding and own_head) or target.tp == tp, "borrowed rows must be split like the head"
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, attn_impl, input_norm=i != 0, tp=tp) for i in range(cfg.num_layers)
         )
@@ -65,7 +66,7 @@ class EagleDrafter(Drafter):
         if indices is not None:
             hidden = hidden[indices]
         weight = self.lm_head.weight if self.lm_head is not None else self._target[0].head_weight
-        return self.tp.all_gather_last(hidden @ weight.t())  # local vocabulary rows -> all of them
+        return self.tp.all_gather_last(head_logits(hidden, weight))  # local vocabulary rows -> all of them
 
     @classmethod
     def from_state_dict(

@@ -19,6 +19,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
+from draftgraph.models.linear import Linear
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel import embedding
 from draftgraph.models.shard_cut import take
@@ -67,10 +68,10 @@ class Eagle3Drafter(Drafter):
         self._draft_vocab = draft_vocab
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
         assert own_embedding or target.tp == tp, "a borrowed embedding must be split like the head"
-        self.fc = nn.Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg, attn_impl, tp)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab // tp.world_size, bias=False)  # local draft rows
+        self.lm_head = Linear(cfg.hidden_size, draft_vocab // tp.world_size, bias=False)  # local draft rows
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target.cfg.vocab_size, dtype=torch.bool))
         self._target = [target]

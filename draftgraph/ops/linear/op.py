@@ -1,0 +1,85 @@
+"""`torch.ops.draftgraph.linear(x, weight, bias)`: x @ weight.T + bias, as F.linear computes it.
+
+On CUDA, with at most `GEMV_RULE.max_rows` rows of x (a decode step at batch 1, a draft step's), the product is
+the Triton GEMV of triton_gemv.py, which streams the weight closer to copy speed than cuBLAS's kernels for one
+row (an H100, session 19: 5.2 against 6.4 us for a 2048 x 2048 projection, 167 against 188 us for a 128k
+vocabulary's LM head; docs/benchmarks.md); with more rows, and on every other device, it is F.linear. A
+compiled piece calls it as one opaque node, as Inductor calls cuBLAS for a matmul anyway (no fusion is lost);
+the row count may be symbolic: each captured size picks its path at capture.
+
+Inside `compiling_ahead()` (compiler/kernels_ahead.py) a call compiles every kernel variant the rule may launch,
+since a trace leaves the row count symbolic and captured sizes may need different ones.
+Registering the op is this module's one import-time action; Triton loads on the first CUDA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftgraph.ops.launch import ahead_now
+from draftgraph.ops.registry import custom_op
+
+
+@dataclass(frozen=True)
+class GemvRule:
+    """When the op runs the Triton GEMV: at most `max_rows` rows, weights in these dtypes (bf16 / fp16)."""
+
+    max_rows: int = 1
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+    def __post_init__(self):
+        if not 0 <= self.max_rows <= 16:
+            raise ValueError(f"GemvRule.max_rows={self.max_rows}: 0 (never) to 16 (the kernels' row tile)")
+
+    def takes(self, rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return 0 < rows <= self.max_rows and x.dtype == weight.dtype and weight.dtype in self.dtypes
+
+
+GEMV_RULE = GemvRule()
+_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sms:
+        _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sms[index]
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear takes x [..., K] and weight [N, K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"linear's bias must be [N] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
+
+
+@custom_op("draftgraph::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias: the Triton GEMV for a few rows on CUDA (GEMV_RULE), F.linear otherwise."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not x.is_cuda:
+        return F.linear(x, weight, bias)
+    from draftgraph.ops.linear.triton_gemv import choose_config, gemv_triton
+
+    sms = _sm_count(x.device)
+    if ahead_now():  # compile each kernel a captured size may launch: one row's, and 2-16 rows' (one variant)
+        for stand_in in (1, 2):
+            if GEMV_RULE.takes(stand_in, x, weight):
+                gemv_triton(x.new_zeros((stand_in, k)), weight, bias, choose_config(stand_in, weight.shape[0], k, sms))
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    if not GEMV_RULE.takes(rows, x, weight):
+        return F.linear(x, weight, bias)
+    y = gemv_triton(x.reshape(rows, k), weight, bias, choose_config(rows, weight.shape[0], k, sms))
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _(x, weight, bias):
+    _check(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

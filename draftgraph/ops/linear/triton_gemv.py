@@ -1,0 +1,133 @@
+"""y = x @ w.T (+ b) for a few rows of x: a Triton kernel that streams the weight once at full bandwidth.
+
+At batch 1 a decode step's projections are matrix-vector products: cuBLAS runs the 1B-shaped model's q/k/v and
+output projections (8-13 MB of weight each) at 1.3-1.95 TB/s on an H100 where a copy moves 3 TB/s
+(docs/benchmarks.md, session 18). Two kernels, each program owning BLOCK_N output columns (weight rows) and
+reading each of their bytes once:
+- one row (`_gemv_kernel`): [BLOCK_N, BLOCK_K] weight tiles times the row, summed elementwise in float32 and
+  reduced once; small tiles, many programs, the loads of a tile all in flight at once;
+- 2-16 rows (`_dot_kernel`): the rows padded to 16, tensor-core products of [16, BLOCK_K] x [BLOCK_K, BLOCK_N]
+  accumulated in float32, the weight streamed through Triton's software pipeline.
+Both round the float32 sum (plus bias) once to x's dtype, as cuBLAS does. `GemvConfig` is the tiling and
+`choose_config` picks it per shape (measured: scripts/bench_gemv.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.launch import launch
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """The kernel's tiling: output columns per program, the K chunk loaded at once, warps per program."""
+
+    block_n: int = 4
+    block_k: int = 1024
+    num_warps: int = 8
+    num_stages: int = 3  # the tensor-core kernel's software pipeline (rows > 1)
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name}={v}: a power of two, e.g. 16")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages={self.num_stages}: 1 or more")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps={self.num_warps}: one of 1, 2, 4, 8, 16")
+
+
+@triton.jit(do_not_specialize=["M"])  # one variant for every row count the tile covers
+def _dot_kernel(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """2-16 rows: [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core products (rows padded to 16), the weight's
+    tiles streamed through the software pipeline."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    xp = x + tl.minimum(rm, M - 1)[:, None] * sxm + ks[None, :]  # padding rows reread the last row
+    wp = w + cols.to(tl.int64)[None, :] * swn + ks[:, None]  # the weight tile transposed: [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        xt = tl.load(xp, mask=k_ok[None, :], other=0.0)
+        wt = tl.load(wp, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_F32:  # the interpreter's half-precision dots are wrong (ops/backends.py)
+            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
+        xp += BLOCK_K
+        wp += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y + rm[:, None] * sym + cols[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & col_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row: products summed elementwise in float32 over K's chunks, reduced once at the end."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w + cols.to(tl.int64)[:, None] * swn
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = tl.load(x + kk, mask=k_ok, other=0.0)
+        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y + cols, out.to(y.dtype.element_ty), mask=col_ok)
+
+
+def m_block(rows: int) -> int:
+    """The kernel's row tile: the row count rounded up to a power of two (one variant per tile, not per count)."""
+    return triton.next_power_of_2(max(rows, 1))
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype; weight rows contiguous."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m > 1 and n:
+        dot_f32, _ = triton_dot_settings(x.dtype)
+        launch(_dot_kernel, (triton.cdiv(n, config.block_n),))(
+            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=max(16, m_block(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            DOT_F32=dot_f32, num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    elif m and n:
+        launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
+            x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        )  # fmt: skip
+    return y
+
+
+def choose_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
+    """The tiling for an [rows, k] x [n, k]^T product (scripts/bench_gemv.py's sweep on an H100, session 19: at
+    one row 4 columns x 1024 of K per program, 8 warps, was the best or within 3 % of it for every projection of
+    the 1B-shaped model). K below the block: one load of the whole row."""
+    block_k = min(1024, max(16, triton.next_power_of_2(k)))
+    if rows <= 1:
+        return GemvConfig(block_n=4, block_k=block_k, num_warps=8)
+    return GemvConfig(block_n=32, block_k=min(block_k, 256), num_warps=4, num_stages=4)

@@ -1,0 +1,126 @@
+"""Few-row linear layers (CUDA): draftgraph's Triton GEMV (ops/linear/triton_gemv.py) against cuBLAS (F.linear).
+
+The 1B-shaped model's projections (bench_full.py's pair: hidden 2048, 32/8 heads of 128, MLP 8192, vocabulary
+128256) at the row counts a decode or verify step has. Each timed unit is one CUDA graph of 20 calls cycling
+over enough copies of the weight to pass --l2-mib (a layer's weight is never in L2 when the step reaches it);
+the median of --replays replays (CUDA events), per call. Floor = the weight's bytes over the device-to-device
+copy bandwidth measured in the same run (bytes read + written per second). Every variant's output is checked
+against F.linear first.
+
+Prints per (shape, rows): the floor, cuBLAS, the config `choose_config` picks, and the best config of the sweep
+(its name: block_n x block_k / warps / stages). `--sweep` prints every config's time.
+Usage: python scripts/bench_gemv.py [--rows 1,2,4,5,8,16] [--sweep] [--replays 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, gemv_triton
+
+CALLS = 20
+SHAPES = {  # name: (N, K) of the weight [N, K]
+    "qkv": (3072, 2048),
+    "o": (2048, 2048),
+    "gate_up": (16384, 2048),
+    "down": (2048, 8192),
+    "lm_head": (128256, 2048),
+}
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def graph_us(fn, weights: list[torch.Tensor], replays: int) -> float:
+    for w in weights[:2]:
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            fn(weights[i % len(weights)])
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    del graph
+    return statistics.median(times)
+
+
+def sweep_configs(rows: int) -> list[GemvConfig]:
+    """One row: the GEMV kernel's tilings; more: the tensor-core kernel's (block_n x block_k / warps / stages)."""
+    if rows == 1:
+        return [GemvConfig(bn, bk, nw) for bn, bk, nw in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8))]
+    return [GemvConfig(bn, bk, nw, ns)
+            for bn, bk, nw, ns in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 6))]  # fmt: skip
+
+
+def name(c: GemvConfig) -> str:
+    return f"{c.block_n}x{c.block_k}/{c.num_warps}/{c.num_stages}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,5,8,16")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--replays", type=int, default=100)
+    parser.add_argument("--l2-mib", type=int, default=256, help="weights cycled per graph: at least this many MiB")
+    parser.add_argument("--sweep", action="store_true", help="print every config's time")
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"device {torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"measured copy bandwidth {bw / 1e9:.0f} GB/s; bf16; us per call (x = ratio to the weight-read floor)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{'shape':>8} {'rows':>4} {'floor':>6} {'cuBLAS':>15} {'chosen':>15} {'best':>15} {'best config':>12}")
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        nbytes = n * k * 2
+        copies = max(1, min(CALLS, -(-args.l2_mib * 2**20 // nbytes)))
+        weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        floor = nbytes / bw * 1e6
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            want = F.linear(x, weights[0]).float()
+            configs = sweep_configs(rows)
+            for c in configs:
+                got = gemv_triton(x, weights[0], None, c).float()
+                err = (got - want).abs().max().item()
+                if err > 2e-2 * want.abs().max().item() + 1e-3:
+                    raise AssertionError(f"{shape} rows {rows} config {name(c)}: max error {err}")
+            t_cublas = graph_us(lambda w, x=x: F.linear(x, w), weights, args.replays)
+            chosen = choose_config(rows, n, k, sms)
+            t_chosen = graph_us(lambda w, x=x, c=chosen: gemv_triton(x, w, None, c), weights, args.replays)
+            times = {name(c): graph_us(lambda w, x=x, c=c: gemv_triton(x, w, None, c), weights, args.replays)
+                     for c in configs}  # fmt: skip
+            best = min(times, key=times.get)
+
+            def cell(t, floor=floor):
+                return f"{t:7.2f} ({t / floor:4.2f}x)"
+
+            print(f"{shape:>8} {rows:>4} {floor:6.2f} {cell(t_cublas):>15} {cell(t_chosen):>15} "
+                  f"{cell(times[best]):>15} {best:>12}")  # fmt: skip
+            if args.sweep:
+                print("         " + "  ".join(f"{k_}:{v:.2f}" for k_, v in sorted(times.items(), key=lambda kv: kv[1])))
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

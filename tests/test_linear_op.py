@@ -1,0 +1,121 @@
+"""The few-row linear op (ops/linear): the Triton GEMV (one row) and tensor-core kernel (2-16 rows) equal
+F.linear, with and without bias, at masked tails and strided rows (interpreter here, CUDA on the device); both
+compile for sm_90; the op is F.linear off CUDA and where its rule declines; it names every kernel variant a
+symbolic row count may launch when compiled ahead; the models' layers keep F.linear's values and state-dict
+names; bad configs and shapes name the fix."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import draftgraph.ops.linear.op  # noqa: F401  (registers torch.ops.draftgraph.linear)
+from draftgraph.models.linear import Linear, head_logits, project
+from draftgraph.ops.launch import compiling_ahead
+from draftgraph.ops.linear.op import GemvRule
+from draftgraph.ops.linear.triton_gemv import GemvConfig, _dot_kernel, _gemv_kernel, choose_config, gemv_triton
+from tests.helpers import compile_for_sm90
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_f_linear(rows, bias, dtype):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 300  # neither a multiple of the tiles: masked tails in N and K
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    w = (0.1 * torch.randn(n, k, generator=g)).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
+    want = F.linear(x.float(), w.float(), b.float() if bias else None)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    small = GemvConfig(block_n=4, block_k=64, num_warps=2) if rows == 1 else GemvConfig(16, 64, 4, 2)
+    for config in (small, choose_config(rows, n, k, 132)):
+        got = gemv_triton(x, w, b, config)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_strided_rows_and_weight():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 96, generator=g).to(DEVICE)
+    x = base[:, 16:80]  # rows 96 apart, the last dim contiguous
+    w = torch.randn(64, 40, generator=g).to(DEVICE).t()  # [40, 64] with its last dim strided
+    for rows in (1, 4):
+        got = gemv_triton(x[:rows], w, None, choose_config(rows, 40, 64, 132))
+        torch.testing.assert_close(got, F.linear(x[:rows], w), rtol=1e-4, atol=1e-4)
+
+
+def test_op_is_f_linear_where_the_rule_declines_and_off_cuda():
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(2, 3, 24, generator=g), torch.randn(10, 24, generator=g), torch.randn(10, generator=g)
+    got = torch.ops.draftgraph.linear(x, w, b)
+    assert got.shape == (2, 3, 10) and torch.equal(got, F.linear(x, w, b))  # the CPU: F.linear itself
+    torch.library.opcheck(torch.ops.draftgraph.linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.draftgraph.linear.default, (x[0, :1], w, None))
+    rule = GemvRule(max_rows=1)
+    one = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert rule.takes(1, one, one) and not rule.takes(2, one, one) and not rule.takes(0, one, one)
+    assert not rule.takes(1, one.float(), one.float())  # float32 stays on cuBLAS
+    assert not GemvRule(max_rows=0).takes(1, one, one)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the op's CUDA path (the rule, then the kernel)")
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_op_on_cuda_equals_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16).cuda()
+    w = (0.05 * torch.randn(384, 256, generator=g)).to(torch.bfloat16).cuda()
+    got = torch.ops.draftgraph.linear(x, w, None)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_compiling_ahead_names_each_variant_without_launching(monkeypatch):
+    """A trace leaves the row count symbolic: ahead, one call compiles the one-row kernel and the 2-16-row one."""
+    import draftgraph.ops.linear.op as op
+    import draftgraph.ops.linear.triton_gemv as tg
+
+    seen = []
+    monkeypatch.setattr(op, "GEMV_RULE", GemvRule(max_rows=16))
+    monkeypatch.setattr(op, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(tg, "launch", lambda kernel, grid: lambda *a, **kw: seen.append((kernel, kw)))
+    x, w = torch.zeros(7, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with compiling_ahead():
+        out = op.linear(x, w, None)
+    assert out.shape == (7, 32)
+    assert [k for k, _ in seen] == [_gemv_kernel, _dot_kernel]
+
+
+def test_kernels_compile_for_a_hopper_gpu():
+    """The interpreter runs what Triton's compiler refuses: compile both for sm_90 here (no GPU needed)."""
+    common = {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "swn": "i64"}
+    got = compile_for_sm90(_gemv_kernel, common, {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024})
+    assert got is None or "cubin" in got
+    sig = {**common, "M": "i32", "sxm": "i64", "sym": "i64"}
+    for bias in (False, True):
+        constexprs = {"HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOT_F32": False}
+        got = compile_for_sm90(_dot_kernel, sig, constexprs)
+        assert got is None or "cubin" in got
+
+
+def test_model_layers_keep_values_and_names(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(24, 10, bias=True)
+    ref = torch.nn.Linear(24, 10, bias=True)
+    ref.load_state_dict(lin.state_dict())
+    assert list(lin.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 24, generator=g)
+    assert torch.equal(lin(x), ref(x)) and torch.equal(project(x, lin.weight, lin.bias), ref(x))
+    assert torch.equal(head_logits(x, lin.weight), x @ lin.weight.t())
+
+
+def test_bad_configs_and_shapes_name_the_fix():
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(block_n=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        GemvConfig(num_warps=3)
+    with pytest.raises(ValueError, match="0 \\(never\\) to 16"):
+        GemvRule(max_rows=17)
+    with pytest.raises(ValueError, match="weight \\[N, K\\]"):
+        torch.ops.draftgraph.linear(torch.zeros(2, 5, device="meta"), torch.zeros(4, 6, device="meta"), None)
