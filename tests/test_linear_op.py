@@ -58,6 +58,10 @@ def test_op_is_f_linear_where_the_rule_declines_and_off_cuda():
     assert rule.takes(1, one, one) and not rule.takes(2, one, one) and not rule.takes(0, one, one)
     assert not rule.takes(1, one.float(), one.float())  # float32 stays on cuBLAS
     assert not GemvRule(max_rows=0).takes(1, one, one)
+    head, proj = torch.zeros(32768, 8, dtype=torch.bfloat16), torch.zeros(16384, 8, dtype=torch.bfloat16)
+    default = GemvRule()  # more rows: an LM head's weight only (cuBLAS won for the projections)
+    assert default.takes(5, one, head) and default.takes(16, one, head) and not default.takes(17, one, head)
+    assert default.takes(1, one, proj) and not default.takes(2, one, proj)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op's CUDA path (the rule, then the kernel)")
@@ -76,7 +80,7 @@ def test_compiling_ahead_names_each_variant_without_launching(monkeypatch):
     import draftgraph.ops.linear.triton_gemv as tg
 
     seen = []
-    monkeypatch.setattr(op, "GEMV_RULE", GemvRule(max_rows=16))
+    monkeypatch.setattr(op, "GEMV_RULE", GemvRule(max_rows=16, multi_row_min_n=32))
     monkeypatch.setattr(op, "_sm_count", lambda device: 132)
     monkeypatch.setattr(tg, "launch", lambda kernel, grid: lambda *a, **kw: seen.append((kernel, kw)))
     x, w = torch.zeros(7, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
@@ -94,7 +98,8 @@ def test_kernels_compile_for_a_hopper_gpu():
     assert got is None or "cubin" in got
     sig = {**common, "M": "i32", "sxm": "i64", "sym": "i64"}
     for bias in (False, True):
-        constexprs = {"HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "DOT_F32": False}
+        constexprs = {"HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "DOT_F32": False,
+                      "PRECISION": "tf32" if not bias else "ieee"}  # fmt: skip
         got = compile_for_sm90(_dot_kernel, sig, constexprs)
         assert got is None or "cubin" in got
 

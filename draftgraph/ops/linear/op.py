@@ -1,9 +1,10 @@
 """`torch.ops.draftgraph.linear(x, weight, bias)`: x @ weight.T + bias, as F.linear computes it.
 
-On CUDA, with at most `GEMV_RULE.max_rows` rows of x (a decode step at batch 1, a draft step's), the product is
-the Triton GEMV of triton_gemv.py, which streams the weight closer to copy speed than cuBLAS's kernels for one
-row (an H100, session 19: 5.2 against 6.4 us for a 2048 x 2048 projection, 167 against 188 us for a 128k
-vocabulary's LM head; docs/benchmarks.md); with more rows, and on every other device, it is F.linear. A
+On CUDA, for one row of x (a decode step at batch 1, a draft step's) the product is the Triton GEMV of
+triton_gemv.py, which streams the weight closer to copy speed than cuBLAS's kernels do (an H100, session 19:
+4.9 against 6.4 us for a 2048 x 2048 projection, 167 against 188 us for a 128k vocabulary's LM head;
+docs/benchmarks.md), and for 2-16 rows of an LM head (a verify at batch 1-3) its tensor-core kernel; the rule is
+`GEMV_RULE`. Other products, and every other device, are F.linear. A
 compiled piece calls it as one opaque node, as Inductor calls cuBLAS for a matmul anyway (no fusion is lost);
 the row count may be symbolic: each captured size picks its path at capture.
 
@@ -25,9 +26,12 @@ from draftgraph.ops.registry import custom_op
 
 @dataclass(frozen=True)
 class GemvRule:
-    """When the op runs the Triton GEMV: at most `max_rows` rows, weights in these dtypes (bf16 / fp16)."""
+    """When the op runs the Triton kernels: one row always; 2 to `max_rows` rows when the weight has at least
+    `multi_row_min_n` rows (an LM head: at 2-16 rows the tensor-core kernel beat cuBLAS only there, by 3-7 %;
+    cuBLAS won for the 2k-16k-row projections; bench_gemv.py, session 19); weights in `dtypes`."""
 
-    max_rows: int = 1
+    max_rows: int = 16
+    multi_row_min_n: int = 32768
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
     def __post_init__(self):
@@ -35,6 +39,8 @@ class GemvRule:
             raise ValueError(f"GemvRule.max_rows={self.max_rows}: 0 (never) to 16 (the kernels' row tile)")
 
     def takes(self, rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        if rows > 1 and weight.shape[0] < self.multi_row_min_n:
+            return False
         return 0 < rows <= self.max_rows and x.dtype == weight.dtype and weight.dtype in self.dtypes
 
 

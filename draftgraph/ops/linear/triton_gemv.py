@@ -46,7 +46,8 @@ class GemvConfig:
 
 @triton.jit(do_not_specialize=["M"])  # one variant for every row count the tile covers
 def _dot_kernel(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                PRECISION: tl.constexpr):  # fmt: skip
     """2-16 rows: [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core products (rows padded to 16), the weight's
     tiles streamed through the software pipeline."""
     pid = tl.program_id(0)
@@ -64,7 +65,7 @@ def _dot_kernel(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BLOC
         if DOT_F32:  # the interpreter's half-precision dots are wrong (ops/backends.py)
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(xt, wt, acc)
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)  # float32: IEEE, not TF32
         xp += BLOCK_K
         wp += BLOCK_K
     if HAS_BIAS:
@@ -109,11 +110,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 1 and n:
-        dot_f32, _ = triton_dot_settings(x.dtype)
+        dot_f32, precision = triton_dot_settings(x.dtype)
         launch(_dot_kernel, (triton.cdiv(n, config.block_n),))(
             x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=max(16, m_block(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            DOT_F32=dot_f32, num_warps=config.num_warps, num_stages=config.num_stages,
+            DOT_F32=dot_f32, PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
     elif m and n:
         launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
@@ -124,10 +125,11 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def choose_config(rows: int, n: int, k: int, sms: int) -> GemvConfig:
-    """The tiling for an [rows, k] x [n, k]^T product (scripts/bench_gemv.py's sweep on an H100, session 19: at
-    one row 4 columns x 1024 of K per program, 8 warps, was the best or within 3 % of it for every projection of
-    the 1B-shaped model). K below the block: one load of the whole row."""
+    """The tiling for an [rows, k] x [n, k]^T product, from scripts/bench_gemv.py's sweep on an H100 (session 19,
+    the 1B-shaped model's projections): one row, 2 columns x 1024 of K per program on 4 warps, within 2 % of the
+    best tiling at every shape; 2-16 rows, 64 columns x 256 of K, 4 warps, 4 stages (the LM head's best). K
+    below the block: the whole row in one load."""
     block_k = min(1024, max(16, triton.next_power_of_2(k)))
     if rows <= 1:
-        return GemvConfig(block_n=4, block_k=block_k, num_warps=8)
-    return GemvConfig(block_n=32, block_k=min(block_k, 256), num_warps=4, num_stages=4)
+        return GemvConfig(block_n=2, block_k=block_k, num_warps=4)
+    return GemvConfig(block_n=64, block_k=min(block_k, 256), num_warps=4, num_stages=4)
