@@ -18,9 +18,11 @@ from tests.helpers import compile_for_sm90
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize(
+    "rows,dtype",
+    [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (5, torch.float16), (16, torch.bfloat16)],
+)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_equal_f_linear(rows, bias, dtype):
     g = torch.Generator().manual_seed(rows)
     n, k = 70, 300  # neither a multiple of the tiles: masked tails in N and K
@@ -28,7 +30,7 @@ def test_kernels_equal_f_linear(rows, bias, dtype):
     w = (0.1 * torch.randn(n, k, generator=g)).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
     want = F.linear(x.float(), w.float(), b.float() if bias else None)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # ~a half ulp
     small = GemvConfig(block_n=4, block_k=64, num_warps=2) if rows == 1 else GemvConfig(16, 64, 4, 2)
     for config in (small, choose_config(rows, n, k, 132)):
         got = gemv_triton(x, w, b, config)
@@ -41,9 +43,11 @@ def test_strided_rows_and_weight():
     base = torch.randn(4, 96, generator=g).to(DEVICE)
     x = base[:, 16:80]  # rows 96 apart, the last dim contiguous
     w = torch.randn(64, 40, generator=g).to(DEVICE).t()  # [40, 64] with its last dim strided
-    for rows in (1, 4):
-        got = gemv_triton(x[:rows], w, None, choose_config(rows, 40, 64, 132))
-        torch.testing.assert_close(got, F.linear(x[:rows], w), rtol=1e-4, atol=1e-4)
+    got = gemv_triton(x[:1], w, None, choose_config(1, 40, 64, 132))
+    torch.testing.assert_close(got, F.linear(x[:1], w), rtol=1e-4, atol=1e-4)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)  # [40, 64] with its last dim strided
+    got = gemv_triton(xb, wb, None, choose_config(4, 40, 64, 132))
+    torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), rtol=1e-2, atol=1e-2)
 
 
 def test_op_is_f_linear_where_the_rule_declines_and_off_cuda():
@@ -122,5 +126,7 @@ def test_bad_configs_and_shapes_name_the_fix():
         GemvConfig(num_warps=3)
     with pytest.raises(ValueError, match="0 \\(never\\) to 16"):
         GemvRule(max_rows=17)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        gemv_triton(torch.zeros(3, 8), torch.zeros(4, 8), None, GemvConfig(16, 16, 4))
     with pytest.raises(ValueError, match="weight \\[N, K\\]"):
         torch.ops.draftgraph.linear(torch.zeros(2, 5, device="meta"), torch.zeros(4, 6, device="meta"), None)

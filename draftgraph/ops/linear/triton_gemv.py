@@ -101,13 +101,18 @@ def m_block(rows: int) -> int:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype; weight rows contiguous."""
+    """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype (one row: any float dtype; 2-16 rows:
+    bfloat16 or float16)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if m > 1 and x.dtype not in (torch.bfloat16, torch.float16):
+        # float32 operands on an H100 differed from F.linear by TF32-sized errors (session 19); their products
+        # stay on cuBLAS (the op's rule never sends them here)
+        raise ValueError(f"gemv_triton: {m} rows of {x.dtype}: the tensor-core kernel takes bfloat16 or float16")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 1 and n:
         dot_f32, precision = triton_dot_settings(x.dtype)
