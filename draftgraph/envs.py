@@ -16,14 +16,17 @@ DRAFTGRAPH_UNFUSE_ADDMM=0      (no flag)           Inductor fuses residual adds 
 DRAFTGRAPH_RACE_KERNEL=0       (no flag)           eager token draws on CUDA run torch ops over [N, V] noise
                                                    instead of the Triton exponential race
                                                    (ops/sampling/triton_race.py): for comparisons
-DRAFTGRAPH_NORM_KERNEL=1       (no flag)           RMSNorm and the decoder layer's residual add run as
+DRAFTGRAPH_NORM_KERNEL=0       (no flag)           RMSNorm and the decoder layer's residual add run as torch ops
+                                                   (Inductor's kernels when compiled) instead of
                                                    draftgraph::rms_norm / add_rms_norm (ops/norm: one Triton
-                                                   kernel each on CUDA) instead of torch ops (Inductor's kernels
-                                                   when compiled): opt-in until a side-by-side measurement
-                                                   shows the step faster
+                                                   kernel each on CUDA): for comparisons
 DRAFTGRAPH_GEMV_KERNEL=0      (no flag)           the models' linear layers on CUDA run F.linear (cuBLAS) at every
                                                    row count instead of draftgraph::linear (ops/linear: a Triton
                                                    GEMV for a few rows): for comparisons
+DRAFTGRAPH_ROPE_KERNEL=0      (no flag)           the Llama attention's RoPE on q and k and the copy of v on CUDA
+                                                   run as torch ops (Inductor's kernels when compiled) instead of
+                                                   draftgraph::rope_qkv (ops/rope: one Triton kernel): for
+                                                   comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -66,8 +69,12 @@ def race_kernel() -> bool:
 
 
 def norm_kernel() -> bool:
-    return os.environ.get("DRAFTGRAPH_NORM_KERNEL", "0") == "1"
+    return os.environ.get("DRAFTGRAPH_NORM_KERNEL", "1") != "0"
 
 
 def gemv_kernel() -> bool:
     return os.environ.get("DRAFTGRAPH_GEMV_KERNEL", "1") != "0"
+
+
+def rope_kernel() -> bool:
+    return os.environ.get("DRAFTGRAPH_ROPE_KERNEL", "1") != "0"

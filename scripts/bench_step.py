@@ -11,7 +11,9 @@ Variants, compiled in this one process and measured side by side:
   next step launched before the host reads the last one (CompileConfig.overlap_steps);
 * `serial`: the one graph per step, each read before the next is launched (overlap_steps=False);
 * `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph;
-* `norm ops`: `overlap` with RMSNorm and the residual add as ops/norm's kernels (DRAFTGRAPH_NORM_KERNEL=1).
+* `torch norms`: `overlap` with RMSNorm and the residual add as torch ops (DRAFTGRAPH_NORM_KERNEL=0).
+* `cuBLAS`: `overlap` with every linear layer on F.linear (DRAFTGRAPH_GEMV_KERNEL=0).
+* `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -38,10 +40,12 @@ VARIANTS = {  # name: CompileConfig fields
     "overlap": dict(one_graph_step=True, overlap_steps=True),
     "serial": dict(one_graph_step=True, overlap_steps=False),
     "2 graphs": dict(one_graph_step=False),
-    # the overlapped step with RMSNorm and the residual add as ops/norm's kernels, not torch ops (Inductor's)
-    "norm ops": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "1"}),
+    # the overlapped step with RMSNorm and the residual add as torch ops (Inductor's kernels), not ops/norm's
+    "torch norms": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "0"}),
     # the overlapped step with every linear layer on cuBLAS (F.linear), not draftgraph::linear's one-row GEMV
     "cuBLAS": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_GEMV_KERNEL": "0"}),
+    # RoPE on q and k and the copy of v as torch ops (Inductor's kernels), not draftgraph::rope_qkv's one kernel
+    "torch rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KERNEL": "0"}),
 }
 
 

@@ -81,17 +81,24 @@ def test_bad_shapes_name_the_fix():
         torch.ops.draftgraph.rms_norm(torch.zeros(2, 8, device="meta"), torch.zeros(4, device="meta"), 1e-6)
 
 
-@pytest.mark.parametrize("opt_in", ["0", "1"])
-def test_the_layer_norms_use_the_ops_when_opted_in(monkeypatch, opt_in):
-    """DRAFTGRAPH_NORM_KERNEL=1: RMSNorm and the post-attention add are the ops (one node each in a trace);
-    otherwise the torch ops, as the goldens record."""
+@pytest.mark.parametrize("cuda,env,want_ops", [(True, None, True), (True, "0", False), (False, None, False)])
+def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, env, want_ops):
+    """On CUDA RMSNorm and the post-attention add are the ops (one node each in a trace) unless
+    DRAFTGRAPH_NORM_KERNEL=0; on the CPU the torch ops, as the goldens record. (A CUDA trace without a GPU: CPU
+    tensors that say they are on CUDA.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from draftgraph.models.layers import RMSNorm
 
-    monkeypatch.setenv("DRAFTGRAPH_NORM_KERNEL", opt_in)
+    if env is None:
+        monkeypatch.delenv("DRAFTGRAPH_NORM_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("DRAFTGRAPH_NORM_KERNEL", env)
     norm = RMSNorm(16, 1e-6)
-    gm = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))(torch.randn(3, 16), torch.randn(3, 16))
+    fn = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))  # on "CUDA": the kernels, interpreted
+    if cuda:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    gm = fn(torch.randn(3, 16), torch.randn(3, 16))
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     ops = {"draftgraph.rms_norm.default", "draftgraph.add_rms_norm.default"}
-    assert (ops <= targets) if opt_in == "1" else not (ops & targets), targets
+    assert (ops <= targets) if want_ops else not (ops & targets), targets

@@ -47,6 +47,7 @@ KERNEL_OPS = frozenset(
         "rms_norm",
         "add_rms_norm",
         "linear",
+        "rope_qkv",
     }
 )
 log = logging.getLogger("draftgraph")

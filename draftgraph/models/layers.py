@@ -8,6 +8,7 @@ from torch import nn
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
 import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms_norm and add_rms_norm)
+import draftgraph.ops.rope.op as rope_op  # registers torch.ops.draftgraph.rope_qkv
 from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.linear import Linear
@@ -18,8 +19,8 @@ from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, the product in x's dtype (Llama; with DRAFTGRAPH_NORM_KERNEL=1 `draftgraph::rms_norm`, one
-    Triton kernel on CUDA); `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is
+    """x / rms(x) * w, the product in x's dtype (Llama; on CUDA `draftgraph::rms_norm`, one Triton kernel, unless
+    DRAFTGRAPH_NORM_KERNEL=0); `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is
     stored around 0)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool = False):
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.zero_centered and envs.norm_kernel():
+        if not self.zero_centered and x.is_cuda and envs.norm_kernel():
             return torch.ops.draftgraph.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,9 +39,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, the norm of it); with DRAFTGRAPH_NORM_KERNEL=1 the add and the norm are one op
-        (`draftgraph::add_rms_norm`: one kernel on CUDA)."""
-        if not self.zero_centered and envs.norm_kernel():
+        """(x + residual, the norm of it); on CUDA the add and the norm are one op (`draftgraph::add_rms_norm`: one
+        kernel) unless DRAFTGRAPH_NORM_KERNEL=0."""
+        if not self.zero_centered and x.is_cuda and envs.norm_kernel():
             return torch.ops.draftgraph.add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
         return s, self(s)
@@ -77,9 +78,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is None and x.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim):
+            q, k, v = torch.ops.draftgraph.rope_qkv(q, k, v, cos, sin)  # one kernel for q's and k's RoPE and v
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.ops.draftgraph.paged_attention(
             q,
             k,

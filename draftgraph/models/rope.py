@@ -7,6 +7,7 @@ import math
 import torch
 
 from draftgraph.models.config import RopeConfig, yarn_mscale
+from draftgraph.ops.rope.op import rotate_half
 
 
 def inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -68,12 +69,7 @@ def cos_sin_table(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor(rope)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2] (neox / rotate-half layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+apply_rope = rotate_half  # x: [T, heads, head_dim]; cos, sin: [T, head_dim // 2] (neox / rotate-half layout)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
