@@ -98,7 +98,9 @@ def test_compiling_ahead_names_each_variant_without_launching(monkeypatch):
 def test_kernels_compile_for_a_hopper_gpu():
     """The interpreter runs what Triton's compiler refuses: compile both for sm_90 here (no GPU needed)."""
     common = {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "swn": "i64"}
-    got = compile_for_sm90(_gemv_kernel, common, {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024})
+    got = compile_for_sm90(
+        _gemv_kernel, common, {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": False, "ACCURATE": True}
+    )
     assert got is None or "cubin" in got
     sig = {**common, "M": "i32", "sxm": "i64", "sym": "i64"}
     for bias in (False, True):
@@ -130,3 +132,39 @@ def test_bad_configs_and_shapes_name_the_fix():
         gemv_triton(torch.zeros(3, 8), torch.zeros(4, 8), None, GemvConfig(16, 16, 4))
     with pytest.raises(ValueError, match="weight \\[N, K\\]"):
         torch.ops.draftgraph.linear(torch.zeros(2, 5, device="meta"), torch.zeros(4, 6, device="meta"), None)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_linear_is_the_swiglu_down_projection(rows, bias):
+    """One row: the GEMV makes silu(gate) * up as it loads it; more rows: one elementwise kernel then F.linear.
+    Both equal eager torch's MLP (silu rounded to the dtype, the product rounded again) to a bf16 ulp."""
+    from draftgraph.ops.linear.triton_gemv import silu_mul_gemv_triton, silu_mul_triton
+
+    g = torch.Generator().manual_seed(7 + rows)
+    gate_up = torch.randn(rows, 2 * 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (0.1 * torch.randn(40, 96, generator=g)).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(40, generator=g).to(torch.bfloat16).to(DEVICE) if bias else None
+    gate, up = gate_up.split([96, 96], dim=-1)
+    act = F.silu(gate) * up
+    # two roundings; the interpreter truncates float32 -> bfloat16 (CUDA rounds to nearest): up to 2 ulps here
+    torch.testing.assert_close(silu_mul_triton(gate_up).float(), act.float(), rtol=2e-2, atol=2e-2)
+    want = F.linear(act.float(), w.float(), b.float() if bias else None)
+    if rows == 1:
+        got = silu_mul_gemv_triton(gate_up, w, b, choose_config(1, 40, 96, 132))
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    cpu = torch.ops.draftgraph.silu_mul_linear(gate_up.cpu(), w.cpu(), b.cpu() if bias else None)
+    assert torch.equal(cpu, F.linear(F.silu(gate.cpu()) * up.cpu(), w.cpu(), b.cpu() if bias else None))
+    torch.library.opcheck(torch.ops.draftgraph.silu_mul_linear.default, (gate_up.cpu(), w.cpu(), None))
+
+
+def test_silu_kernels_compile_for_a_hopper_gpu():
+    from draftgraph.ops.linear.triton_gemv import _silu_mul_kernel
+
+    sig = {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "swn": "i64"}
+    constexprs = {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 1024, "SILU_MUL": True, "ACCURATE": True}
+    got = compile_for_sm90(_gemv_kernel, sig, constexprs)
+    assert got is None or "cubin" in got
+    sig = {"x": "*bf16", "y": "*bf16", "M": "i32", "INTER": "i32", "sxm": "i64"}
+    got = compile_for_sm90(_silu_mul_kernel, sig, {"BLOCK": 1024, "ACCURATE": True})
+    assert got is None or "cubin" in got

@@ -48,6 +48,7 @@ KERNEL_OPS = frozenset(
         "add_rms_norm",
         "linear",
         "rope_qkv",
+        "silu_mul_linear",
     }
 )
 log = logging.getLogger("draftgraph")

@@ -112,6 +112,8 @@ class MLP(nn.Module):
         self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):
+        if x.is_cuda and envs.gemv_kernel() and type(self.down) is Linear:  # one process: one op for act + down
+            return torch.ops.draftgraph.silu_mul_linear(self.gate_up(x), self.down.weight, self.down.bias)
         gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
         return self.down(F.silu(gate) * up)
 

@@ -89,3 +89,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def _(x, weight, bias):
     _check(x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@custom_op("draftgraph::silu_mul_linear", mutates_args=())
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A SwiGLU's down projection: (silu(gate) * up) @ weight.T + bias, gate_up [..., 2I] = gate | up. On CUDA
+    one row is one launch (the GEMV makes silu(gate) * up as it loads it: the elementwise kernel between the MLP's
+    two products goes); more rows are the elementwise kernel then F.linear, as a compiled MLP ran them."""
+    i = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1] if i else 0
+    if not gate_up.is_cuda:
+        gate, up = gate_up.split([i, i], dim=-1)
+        return F.linear(F.silu(gate) * up, weight, bias)
+    from draftgraph.ops.linear.triton_gemv import choose_config, silu_mul_gemv_triton, silu_mul_triton
+
+    n, sms = weight.shape[0], _sm_count(gate_up.device)
+    if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
+        one = gate_up.new_zeros((1, 2 * i))
+        if GEMV_RULE.takes(1, gate_up, weight):
+            silu_mul_gemv_triton(one, weight, bias, choose_config(1, n, i, sms))
+        silu_mul_triton(one)
+        return gate_up.new_empty((*gate_up.shape[:-1], n))
+    flat = gate_up.reshape(rows, 2 * i)
+    if rows == 1 and GEMV_RULE.takes(1, gate_up, weight):
+        y = silu_mul_gemv_triton(flat, weight, bias, choose_config(1, n, i, sms))
+    else:
+        y = F.linear(silu_mul_triton(flat), weight, bias)
+    return y.view(*gate_up.shape[:-1], n)
+
+
+@silu_mul_linear.register_fake
+def _(gate_up, weight, bias):
+    if gate_up.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"silu_mul_linear takes gate_up [..., 2K] (gate | up) and weight [N, K]; got gate_up "
+            f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)}"
+        )
+    return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))

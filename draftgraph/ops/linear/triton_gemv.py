@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops import triton_math
+from draftgraph.ops.backends import triton_dot_settings, triton_interpreting
 from draftgraph.ops.launch import launch
 
 
@@ -75,8 +76,29 @@ def _dot_kernel(x, w, b, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: products summed elementwise in float32 over K's chunks, reduced once at the end."""
+def _silu_mul(g, u, ACCURATE: tl.constexpr):
+    """silu(g) * u as eager torch rounds it: silu in float32 rounded to g's dtype, the product rounded again."""
+    gf = g.to(tl.float32)
+    sg = (gf / (1.0 + triton_math.exp(-gf, ACCURATE))).to(g.dtype)
+    return (sg.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(x, y, M, INTER, sxm, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+    """y [M, INTER] = silu(x[:, :INTER]) * x[:, INTER:] (the rows a product with more rows takes; one launch)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < INTER
+    g = tl.load(x + row * sxm + cols, mask=ok, other=0.0)
+    u = tl.load(x + row * sxm + INTER + cols, mask=ok, other=0.0)
+    tl.store(y + row * INTER + cols, _silu_mul(g, u, ACCURATE), mask=ok)
+
+
+@triton.jit
+def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
+    """One row: products summed elementwise in float32 over K's chunks, reduced once at the end. SILU_MUL: the
+    row is silu(x[:K]) * x[K:2K] (a SwiGLU's gate and up halves), made as it is loaded."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_ok = cols < N
@@ -88,6 +110,8 @@ def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.cons
         k_ok = kk < K
         wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         xv = tl.load(x + kk, mask=k_ok, other=0.0)
+        if SILU_MUL:
+            xv = _silu_mul(xv, tl.load(x + K + kk, mask=k_ok, other=0.0), ACCURATE)
         acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -124,7 +148,45 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     elif m and n:
         launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
             x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SILU_MUL=False, ACCURATE=not triton_interpreting(),
+            num_warps=config.num_warps,
+        )  # fmt: skip
+    return y
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[:, :I]) * gate_up[:, I:] -> [M, I] in one launch (eager torch's rounding)."""
+    m, i2 = gate_up.shape
+    i = i2 // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    y = torch.empty((m, i), dtype=gate_up.dtype, device=gate_up.device)
+    if m and i:
+        block = min(1024, triton.next_power_of_2(i))
+        launch(_silu_mul_kernel, (m, triton.cdiv(i, block)))(
+            gate_up, y, m, i, gate_up.stride(0), BLOCK=block, ACCURATE=not triton_interpreting(), num_warps=4
+        )
+    return y
+
+
+def silu_mul_gemv_triton(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+) -> torch.Tensor:
+    """One row: (silu(gate) * up) @ weight.T (+ bias) with gate_up [1, 2I] and weight [N, I], in one launch."""
+    m, i2 = gate_up.shape
+    n, k = weight.shape
+    if m != 1 or i2 != 2 * k:
+        raise ValueError(f"silu_mul_gemv_triton takes gate_up [1, 2K] and weight [N, K]; got {(m, i2)}, {(n, k)}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    y = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
+    if n:
+        launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
+            gate_up, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SILU_MUL=True,
+            ACCURATE=not triton_interpreting(), num_warps=config.num_warps,
         )  # fmt: skip
     return y
 
