@@ -10,6 +10,8 @@ from draftgraph.ops.norm.op import add_rms_norm, rms_norm, rms_norm_reference
 from draftgraph.ops.norm.triton_rms_norm import _rms_norm_kernel, rms_norm_triton
 from tests.helpers import compile_for_sm90
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: interpreted here, compiled on the device
+
 
 def old_norm(x, w, eps):
     xf = x.float()
@@ -40,6 +42,8 @@ def test_kernel_equals_the_reference(dtype, residual, shape):
         x = torch.randn(3, 5 * 16, generator=g).to(dtype)[:, : 3 * 16].view(3, 3, 16)
     w = (1 + 0.1 * torch.randn(x.shape[-1], generator=g)).to(dtype)
     r = torch.randn(x.shape, generator=g).to(dtype) if residual else None
+    x, w = x.to(DEVICE), w.to(DEVICE)
+    r = r.to(DEVICE) if residual else None
     s, y = rms_norm_triton(x, r, w, 1e-6)
     base = x + r if residual else x
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # a bf16 ulp
@@ -94,11 +98,12 @@ def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, env, want_ops):
         monkeypatch.delenv("DRAFTGRAPH_NORM_KERNEL", raising=False)
     else:
         monkeypatch.setenv("DRAFTGRAPH_NORM_KERNEL", env)
-    norm = RMSNorm(16, 1e-6)
-    fn = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))  # on "CUDA": the kernels, interpreted
-    if cuda:
+    norm = RMSNorm(16, 1e-6).to("cuda" if cuda and torch.cuda.is_available() else "cpu")
+    fn = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))
+    device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
+    if cuda and device == "cpu":  # CPU tensors that say they are on CUDA: the kernels, interpreted
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    gm = fn(torch.randn(3, 16), torch.randn(3, 16))
+    gm = fn(torch.randn(3, 16, device=device), torch.randn(3, 16, device=device))
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     ops = {"draftgraph.rms_norm.default", "draftgraph.add_rms_norm.default"}
     assert (ops <= targets) if want_ops else not (ops & targets), targets

@@ -84,16 +84,27 @@ def again(eng, temperature: float) -> list:
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])  # bf16 kernels: tests/test_deepseek.py on CUDA, the benchmark
-def test_mtp_lossless_in_every_mode(hf, dtype):
+def mtp_none_runs() -> dict:
+    """Mode NONE's tokens (float32) that the MTP test compares every mode against: with the drafter greedy and at
+    temperature 0.8, and greedy without it (run in a side process when the tier starts one:
+    tests/gpu/side_process.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = CausalLM.from_hf(tiny_deepseek_model().cuda(), dtype=torch.float32, attn_impl="triton")
+    greedy, none = run(target, copy_deepseek_mtp(target), "NONE")
+    return {"greedy": greedy, "sampled": again(none, 0.8), "plain": run(target, None, "NONE")[0]}
+
+
+@pytest.mark.side_reference.with_args(mtp_none_runs)
+def test_mtp_lossless_in_every_mode(hf, side_reference):
     """Every mode's tokens equal NONE's, greedy and sampled: each mode's engine is built once and generates at
-    both temperatures (the build does not depend on them)."""
+    both temperatures (the build does not depend on them). float32 (bf16 kernels: tests/test_deepseek.py on
+    CUDA, the benchmark)."""
+    dtype = torch.float32
     target = CausalLM.from_hf(hf, dtype=dtype, attn_impl="triton")
     drafter = copy_deepseek_mtp(target)
-    ref, none = run(target, drafter, "NONE")
-    refs = {0.0: ref, 0.8: again(none, 0.8)}
-    if dtype == torch.float32:
-        assert ref == run(target, None, "NONE")[0]  # speculation changes nothing (greedy)
+    none = side_reference(mtp_none_runs)
+    refs = {0.0: none["greedy"], 0.8: none["sampled"]}
+    assert none["greedy"] == none["plain"]  # speculation changes nothing (greedy)
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
         out, eng = run(target, drafter, mode)
         for temperature in (0.0, 0.8):

@@ -170,9 +170,11 @@ def target(hf):
     return CausalLM.from_hf(hf, attn_impl="triton")
 
 
-@pytest.fixture(scope="module")
-def reference(hf):
-    """transformers' greedy generate on CUDA, one prompt at a time."""
+def transformers_greedy() -> list:
+    """transformers' greedy generate on CUDA, one prompt at a time (run in a side process when the tier starts
+    one: tests/gpu/side_process.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = tiny_v32_model().cuda()
     prompts, params, _ = ragged(8)
     hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
     outs = []
@@ -183,6 +185,11 @@ def reference(hf):
                               max_new_tokens=p.max_tokens, min_new_tokens=p.max_tokens)  # fmt: skip
         outs.append(out[0, len(prompt) :].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def reference(side_reference):
+    return side_reference(transformers_greedy)
 
 
 def generate(target, drafter, mode, backend="eager", k=3):
@@ -197,6 +204,7 @@ def generate(target, drafter, mode, backend="eager", k=3):
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
 
 
+@pytest.mark.side_reference.with_args(transformers_greedy)
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_greedy_equals_transformers_in_every_mode(target, reference, with_drafter):
     """With the drafter, Inductor compiles the FULL_AND_PIECEWISE pieces (the indexer op inside them, the
@@ -222,6 +230,7 @@ def test_greedy_equals_transformers_in_every_mode(target, reference, with_drafte
         print(f"V3.2 drafter={with_drafter} {mode}: acceptance {s['acceptance_histogram']}, {s['dispatch']}")
 
 
+@pytest.mark.side_reference.with_args(transformers_greedy)
 @pytest.mark.parametrize("k", [1, 5])
 def test_mtp_at_other_draft_lengths(target, reference, k):
     """The MTP drafter at K = 1 and 5 in FULL_AND_PIECEWISE: the same tokens, one-graph steps, no fallback."""
