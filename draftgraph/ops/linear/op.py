@@ -107,12 +107,12 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
         one = gate_up.new_zeros((1, 2 * i))
         if GEMV_RULE.takes(1, gate_up, weight):
-            silu_mul_gemv_triton(one, weight, bias, choose_config(1, n, i, sms))
+            silu_mul_gemv_triton(one, weight, bias, choose_config(1, n, i, sms, silu_mul=True))
         silu_mul_triton(one)
         return gate_up.new_empty((*gate_up.shape[:-1], n))
     flat = gate_up.reshape(rows, 2 * i)
     if rows == 1 and GEMV_RULE.takes(1, gate_up, weight):
-        y = silu_mul_gemv_triton(flat, weight, bias, choose_config(1, n, i, sms))
+        y = silu_mul_gemv_triton(flat, weight, bias, choose_config(1, n, i, sms, silu_mul=True))
     else:
         y = F.linear(silu_mul_triton(flat), weight, bias)
     return y.view(*gate_up.shape[:-1], n)

@@ -3,9 +3,10 @@ and keys of a fused QKV projection, and the values made contiguous.
 
 The Llama attention's q and k rotations and the copy of v out of the QKV output were three Inductor kernels per
 layer, each about a microsecond at decode sizes (docs/benchmarks.md, session 18); on CUDA this op is one Triton
-kernel (triton_rope.py) reading the strided views once and writing three new contiguous tensors. Off CUDA it is
-`rope_reference`, the torch code models/rope.py's apply_rope always ran. Values equal: the rotation in float32,
-rounded once to the input dtype. Registering the op is this module's one import-time action.
+kernel (triton_rope.py; a program per token and head) reading the strided views once and writing three new
+contiguous tensors. Off CUDA it is `rotate_half`, the torch code models/rope.py's apply_rope always ran. Values
+equal: the rotation in float32, rounded once to the input dtype. Registering the op is this module's one
+import-time action.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""RoPE on q and k and the copy of v in one Triton kernel: a program per token, all its heads at once.
+"""RoPE on q and k and the copy of v in one Triton kernel: a program per token and head (q's heads, then the KV
+heads: key and value).
 
 The inputs are the strided views of a fused QKV projection's output ([T, heads, D] with a row stride of the
 whole projection); the outputs are contiguous. Each head row's two halves x1, x2 become x1 c - x2 s and
@@ -16,34 +17,31 @@ from draftgraph.ops.rope.op import kernel_takes
 
 
 @triton.jit
+def _rotate(src, dst, c, s, d, HALF: tl.constexpr):
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + HALF + d)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dst + d, (a * c - b * s).to(x1.dtype))
+    tl.store(dst + HALF + d, (b * c + a * s).to(x1.dtype))
+
+
+@triton.jit
 def _rope_qkv_kernel(q, k, v, cos, sin, q_out, k_out, v_out, sqt, sqh, skt, skh, svt, svh, sct, sst, HQ, HKV,
-                     HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr):  # fmt: skip
+                     HALF: tl.constexpr):  # fmt: skip
+    """Program (t, h): query head h of token t for h < HQ, else KV head h - HQ's key (rotated) and value."""
     t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    c = tl.load(cos + t * sct + d).to(tl.float32)[None, :]
-    s = tl.load(sin + t * sst + d).to(tl.float32)[None, :]
-    hq = tl.arange(0, HQ_PAD)[:, None]
-    mq = hq < HQ
-    src = q + t * sqt + hq * sqh + d[None, :]
-    x1 = tl.load(src, mask=mq, other=0.0)
-    x2 = tl.load(src + HALF, mask=mq, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    dst = q_out + t * (HQ * 2 * HALF) + hq * (2 * HALF) + d[None, :]
-    tl.store(dst, (a * c - b * s).to(x1.dtype), mask=mq)
-    tl.store(dst + HALF, (b * c + a * s).to(x1.dtype), mask=mq)
-    hk = tl.arange(0, HKV_PAD)[:, None]
-    mk = hk < HKV
-    src = k + t * skt + hk * skh + d[None, :]
-    x1 = tl.load(src, mask=mk, other=0.0)
-    x2 = tl.load(src + HALF, mask=mk, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    dst = k_out + t * (HKV * 2 * HALF) + hk * (2 * HALF) + d[None, :]
-    tl.store(dst, (a * c - b * s).to(x1.dtype), mask=mk)
-    tl.store(dst + HALF, (b * c + a * s).to(x1.dtype), mask=mk)
-    src = v + t * svt + hk * svh + d[None, :]
-    dst = v_out + t * (HKV * 2 * HALF) + hk * (2 * HALF) + d[None, :]
-    tl.store(dst, tl.load(src, mask=mk, other=0.0), mask=mk)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=mk, other=0.0), mask=mk)
+    c = tl.load(cos + t * sct + d).to(tl.float32)
+    s = tl.load(sin + t * sst + d).to(tl.float32)
+    if h < HQ:
+        _rotate(q + t * sqt + h * sqh, q_out + (t * HQ + h) * (2 * HALF), c, s, d, HALF)
+    else:
+        g = h - HQ
+        _rotate(k + t * skt + g * skh, k_out + (t * HKV + g) * (2 * HALF), c, s, d, HALF)
+        dst = v_out + (t * HKV + g) * (2 * HALF)
+        tl.store(dst + d, tl.load(v + t * svt + g * svh + d))
+        tl.store(dst + HALF + d, tl.load(v + t * svt + g * svh + HALF + d))
 
 
 def rope_qkv_triton(q, k, v, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,9 +54,8 @@ def rope_qkv_triton(q, k, v, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torc
     q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
     q_out, k_out, v_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     if t:
-        launch(_rope_qkv_kernel, (t,))(
+        launch(_rope_qkv_kernel, (t, hq + hkv))(
             q, k, v, cos, sin, q_out, k_out, v_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), cos.stride(0), sin.stride(0), hq, hkv, HALF=half, HQ_PAD=triton.next_power_of_2(hq),
-            HKV_PAD=triton.next_power_of_2(hkv), num_warps=4,
+            v.stride(1), cos.stride(0), sin.stride(0), hq, hkv, HALF=half, num_warps=1,
         )  # fmt: skip
     return q_out, k_out, v_out
