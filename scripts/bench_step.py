@@ -17,7 +17,7 @@ Variants, compiled in this one process and measured side by side:
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
-                                   [--repeats 3]
+                                   [--repeats 3] [--kinds plain,spec]
 """
 
 from __future__ import annotations
@@ -77,14 +77,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure the variants in turn this many times (A B A B ...), each cell the median of them: "
                     "a drift over the run (clocks, heat) then hits every variant alike")  # fmt: skip
+    ap.add_argument("--kinds", default="spec,plain", help="which steps to measure, in this order (spec, plain)")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if not kinds or set(kinds) - {"spec", "plain"}:
+        raise SystemExit(f"--kinds {args.kinds!r}: a comma-separated list of spec and plain")
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
     k, ctx = args.k, args.context
     target, drafter = build_pair()
     bw = copy_bandwidth()
     with dg.shared_compile_workers():  # the engines share their compiled pieces: each is compiled once
-        engines = {(kind, v): engine(target, d, sizes, k, ctx, v) for kind, d in (("spec", drafter), ("plain", None))
+        engines = {(kind, v): engine(target, drafter if kind == "spec" else None, sizes, k, ctx, v) for kind in kinds
                    for v in variants}  # fmt: skip
     head = target.head_weight.numel() * target.head_weight.element_size()
     t_bytes, d_bytes = target_layer_bytes(target) + head, layer_bytes(drafter) + head
@@ -94,7 +98,7 @@ def main():
         f"{d_bytes / 2**30:.2f} GiB (LM head included); wall ms per engine.step() (median of 30), then each "
         f"variant over its floor (weights and KV read once over the copy bandwidth)"
     )
-    for kind in ("spec", "plain"):
+    for kind in kinds:
         hdr = f"{kind:>5} B | " + " ".join(f"{v:>9}" for v in variants) + f" {'floor':>7} | "
         hdr += " ".join(f"{v + '/fl':>11}" for v in variants)
         print(hdr + "\n" + "-" * len(hdr))
@@ -107,7 +111,7 @@ def main():
             t = [statistics.median(r[i] for r in runs) for i in range(len(variants))]
             print(f"{b:>7} | " + " ".join(f"{x:>9.3f}" for x in t) + f" {floor:>7.3f} | "
                   + " ".join(f"{x / floor:>11.2f}" for x in t))  # fmt: skip
-    for kind in ("spec", "plain"):
+    for kind in kinds:
         eng = engines[kind, variants[0]]
         print(f"\n{kind}, {variants[0]}: forwards by artifact {eng.stats()['dispatch']}")
         for i in range(4):

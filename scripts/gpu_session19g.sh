@@ -10,5 +10,5 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_rope_o
 N=1 timeout 300 bash scripts/gpu_tier.sh 2>&1 | grep -av "^   \|^tests/gpu\|^  /opt\|_warn_once\|torch._C._cuda\|^$" | tail -22
 timeout 75 python3 scripts/profile_step.py --sizes 1 --kinds plain --variants default --no-linear 2>&1 \
   | grep -av "Warning\|warn" | tee "$OUT/profile.txt" | grep -a "==\|GPU kernel time\|us/step" | head -12
-timeout 150 python3 scripts/bench_step.py --sizes 1,32 --variants "overlap,cuBLAS" --repeats 2 2>&1 \
+timeout 150 python3 scripts/bench_step.py --kinds plain,spec --sizes 1,32 --variants "overlap,cuBLAS" --repeats 2 2>&1 \
   | grep -av "Warning\|warn" | tee "$OUT/bench_step.txt" | grep -a -A12 "copy bandwidth"
