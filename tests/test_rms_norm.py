@@ -107,3 +107,24 @@ def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, env, want_ops):
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     ops = {"draftgraph.rms_norm.default", "draftgraph.add_rms_norm.default"}
     assert (ops <= targets) if want_ops else not (ops & targets), targets
+
+
+def test_sums_left_to_the_next_norm_give_the_same_values(monkeypatch):
+    """On CUDA with the norm ops each Llama layer's residual add is made by the next layer's input norm (and the
+    last one's by the final norm): the same float additions, so the hidden states and the aux layers' residual
+    streams equal the layer-by-layer forward exactly. Off CUDA the layer-by-layer forward runs."""
+    from draftgraph.models.llama import CausalLM
+    from tests.helpers import PagedRunner, tiny_hf_model
+
+    model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), dtype=torch.bfloat16)
+    ids = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(2))
+    assert not model.sums_in_norms(model.embed_tokens(ids))  # the CPU
+    outs = {}
+    for unsummed in (False, True):
+        monkeypatch.setattr(CausalLM, "sums_in_norms", lambda self, h, on=unsummed: on)
+        runner = PagedRunner(model.cfg)
+        meta, pos = runner.batch([(0, 11)])
+        with torch.no_grad():
+            outs[unsummed] = model(ids, pos, meta, runner.cache.layers, aux_layers=(0, 2, 2))
+    (h0, aux0), (h1, aux1) = outs[False], outs[True]
+    assert torch.equal(h0, h1) and len(aux1) == 3 and all(torch.equal(a, b) for a, b in zip(aux0, aux1))

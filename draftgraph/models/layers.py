@@ -138,6 +138,19 @@ class DecoderLayer(nn.Module):
         h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h) (one kernel with the norm ops)
         return h + self.mlp(n)
 
+    def forward_unsummed(self, delta, residual, cos, sin, meta, kv):
+        """`forward` on the input residual + delta (delta None: residual itself), its output left as the pair
+        (mlp out, h) whose sum `forward` returns: the sum is made by the next layer's input norm (add_forward,
+        one kernel with the norm ops) instead of a kernel of its own. Needs the input norm. Equal values: the
+        adds are the same float additions (x + y == y + x)."""
+        if delta is None:
+            x, n = residual, self.input_norm(residual)
+        else:
+            x, n = self.input_norm.add_forward(delta, residual)
+        a = self.attn(n, cos, sin, meta, kv)
+        h, n = self.post_norm.add_forward(x, a)
+        return self.mlp(n), h
+
 
 def rope_lookup(table: torch.Tensor, positions: torch.Tensor):
     """cos, sin [T, D/2] for `positions` from a [max_pos, D] cos|sin table."""

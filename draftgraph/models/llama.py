@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
@@ -112,12 +113,30 @@ class CausalLM(nn.Module):
         cos, sin = rope_lookup(self.rope_table, positions)  # [T, D/2] each
         h = self.embed_tokens(input_ids)  # [T, H]
         outs = {}
+        if self.sums_in_norms(h):
+            delta = None
+            for i, layer in enumerate(self.layers):
+                delta, h = layer.forward_unsummed(delta, h, cos, sin, meta, kv_caches[i])
+                if i in aux_layers:
+                    outs[i] = h + delta
+            return self.norm.add_forward(delta, h)[1], [outs[i] for i in aux_layers]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_caches[i])
             if i in aux_layers:
                 outs[i] = h
         # In the order asked, repeats included (EAGLE-3's defaults repeat a layer in small models).
         return self.norm(h), [outs[i] for i in aux_layers]
+
+    def sums_in_norms(self, h: torch.Tensor) -> bool:
+        """Whether each layer's residual add is left to the next layer's input norm (and the last one's to the
+        final norm): on CUDA with the norm ops, for Llama-family layers that all have an input norm."""
+        return (
+            h.is_cuda
+            and envs.norm_kernel()
+            and len(self.layers) > 0
+            and not self.norm.zero_centered
+            and all(type(layer) is DecoderLayer and layer.input_norm is not None for layer in self.layers)
+        )
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab] for hidden rows `indices` (all rows when None); the full vocabulary on every
