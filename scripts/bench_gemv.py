@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, gemv_triton
+from scripts.bench_argmax import CALLS, copy_bandwidth, graph_us  # 20 calls per graph, cycling the inputs
 
-CALLS = 20
 SHAPES = {  # name: (N, K) of the weight [N, K]
     "qkv": (3072, 2048),
     "o": (2048, 2048),
@@ -32,35 +31,6 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
     "down": (2048, 8192),
     "lm_head": (128256, 2048),
 }
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-def graph_us(fn, weights: list[torch.Tensor], replays: int) -> float:
-    for w in weights[:2]:
-        fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(weights[i % len(weights)])
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
 
 
 def sweep_configs(rows: int) -> list[GemvConfig]:
