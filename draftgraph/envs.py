@@ -27,6 +27,10 @@ DRAFTGRAPH_ROPE_KERNEL=0      (no flag)           the Llama attention's RoPE on 
                                                    run as torch ops (Inductor's kernels when compiled) instead of
                                                    draftgraph::rope_qkv (ops/rope: one Triton kernel): for
                                                    comparisons
+DRAFTGRAPH_NORM_LINEAR=1       (no flag)           on CUDA with the norm ops, a Llama layer's pre-norms and the
+                                                   projections after them (qkv, gate_up) run as one op each
+                                                   (draftgraph::add_rms_norm_linear: the norm made inside the
+                                                   one-row GEMV): opt-in until measured side by side
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -78,3 +82,7 @@ def gemv_kernel() -> bool:
 
 def rope_kernel() -> bool:
     return os.environ.get("DRAFTGRAPH_ROPE_KERNEL", "1") != "0"
+
+
+def norm_linear_kernel() -> bool:
+    return os.environ.get("DRAFTGRAPH_NORM_LINEAR", "0") == "1"

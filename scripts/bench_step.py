@@ -14,6 +14,7 @@ Variants, compiled in this one process and measured side by side:
 * `torch norms`: `overlap` with RMSNorm and the residual add as torch ops (DRAFTGRAPH_NORM_KERNEL=0).
 * `cuBLAS`: `overlap` with every linear layer on F.linear (DRAFTGRAPH_GEMV_KERNEL=0).
 * `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
+* `norm linear`: `overlap` with each pre-norm made inside the one-row GEMV after it (DRAFTGRAPH_NORM_LINEAR=1).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -46,6 +47,8 @@ VARIANTS = {  # name: CompileConfig fields
     "cuBLAS": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_GEMV_KERNEL": "0"}),
     # RoPE on q and k and the copy of v as torch ops (Inductor's kernels), not draftgraph::rope_qkv's one kernel
     "torch rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KERNEL": "0"}),
+    # opt-in: each pre-norm and the projection after it as one op (draftgraph::add_rms_norm_linear)
+    "norm linear": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_LINEAR": "1"}),
 }
 
 

@@ -168,3 +168,38 @@ def test_silu_kernels_compile_for_a_hopper_gpu():
     sig = {"x": "*bf16", "y": "*bf16", "M": "i32", "INTER": "i32", "sxm": "i64"}
     got = compile_for_sm90(_silu_mul_kernel, sig, {"BLOCK": 1024, "ACCURATE": True})
     assert got is None or "cubin" in got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_rms_norm_linear_is_the_add_the_norm_then_the_product(dtype, bias):
+    """One row (opt-in: DRAFTGRAPH_NORM_LINEAR=1): s = x + residual and rms_norm(s) @ W.T + b in one launch, with
+    ops/norm's roundings; the op off CUDA is add_rms_norm's reference then F.linear."""
+    from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton
+    from draftgraph.ops.norm.op import rms_norm_reference
+
+    g = torch.Generator().manual_seed(11)
+    x, r = (torch.randn(1, 200, generator=g).to(dtype).to(DEVICE) for _ in range(2))  # K not a power of two
+    nw = (1 + 0.1 * torch.randn(200, generator=g)).to(dtype).to(DEVICE)
+    w = (0.1 * torch.randn(36, 200, generator=g)).to(dtype).to(DEVICE)
+    b = torch.randn(36, generator=g).to(dtype).to(DEVICE) if bias else None
+    s_ref = x + r
+    y_ref = F.linear(rms_norm_reference(s_ref, nw, 1e-6).float(), w.float(), b.float() if bias else None)
+    s, y = add_rms_norm_gemv_triton(x, r, nw, 1e-6, w, b, choose_config(1, 36, 200, 132, norm=True))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(s.float(), s_ref.float(), **tol)
+    torch.testing.assert_close(y.float(), y_ref, **tol)
+    xc, rc, nc, wc = x.cpu(), r.cpu(), nw.cpu(), w.cpu()
+    s_cpu, y_cpu = torch.ops.draftgraph.add_rms_norm_linear(xc, rc, nc, 1e-6, wc, None)
+    assert torch.equal(s_cpu, xc + rc) and torch.equal(y_cpu, F.linear(rms_norm_reference(xc + rc, nc, 1e-6), wc))
+    torch.library.opcheck(torch.ops.draftgraph.add_rms_norm_linear.default, (xc, rc, nc, 1e-6, wc, None))
+
+
+def test_norm_gemv_compiles_for_a_hopper_gpu():
+    from draftgraph.ops.linear.triton_gemv import _norm_gemv_kernel
+
+    sig = {n: "*bf16" for n in ("x", "r", "nw", "w", "b", "s_out", "y")}
+    sig.update({"N": "i32", "K": "i32", "swn": "i64", "eps": "fp32"})
+    constexprs = {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 1024, "ROW": 2048, "ACCURATE": True}
+    got = compile_for_sm90(_norm_gemv_kernel, sig, constexprs)
+    assert got is None or "cubin" in got

@@ -49,6 +49,7 @@ KERNEL_OPS = frozenset(
         "linear",
         "rope_qkv",
         "silu_mul_linear",
+        "add_rms_norm_linear",
     }
 )
 log = logging.getLogger("draftgraph")

@@ -73,12 +73,16 @@ class Attention(nn.Module):
         self.attn_impl = attn_impl
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv(x), cos, sin, meta, kv)
+
+    def attend(self, qkv, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+        """Everything after the QKV projection, from its output [T, q + 2 kv]."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is None and x.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim):
+        if self.q_norm is None and qkv.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim):
             q, k, v = torch.ops.draftgraph.rope_qkv(q, k, v, cos, sin)  # one kernel for q's and k's RoPE and v
         else:
             if self.q_norm is not None:
@@ -112,9 +116,13 @@ class MLP(nn.Module):
         self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):
-        if x.is_cuda and envs.gemv_kernel() and type(self.down) is Linear:  # one process: one op for act + down
-            return torch.ops.draftgraph.silu_mul_linear(self.gate_up(x), self.down.weight, self.down.bias)
-        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        return self.finish(self.gate_up(x))
+
+    def finish(self, gate_up):
+        """The activation and the down projection, from the gate | up output."""
+        if gate_up.is_cuda and envs.gemv_kernel() and type(self.down) is Linear:  # one process: one op for both
+            return torch.ops.draftgraph.silu_mul_linear(gate_up, self.down.weight, self.down.bias)
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -143,13 +151,26 @@ class DecoderLayer(nn.Module):
         (mlp out, h) whose sum `forward` returns: the sum is made by the next layer's input norm (add_forward,
         one kernel with the norm ops) instead of a kernel of its own. Needs the input norm. Equal values: the
         adds are the same float additions (x + y == y + x)."""
+        fused = envs.norm_linear_kernel() and type(self.attn.qkv) is Linear and type(self.mlp.gate_up) is Linear
         if delta is None:
             x, n = residual, self.input_norm(residual)
+            qkv = self.attn.qkv(n)
+        elif fused:  # DRAFTGRAPH_NORM_LINEAR=1: the add, the norm and the QKV projection as one op
+            x, qkv = _add_norm_project(delta, residual, self.input_norm, self.attn.qkv)
         else:
             x, n = self.input_norm.add_forward(delta, residual)
-        a = self.attn(n, cos, sin, meta, kv)
+            qkv = self.attn.qkv(n)
+        a = self.attn.attend(qkv, cos, sin, meta, kv)
+        if fused:
+            h, gate_up = _add_norm_project(x, a, self.post_norm, self.mlp.gate_up)
+            return self.mlp.finish(gate_up), h
         h, n = self.post_norm.add_forward(x, a)
         return self.mlp(n), h
+
+
+def _add_norm_project(x, residual, norm: RMSNorm, proj: nn.Linear):
+    """(x + residual, proj(norm(x + residual))) as draftgraph::add_rms_norm_linear."""
+    return torch.ops.draftgraph.add_rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
 
 
 def rope_lookup(table: torch.Tensor, positions: torch.Tensor):

@@ -126,3 +126,53 @@ def _(gate_up, weight, bias):
             f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)}"
         )
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
+
+
+@custom_op("draftgraph::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = x + residual (a residual stream) and y = rms_norm(s) @ weight.T + bias (the projection after a
+    pre-norm), as ops/norm's add_rms_norm then F.linear compute them. On CUDA one row is one launch (the GEMV makes
+    the norm as it loads the row: no normalised row in memory); more rows are add_rms_norm's kernel then F.linear.
+    Opt-in (DRAFTGRAPH_NORM_LINEAR=1) until measured."""
+    from draftgraph.ops.norm.op import rms_norm_reference
+
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not x.is_cuda:
+        s = (x + residual).contiguous()
+        return s, F.linear(rms_norm_reference(s, norm_weight, eps), weight, bias)
+    from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, choose_config
+    from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
+
+    n, sms = weight.shape[0], _sm_count(x.device)
+    if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
+        one = x.new_zeros((1, k))
+        if GEMV_RULE.takes(1, x, weight):
+            add_rms_norm_gemv_triton(one, one, norm_weight, eps, weight, bias, choose_config(1, n, k, sms, norm=True))
+        rms_norm_triton(one, one, norm_weight, eps)
+        return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], n))
+    x2, r2 = x.reshape(rows, k), residual.reshape(rows, k)
+    if rows == 1 and GEMV_RULE.takes(1, x, weight):
+        s, y = add_rms_norm_gemv_triton(x2, r2, norm_weight, eps, weight, bias, choose_config(1, n, k, sms, norm=True))
+    else:
+        s, normed = rms_norm_triton(x2, r2, norm_weight, eps)
+        y = F.linear(normed, weight, bias)
+    return s.view(x.shape), y.view(*x.shape[:-1], n)
+
+
+@add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],) or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"add_rms_norm_linear takes x and residual [..., K], norm weight [K], weight [N, K]; got x "
+            f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, weight "
+            f"{tuple(weight.shape)}"
+        )
+    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -119,6 +119,73 @@ def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.cons
     tl.store(y + cols, out.to(y.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ROW: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
+    """One row of rms_norm(x + r) @ w.T (+ b), and s = x + r (written by program 0): every program sums the
+    row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
+    made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
+    each rounded to x's dtype)."""
+    pid = tl.program_id(0)
+    dt = x.dtype.element_ty
+    whole = tl.arange(0, ROW)
+    in_row = whole < K
+    sv = (tl.load(x + whole, mask=in_row, other=0.0).to(tl.float32)
+          + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
+    sf = sv.to(tl.float32)
+    rstd = triton_math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps, ACCURATE)
+    if pid == 0:
+        tl.store(s_out + whole, sv, mask=in_row)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w + cols.to(tl.int64)[:, None] * swn
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        sk = (tl.load(x + kk, mask=k_ok, other=0.0).to(tl.float32)
+              + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
+        nk = (sk.to(tl.float32) * rstd).to(dt)
+        nk = (tl.load(nw + kk, mask=k_ok, other=0.0).to(tl.float32) * nk.to(tl.float32)).to(dt)
+        wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += wt.to(tl.float32) * nk.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y + cols, out.to(dt), mask=col_ok)
+
+
+def add_rms_norm_gemv_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: (s, y) with s = x + residual [1, K] and y = rms_norm(s) @ weight.T (+ bias) [1, N], one launch."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m != 1 or residual.shape != x.shape or weight.shape[1] != k or norm_weight.shape != (k,):
+        raise ValueError(
+            f"add_rms_norm_gemv_triton takes x and residual [1, K], norm weight [K], weight [N, K]; got x "
+            f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, weight "
+            f"{tuple(weight.shape)}"
+        )
+    x, residual, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual, weight))
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n and k:
+        launch(_norm_gemv_kernel, (triton.cdiv(n, config.block_n),))(
+            x, residual, norm_weight, weight, bias if bias is not None else weight, s, y, n, k, weight.stride(0), eps,
+            HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            ROW=triton.next_power_of_2(k), ACCURATE=not triton_interpreting(), num_warps=config.num_warps,
+        )  # fmt: skip
+    return s, y
+
+
 def m_block(rows: int) -> int:
     """The kernel's row tile: the row count rounded up to a power of two (one variant per tile, not per count)."""
     return triton.next_power_of_2(max(rows, 1))
@@ -191,7 +258,7 @@ def silu_mul_gemv_triton(
     return y
 
 
-def choose_config(rows: int, n: int, k: int, sms: int, silu_mul: bool = False) -> GemvConfig:
+def choose_config(rows: int, n: int, k: int, sms: int, silu_mul: bool = False, norm: bool = False) -> GemvConfig:
     """The tiling for an [rows, k] x [n, k]^T product, from scripts/bench_gemv.py's sweep on an H100 (session 19,
     the 1B-shaped model's projections): one row, 2 columns x 1024 of K per program on 4 warps, within 2 % of the
     best tiling at every shape; 2-16 rows, 64 columns x 256 of K, 4 warps, 4 stages (the LM head's best). K
@@ -199,7 +266,7 @@ def choose_config(rows: int, n: int, k: int, sms: int, silu_mul: bool = False) -
     so 8 columns per program (a quarter of the programs, the sweep's down projection within 4 % of its best; at 2
     columns the fused kernel was 7 us a step slower than the two it replaced, session 19)."""
     block_k = min(1024, max(16, triton.next_power_of_2(k)))
-    if rows <= 1 and silu_mul:
+    if rows <= 1 and (silu_mul or norm):  # norm (opt-in, not yet swept): the same reasoning as silu_mul's
         return GemvConfig(block_n=8, block_k=block_k, num_warps=8)
     if rows <= 1:
         return GemvConfig(block_n=2, block_k=block_k, num_warps=4)
