@@ -10,11 +10,13 @@ against F.linear first.
 Prints per (shape, rows): the floor, cuBLAS, the config `choose_config` picks, and the best config of the sweep
 (its name: block_n x block_k / warps / stages). `--sweep` prints every config's time.
 Usage: python scripts/bench_gemv.py [--rows 1,2,4,5,8,16] [--sweep] [--replays 100]
+       python scripts/bench_gemv.py --fused   (one row's fused prologues against their separate kernels)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -52,7 +54,12 @@ def main():
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--l2-mib", type=int, default=256, help="weights cycled per graph: at least this many MiB")
     parser.add_argument("--sweep", action="store_true", help="print every config's time")
+    parser.add_argument("--fused", action="store_true",
+                        help="instead: one row's fused prologues (the pre-norm in qkv / gate_up, the SwiGLU activation "
+                        "in down) against their separate kernels, per column block")  # fmt: skip
     args = parser.parse_args()
+    if args.fused:
+        return fused_prologues(args)
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device {torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}")
@@ -90,6 +97,51 @@ def main():
                 print("         " + "  ".join(f"{k_}:{v:.2f}" for k_, v in sorted(times.items(), key=lambda kv: kv[1])))
         del weights
         torch.cuda.empty_cache()
+
+
+def fused_prologues(args) -> None:
+    """One row: add_rms_norm then the GEMV against the norm inside it (qkv, gate_up), silu * up then the GEMV
+    against the activation inside it (down), each at 2-16 columns per program; us per call, CUDA graphs as above."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"device {torch.cuda.get_device_name()} ({sms} SMs); one row, bf16, us per call")
+    print(f"{'shape':>8} {'separate':>9} " + " ".join(f"{'fused/' + str(b):>9}" for b in FUSED_BLOCKS))
+    for shape in ("qkv", "gate_up", "down"):
+        separate, fused = _fused_times(shape, sms, args)
+        print(f"{shape:>8} {separate:>9.2f} " + " ".join(f"{t:>9.2f}" for t in fused))
+
+
+FUSED_BLOCKS = (2, 4, 8, 16)
+
+
+def _fused_times(shape: str, sms: int, args) -> tuple[float, list[float]]:
+    from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, silu_mul_gemv_triton, silu_mul_triton
+    from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, k = SHAPES[shape]
+    copies = max(1, min(CALLS, -(-args.l2_mib * 2**20 // (n * k * 2))))
+    weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    one = choose_config(1, n, k, sms)
+    if shape == "down":
+        gu = torch.randn(1, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+        def separate(w):
+            return gemv_triton(silu_mul_triton(gu), w, None, one)
+
+        def fused(w, b):
+            return silu_mul_gemv_triton(gu, w, None, GemvConfig(b, one.block_k, 8))
+    else:
+        x, r = (torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+        def separate(w):
+            return gemv_triton(rms_norm_triton(x, r, nw, 1e-6)[1], w, None, one)
+
+        def fused(w, b):
+            return add_rms_norm_gemv_triton(x, r, nw, 1e-6, w, None, GemvConfig(b, one.block_k, 8))
+
+    times = [graph_us(functools.partial(fused, b=b), weights, args.replays) for b in FUSED_BLOCKS]
+    return graph_us(separate, weights, args.replays), times
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_linear_op.py tests/test_rms_norm.py 2>&1 | tail -4
+timeout 120 python3 scripts/bench_gemv.py --fused --replays 50 2>&1 | tail -5
 DRAFTGRAPH_NORM_LINEAR=1 timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short --compile-workers 4 \
   tests/gpu/test_models_cuda.py tests/gpu/test_engine_cuda.py tests/gpu/test_full_cuda.py 2>&1 | tail -4
 timeout 300 python3 scripts/bench_step.py --kinds plain,spec --sizes 1,8,32 --variants "overlap,norm linear" \
