@@ -31,6 +31,10 @@ DRAFTGRAPH_NORM_LINEAR=1       (no flag)           on CUDA with the norm ops, a 
                                                    projections after them (qkv, gate_up) run as one op each
                                                    (draftgraph::add_rms_norm_linear: the norm made inside the
                                                    one-row GEMV): opt-in until measured side by side
+DRAFTGRAPH_ROPE_KV_WRITE=1     (no flag)           on CUDA with the fused RoPE and the Triton attention, the RoPE
+                                                   kernel also writes k and v into the paged caches
+                                                   (draftgraph::rope_qkv_write) and the attention op writes none:
+                                                   opt-in until measured side by side
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -86,3 +90,7 @@ def rope_kernel() -> bool:
 
 def norm_linear_kernel() -> bool:
     return os.environ.get("DRAFTGRAPH_NORM_LINEAR", "0") == "1"
+
+
+def rope_kv_write() -> bool:
+    return os.environ.get("DRAFTGRAPH_ROPE_KV_WRITE", "0") == "1"

@@ -15,6 +15,7 @@ Variants, compiled in this one process and measured side by side:
 * `cuBLAS`: `overlap` with every linear layer on F.linear (DRAFTGRAPH_GEMV_KERNEL=0).
 * `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
 * `norm linear`: `overlap` with each pre-norm made inside the one-row GEMV after it (DRAFTGRAPH_NORM_LINEAR=1).
+* `kv in rope`: `overlap` with k and v written into the caches by the RoPE kernel (DRAFTGRAPH_ROPE_KV_WRITE=1).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -49,6 +50,8 @@ VARIANTS = {  # name: CompileConfig fields
     "torch rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KERNEL": "0"}),
     # opt-in: each pre-norm and the projection after it as one op (draftgraph::add_rms_norm_linear)
     "norm linear": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_LINEAR": "1"}),
+    # opt-in: k and v written into the caches by the RoPE kernel (draftgraph::rope_qkv_write), not the attention op
+    "kv in rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KV_WRITE": "1"}),
 }
 
 

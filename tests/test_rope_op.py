@@ -1,7 +1,10 @@
-"""The fused RoPE op (ops/rope): on the CPU it is the rotation models/rope.py always ran (and v made contiguous);
-the Triton kernel (interpreter here, CUDA on the device) gives the same values from the strided views of a fused
-QKV output, GQA and MHA head counts; it compiles for sm_90; the Llama attention keeps its values; bad shapes name
-the fix."""
+"""The fused RoPE ops (ops/rope): on the CPU `rope_qkv` is the rotation models/rope.py always ran (and v made
+contiguous); the Triton kernel (interpreter here, CUDA on the device) gives the same values from the strided views
+of a fused QKV output, GQA and MHA head counts; it compiles for sm_90; bad shapes name the fix. `rope_qkv_write`
+(opt-in) leaves the caches as the attention op's write would, in a model's CUDA path (interpreted here) and
+through Inductor, which mutates the caches in place."""
+
+import os
 
 import pytest
 import torch
@@ -67,3 +70,110 @@ def test_bad_shapes_name_the_fix():
     bad = torch.zeros(3, 2, 12, device=DEVICE)
     with pytest.raises(ValueError, match="twice a power of two"):
         rope_qkv_triton(bad, bad, bad, torch.zeros(3, 6, device=DEVICE), torch.zeros(3, 6, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype):
+    """`rope_qkv_write` (opt-in: DRAFTGRAPH_ROPE_KV_WRITE=1): the rotated queries, and the caches at the tokens'
+    slots hold the rotated keys and the values (slot -1 skipped), exactly as write_kv_reference of rope_qkv's
+    outputs leaves them; the CPU op is that reference (opcheck)."""
+    from draftgraph.ops.attention.reference import write_kv_reference
+    from draftgraph.ops.rope.op import rope_qkv_write
+    from draftgraph.ops.rope.triton_rope import rope_qkv_write_triton
+
+    q, k, v, cos, sin = qkv_views(5, 4, 2, 16, dtype, seed=3)
+    slots = torch.tensor([7, 0, -1, 12, 3], device=DEVICE)
+    caches = [torch.zeros(4, 4, 2, 16, dtype=dtype, device=DEVICE) for _ in range(4)]
+    got_q = rope_qkv_write_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
+    want_q, want_k, want_v = rope_qkv_triton(q, k, v, cos, sin)
+    write_kv_reference(want_k, want_v, caches[2], caches[3], slots)
+    assert torch.equal(got_q, want_q) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].flatten(0, 1)[[1, 2, 4, 5]].abs().sum() == 0  # only the four valid slots were written
+    qc, kc, vc, cc, sc = (x.cpu() for x in (q, k, v, cos, sin))
+    kcache, vcache = torch.zeros(4, 4, 2, 16, dtype=dtype), torch.zeros(4, 4, 2, 16, dtype=dtype)
+    got_cpu = rope_qkv_write(qc, kc, vc, cc, sc, kcache, vcache, slots.cpu())
+    assert torch.equal(got_cpu, rotate_half(qc, cc, sc))
+    torch.testing.assert_close(kcache, caches[2].cpu(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    torch.library.opcheck(
+        torch.ops.draftgraph.rope_qkv_write.default,
+        (qc, kc, vc, cc, sc, kcache.clone(), vcache.clone(), slots.cpu()),
+    )
+
+
+def test_write_kernel_compiles_for_a_hopper_gpu():
+    from draftgraph.ops.rope.triton_rope import _rope_qkv_write_kernel
+
+    sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_cache", "v_cache")}
+    sig.update({"cos": "*fp32", "sin": "*fp32", "slots": "*i64", "HQ": "i32"})
+    sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst", "stride_slot")})
+    got = compile_for_sm90(_rope_qkv_write_kernel, sig, {"HALF": 64})
+    assert got is None or "cubin" in got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA path itself runs in tests/gpu")
+@pytest.mark.parametrize("fused_write", ["0", "1"])
+def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fused_write):
+    """A Llama model's CUDA path (norm ops, fused RoPE, residual adds in the norms, the Triton attention) run on the
+    CPU with the kernels interpreted, prefill then a decode step: with the KV write inside the RoPE kernel the
+    hidden states and the caches equal the path where the attention op writes them."""
+    import draftgraph.ops.rope.triton_rope as tr
+    from draftgraph.models.llama import CausalLM
+    from tests.helpers import PagedRunner, tiny_hf_model
+
+    monkeypatch.setenv("DRAFTGRAPH_GEMV_KERNEL", "0")  # its SM count needs a device
+    calls = []
+    real = tr.rope_qkv_write_triton
+    monkeypatch.setattr(tr, "rope_qkv_write_triton", lambda *a: calls.append(1) or real(*a))
+    model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, head_dim=32), attn_impl="triton")
+    ids = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for write in ("0", fused_write):
+        monkeypatch.setenv("DRAFTGRAPH_ROPE_KV_WRITE", write)
+        runner = PagedRunner(model.cfg)
+        with torch.no_grad(), monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            meta, pos = runner.batch([(0, 8)])
+            model(ids[:8], pos, meta, runner.cache.layers)
+            meta, pos = runner.batch([(0, 1)])
+            hidden, _ = model(ids[8:], pos, meta, runner.cache.layers)
+        results[write] = (hidden, [t.clone() for layer in runner.cache.layers for t in layer])
+    (h0, c0), (h1, c1) = results["0"], results[fused_write]
+    assert torch.equal(h0, h1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
+    assert len(calls) == (2 * model.cfg.num_layers if fused_write == "1" else 0)  # the fused write ran per layer
+    assert any(c.abs().sum() > 0 for c in c1)
+
+
+def test_inductor_writes_the_caches_in_place_through_both_ops():
+    """Compiled, `rope_qkv_write` then the attention op (no rows of its own) mutate the caches in place: Inductor
+    calls each op once on the cache inputs and copies no cache; the values equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
+
+    def step(q, k, v, cos, sin, kc, vc, slots, tables, req, kv_len):
+        q = torch.ops.draftgraph.rope_qkv_write(q, k, v, cos, sin, kc, vc, slots)
+        none = q.new_empty((0, k.shape[1], k.shape[2]))
+        return torch.ops.draftgraph.paged_attention(
+            q, none, none, kc, vc, slots, tables, req, kv_len, 0.25, 0, "triton"
+        )
+
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton attention on the CPU needs the interpreter")
+    q, k, v, cos, sin = qkv_views(3, 4, 2, 16, torch.float32, seed=5)
+    slots = torch.tensor([0, 1, 2], device=DEVICE)
+    tables = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    req, kv_len = (
+        torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE),
+    )
+    caches = {name: torch.zeros(16, 4, 2, 16, device=DEVICE) for name in ("k_eager", "v_eager", "k", "v")}
+    want = step(q, k, v, cos, sin, caches["k_eager"], caches["v_eager"], slots, tables, req, kv_len)
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(step, backend="inductor", dynamic=False), q, k, v, cos, sin,
+                                  caches["k"], caches["v"], slots, tables, req, kv_len)  # fmt: skip
+    code = "\n".join(codes)
+    assert code.count("torch.ops.draftgraph.rope_qkv_write.default(") == 1
+    assert code.count("torch.ops.draftgraph.paged_attention.default(") == 1
+    assert "clone" not in code and ".copy_(" not in code, code
+    torch.testing.assert_close(got, want)
+    assert torch.equal(caches["k"], caches["k_eager"]) and torch.equal(caches["v"], caches["v_eager"])

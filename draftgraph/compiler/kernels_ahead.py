@@ -50,6 +50,7 @@ KERNEL_OPS = frozenset(
         "rope_qkv",
         "silu_mul_linear",
         "add_rms_norm_linear",
+        "rope_qkv_write",
     }
 )
 log = logging.getLogger("draftgraph")

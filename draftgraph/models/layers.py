@@ -82,7 +82,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is None and qkv.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim):
+        fused_rope = self.q_norm is None and qkv.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim)
+        if fused_rope and envs.rope_kv_write() and self.attn_impl == "triton":
+            # RoPE, and k and v written into the caches, in one kernel: the attention op gets no rows to write
+            q = torch.ops.draftgraph.rope_qkv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            k = v = q.new_empty((0, self.num_kv_heads, self.head_dim))
+        elif fused_rope:
             q, k, v = torch.ops.draftgraph.rope_qkv(q, k, v, cos, sin)  # one kernel for q's and k's RoPE and v
         else:
             if self.q_norm is not None:

@@ -61,3 +61,33 @@ def _(q, k, v, cos, sin):
         k.new_empty(k.shape),
         v.new_empty(v.shape),
     )
+
+
+@custom_op("draftgraph::rope_qkv_write", mutates_args=("k_cache", "v_cache"))
+def rope_qkv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rope_qkv` whose rotated keys and the values go straight into the paged caches at `slot_mapping` (slot -1:
+    skipped), as the attention op's KV write would put them; returns the rotated queries. The attention op then
+    gets no rows to write: the KV write's kernel goes. Opt-in (DRAFTGRAPH_ROPE_KV_WRITE=1) until measured."""
+    if q.is_cuda:
+        from draftgraph.ops.rope.triton_rope import rope_qkv_write_triton
+
+        return rope_qkv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    from draftgraph.ops.attention.reference import write_kv_reference
+
+    write_kv_reference(rotate_half(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return rotate_half(q, cos, sin)
+
+
+@rope_qkv_write.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    _check(q, k, v, cos, sin)
+    return q.new_empty(q.shape)

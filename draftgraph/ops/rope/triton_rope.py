@@ -59,3 +59,55 @@ def rope_qkv_triton(q, k, v, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torc
             v.stride(1), cos.stride(0), sin.stride(0), hq, hkv, HALF=half, num_warps=1,
         )  # fmt: skip
     return q_out, k_out, v_out
+
+
+@triton.jit
+def _rope_qkv_write_kernel(q, k, v, cos, sin, q_out, k_cache, v_cache, slots, sqt, sqh, skt, skh, svt, svh, sct, sst,
+                           stride_slot, HQ, HALF: tl.constexpr):  # fmt: skip
+    """Program (t, h): query head h of token t rotated into q_out for h < HQ; else KV head h - HQ's key rotated
+    and value copied straight into the paged caches at the token's slot (slot < 0: a padding row, skipped)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    c = tl.load(cos + t * sct + d).to(tl.float32)
+    s = tl.load(sin + t * sst + d).to(tl.float32)
+    if h < HQ:
+        _rotate(q + t * sqt + h * sqh, q_out + (t * HQ + h) * (2 * HALF), c, s, d, HALF)
+    else:
+        g = h - HQ
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:
+            dst = slot * stride_slot + g * (2 * HALF)
+            src = k + t * skt + g * skh
+            x1 = tl.load(src + d)
+            x2 = tl.load(src + HALF + d)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            dt = k_cache.dtype.element_ty
+            tl.store(k_cache + dst + d, (a * c - b * s).to(x1.dtype).to(dt))
+            tl.store(k_cache + dst + HALF + d, (b * c + a * s).to(x1.dtype).to(dt))
+            src = v + t * svt + g * svh
+            tl.store(v_cache + dst + d, tl.load(src + d).to(dt))
+            tl.store(v_cache + dst + HALF + d, tl.load(src + HALF + d).to(dt))
+
+
+def rope_qkv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """`rope_qkv_triton` with the keys and values written into the paged caches [blocks, block size, Hkv, D] at
+    `slot_mapping` instead of returned; returns the rotated queries."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if not kernel_takes(d):
+        raise ValueError(f"rope_qkv_write_triton: head_dim {d}: twice a power of two (64, 128, 256, ...)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(
+            f"rope_qkv_write_triton needs contiguous caches [blocks, block size, {hkv}, {d}]; got "
+            f"{tuple(k_cache.shape)}"
+        )
+    q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t:
+        launch(_rope_qkv_write_kernel, (t, hq + hkv))(
+            q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), k_cache.stride(1), hq,
+            HALF=d // 2, num_warps=1,
+        )  # fmt: skip
+    return q_out
