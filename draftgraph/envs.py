@@ -35,6 +35,8 @@ DRAFTGRAPH_ROPE_KV_WRITE=1     (no flag)           on CUDA with the fused RoPE a
                                                    kernel also writes k and v into the paged caches
                                                    (draftgraph::rope_qkv_write) and the attention op writes none:
                                                    opt-in until measured side by side
+DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1 (no flag)        the split-KV decode attention's last split per token and head
+                                                   merges the partials (no merge kernel): opt-in until measured
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -94,3 +96,7 @@ def norm_linear_kernel() -> bool:
 
 def rope_kv_write() -> bool:
     return os.environ.get("DRAFTGRAPH_ROPE_KV_WRITE", "0") == "1"
+
+
+def split_kv_fused_merge() -> bool:
+    return os.environ.get("DRAFTGRAPH_SPLIT_KV_FUSED_MERGE", "0") == "1"

@@ -16,6 +16,8 @@ Variants, compiled in this one process and measured side by side:
 * `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
 * `norm linear`: `overlap` with each pre-norm made inside the one-row GEMV after it (DRAFTGRAPH_NORM_LINEAR=1).
 * `kv in rope`: `overlap` with k and v written into the caches by the RoPE kernel (DRAFTGRAPH_ROPE_KV_WRITE=1).
+* `fused merge`: `overlap` with the split-KV partials merged by the last split (DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1).
+* `all opt-ins`: the three above at once.
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -52,6 +54,14 @@ VARIANTS = {  # name: CompileConfig fields
     "norm linear": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_LINEAR": "1"}),
     # opt-in: k and v written into the caches by the RoPE kernel (draftgraph::rope_qkv_write), not the attention op
     "kv in rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KV_WRITE": "1"}),
+    # opt-in: the split-KV attention's partials merged by each token's last split, not a merge kernel
+    "fused merge": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_SPLIT_KV_FUSED_MERGE": "1"}),
+    # every opt-in above at once
+    "all opt-ins": dict(
+        one_graph_step=True,
+        overlap_steps=True,
+        env={"DRAFTGRAPH_NORM_LINEAR": "1", "DRAFTGRAPH_ROPE_KV_WRITE": "1", "DRAFTGRAPH_SPLIT_KV_FUSED_MERGE": "1"},
+    ),
 }
 
 
