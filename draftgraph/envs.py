@@ -20,10 +20,10 @@ DRAFTGRAPH_NORM_KERNEL=0       (no flag)           RMSNorm and the decoder layer
                                                    (Inductor's kernels when compiled) instead of
                                                    draftgraph::rms_norm / add_rms_norm (ops/norm: one Triton
                                                    kernel each on CUDA): for comparisons
-DRAFTGRAPH_GEMV_KERNEL=0      (no flag)           the models' linear layers on CUDA run F.linear (cuBLAS) at every
+DRAFTGRAPH_GEMV_KERNEL=0       (no flag)           the models' linear layers on CUDA run F.linear (cuBLAS) at every
                                                    row count instead of draftgraph::linear (ops/linear: a Triton
                                                    GEMV for a few rows): for comparisons
-DRAFTGRAPH_ROPE_KERNEL=0      (no flag)           the Llama attention's RoPE on q and k and the copy of v on CUDA
+DRAFTGRAPH_ROPE_KERNEL=0       (no flag)           the Llama attention's RoPE on q and k and the copy of v on CUDA
                                                    run as torch ops (Inductor's kernels when compiled) instead of
                                                    draftgraph::rope_qkv (ops/rope: one Triton kernel): for
                                                    comparisons
@@ -35,7 +35,8 @@ DRAFTGRAPH_ROPE_KV_WRITE=1     (no flag)           on CUDA with the fused RoPE a
                                                    kernel also writes k and v into the paged caches
                                                    (draftgraph::rope_qkv_write) and the attention op writes none:
                                                    opt-in until measured side by side
-DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1 (no flag)        the split-KV decode attention's last split per token and head
+DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1
+                               (no flag)           the split-KV decode attention's last split per token and head
                                                    merges the partials (no merge kernel): opt-in until measured
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
