@@ -274,7 +274,8 @@ def attend_split_kv(
         stride_ot=out.stride(0),
         stride_oh=out.stride(1),
         FUSED_MERGE=fused_merge,
-        S_PAD=max(2, triton.next_power_of_2(num_splits)),
+        # fused: the rule's largest S padded (one variant for every S up to it); unfused: unused
+        S_PAD=max(DEFAULT_SPLIT_KV_RULE.max_splits, triton.next_power_of_2(num_splits)) if fused_merge else 2,
         num_warps=4,
     )
     if fused_merge:
