@@ -155,7 +155,7 @@ def test_fused_merge_equals_the_merge_kernel_and_leaves_its_counters_at_zero(cas
         assert sk._COUNTERS[got.device].eq(0).all()
 
 
-def test_fused_merge_kernel_compiles_for_a_hopper_gpu():
+def test_split_kernels_compile_for_a_hopper_gpu():
     from tests.helpers import compile_for_sm90
 
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32",
@@ -164,7 +164,13 @@ def test_fused_merge_kernel_compiles_for_a_hopper_gpu():
            "num_heads": "i32"}  # fmt: skip
     sig.update({n: "i64" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt",
                                    "stride_ot", "stride_oh")})  # fmt: skip
-    constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-                  "PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True, "S_PAD": 16}  # fmt: skip
-    got = compile_for_sm90(sk._split_kv_kernel, sig, constexprs)
-    assert got is None or "cubin" in got
+    for fused in (True, False):  # the default (merge kernel) path too: the kernel gained the fused one's arguments
+        constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
+                      "PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": fused, "S_PAD": 64}  # fmt: skip
+        got = compile_for_sm90(sk._split_kv_kernel, sig, constexprs)
+        assert got is None or "cubin" in got
+    merge_sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16",
+                 "token_kv_len_ptr": "*i32", "stride_ot": "i64", "stride_oh": "i64", "window": "i32",
+                 "NUM_SPLITS": "i32", "num_heads": "i32"}  # fmt: skip
+    got = compile_for_sm90(sk._merge_kernel, merge_sig, {"HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "BLOCK_N": 64})
+    assert got is None or "cubin" in got  # merge_split_partials' default cache modifier
