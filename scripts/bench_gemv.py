@@ -82,7 +82,7 @@ def main():
                 if err > 2e-2 * want.abs().max().item() + 1e-3:
                     raise AssertionError(f"{shape} rows {rows} config {name(c)}: max error {err}")
             t_cublas = graph_us(lambda w, x=x: F.linear(x, w), weights, args.replays)
-            chosen = choose_config(rows, n, k, sms)
+            chosen = choose_config(rows, k)
             t_chosen = graph_us(lambda w, x=x, c=chosen: gemv_triton(x, w, None, c), weights, args.replays)
             times = {name(c): graph_us(lambda w, x=x, c=c: gemv_triton(x, w, None, c), weights, args.replays)
                      for c in configs}  # fmt: skip
@@ -106,14 +106,14 @@ def fused_prologues(args) -> None:
     print(f"device {torch.cuda.get_device_name()} ({sms} SMs); one row, bf16, us per call")
     print(f"{'shape':>8} {'separate':>9} " + " ".join(f"{'fused/' + str(b):>9}" for b in FUSED_BLOCKS))
     for shape in ("qkv", "gate_up", "down"):
-        separate, fused = _fused_times(shape, sms, args)
+        separate, fused = _fused_times(shape, args)
         print(f"{shape:>8} {separate:>9.2f} " + " ".join(f"{t:>9.2f}" for t in fused))
 
 
 FUSED_BLOCKS = (2, 4, 8, 16)
 
 
-def _fused_times(shape: str, sms: int, args) -> tuple[float, list[float]]:
+def _fused_times(shape: str, args) -> tuple[float, list[float]]:
     from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, silu_mul_gemv_triton, silu_mul_triton
     from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
 
@@ -121,7 +121,7 @@ def _fused_times(shape: str, sms: int, args) -> tuple[float, list[float]]:
     n, k = SHAPES[shape]
     copies = max(1, min(CALLS, -(-args.l2_mib * 2**20 // (n * k * 2))))
     weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    one = choose_config(1, n, k, sms)
+    one = choose_config(1, k)
     if shape == "down":
         gu = torch.randn(1, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
 

@@ -56,11 +56,13 @@ def test_no_tokens_and_the_head_sizes_taken():
 
 
 def test_kernel_compiles_for_a_hopper_gpu():
-    sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_out", "v_out")}
-    sig.update({"cos": "*fp32", "sin": "*fp32", "HQ": "i32", "HKV": "i32"})
-    sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst")})
-    got = compile_for_sm90(_rope_qkv_kernel, sig, {"HALF": 64})
-    assert got is None or "cubin" in got
+    """Both variants: k and v into outputs (the default) and into the paged caches at the slots (opt-in)."""
+    sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_dst", "v_dst")}
+    sig.update({"cos": "*fp32", "sin": "*fp32", "HQ": "i32"})
+    sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst", "kv_row")})
+    for to_cache in (False, True):
+        got = compile_for_sm90(_rope_qkv_kernel, {**sig, "slots": "*i64"}, {"HALF": 64, "TO_CACHE": to_cache})
+        assert got is None or "cubin" in got
 
 
 def test_bad_shapes_name_the_fix():
@@ -100,17 +102,10 @@ def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype
     )
 
 
-def test_write_kernel_compiles_for_a_hopper_gpu():
-    from draftgraph.ops.rope.triton_rope import _rope_qkv_write_kernel
-
-    sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_cache", "v_cache")}
-    sig.update({"cos": "*fp32", "sin": "*fp32", "slots": "*i64", "HQ": "i32"})
-    sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst", "stride_slot")})
-    got = compile_for_sm90(_rope_qkv_write_kernel, sig, {"HALF": 64})
-    assert got is None or "cubin" in got
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA path itself runs in tests/gpu")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="on a GPU the path runs natively: tests/gpu (with the write: scripts/gpu_session20.sh)",
+)
 @pytest.mark.parametrize("fused_write", ["0", "1"])
 def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fused_write):
     """A Llama model's CUDA path (norm ops, fused RoPE, residual adds in the norms, the Triton attention) run on the

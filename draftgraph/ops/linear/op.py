@@ -45,14 +45,6 @@ class GemvRule:
 
 
 GEMV_RULE = GemvRule()
-_sms: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sms:
-        _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sms[index]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -73,15 +65,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return F.linear(x, weight, bias)
     from draftgraph.ops.linear.triton_gemv import choose_config, gemv_triton
 
-    sms = _sm_count(x.device)
     if ahead_now():  # compile each kernel a captured size may launch: one row's, and 2-16 rows' (one variant)
         for stand_in in (1, 2):
             if GEMV_RULE.takes(stand_in, x, weight):
-                gemv_triton(x.new_zeros((stand_in, k)), weight, bias, choose_config(stand_in, weight.shape[0], k, sms))
+                gemv_triton(x.new_zeros((stand_in, k)), weight, bias, choose_config(stand_in, k))
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
     if not GEMV_RULE.takes(rows, x, weight):
         return F.linear(x, weight, bias)
-    y = gemv_triton(x.reshape(rows, k), weight, bias, choose_config(rows, weight.shape[0], k, sms))
+    y = gemv_triton(x.reshape(rows, k), weight, bias, choose_config(rows, k))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -103,16 +94,16 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         return F.linear(F.silu(gate) * up, weight, bias)
     from draftgraph.ops.linear.triton_gemv import choose_config, silu_mul_gemv_triton, silu_mul_triton
 
-    n, sms = weight.shape[0], _sm_count(gate_up.device)
+    n = weight.shape[0]
     if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
         one = gate_up.new_zeros((1, 2 * i))
         if GEMV_RULE.takes(1, gate_up, weight):
-            silu_mul_gemv_triton(one, weight, bias, choose_config(1, n, i, sms, silu_mul=True))
+            silu_mul_gemv_triton(one, weight, bias, choose_config(1, i, silu_mul=True))
         silu_mul_triton(one)
         return gate_up.new_empty((*gate_up.shape[:-1], n))
     flat = gate_up.reshape(rows, 2 * i)
     if rows == 1 and GEMV_RULE.takes(1, gate_up, weight):
-        y = silu_mul_gemv_triton(flat, weight, bias, choose_config(1, n, i, sms, silu_mul=True))
+        y = silu_mul_gemv_triton(flat, weight, bias, choose_config(1, i, silu_mul=True))
     else:
         y = F.linear(silu_mul_triton(flat), weight, bias)
     return y.view(*gate_up.shape[:-1], n)
@@ -151,28 +142,34 @@ def add_rms_norm_linear(
     from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, choose_config
     from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
 
-    n, sms = weight.shape[0], _sm_count(x.device)
+    n = weight.shape[0]
     if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
         one = x.new_zeros((1, k))
         if GEMV_RULE.takes(1, x, weight):
-            add_rms_norm_gemv_triton(one, one, norm_weight, eps, weight, bias, choose_config(1, n, k, sms, norm=True))
+            add_rms_norm_gemv_triton(one, one, norm_weight, eps, weight, bias, choose_config(1, k, norm=True))
         rms_norm_triton(one, one, norm_weight, eps)
         return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], n))
     x2, r2 = x.reshape(rows, k), residual.reshape(rows, k)
     if rows == 1 and GEMV_RULE.takes(1, x, weight):
-        s, y = add_rms_norm_gemv_triton(x2, r2, norm_weight, eps, weight, bias, choose_config(1, n, k, sms, norm=True))
+        s, y = add_rms_norm_gemv_triton(x2, r2, norm_weight, eps, weight, bias, choose_config(1, k, norm=True))
     else:
         s, normed = rms_norm_triton(x2, r2, norm_weight, eps)
         y = F.linear(normed, weight, bias)
     return s.view(x.shape), y.view(*x.shape[:-1], n)
 
 
+def check_norm_linear(name: str, x, residual, norm_weight, weight, rows: str = "...") -> None:
+    """Refuse shapes add_rms_norm_linear (or its kernel: `rows` "1") cannot take, naming them."""
+    k = x.shape[-1]
+    ok = residual.shape == x.shape and norm_weight.shape == (k,) and weight.shape[1] == k
+    if not ok or (rows == "1" and (x.dim() != 2 or x.shape[0] != 1)):
+        raise ValueError(
+            f"{name} takes x and residual [{rows}, K], norm weight [K], weight [N, K]; got x {tuple(x.shape)}, "
+            f"residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, weight {tuple(weight.shape)}"
+        )
+
+
 @add_rms_norm_linear.register_fake
 def _(x, residual, norm_weight, eps, weight, bias):
-    if residual.shape != x.shape or norm_weight.shape != (x.shape[-1],) or weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"add_rms_norm_linear takes x and residual [..., K], norm weight [K], weight [N, K]; got x "
-            f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, weight "
-            f"{tuple(weight.shape)}"
-        )
+    check_norm_linear("add_rms_norm_linear", x, residual, norm_weight, weight)
     return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], weight.shape[0]))

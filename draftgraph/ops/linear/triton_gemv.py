@@ -23,6 +23,7 @@ import triton.language as tl
 from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_dot_settings, triton_interpreting
 from draftgraph.ops.launch import launch
+from draftgraph.ops.linear.op import check_norm_linear
 
 
 @dataclass(frozen=True)
@@ -166,14 +167,8 @@ def add_rms_norm_gemv_triton(
     config: GemvConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (s, y) with s = x + residual [1, K] and y = rms_norm(s) @ weight.T (+ bias) [1, N], one launch."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m != 1 or residual.shape != x.shape or weight.shape[1] != k or norm_weight.shape != (k,):
-        raise ValueError(
-            f"add_rms_norm_gemv_triton takes x and residual [1, K], norm weight [K], weight [N, K]; got x "
-            f"{tuple(x.shape)}, residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, weight "
-            f"{tuple(weight.shape)}"
-        )
+    check_norm_linear("add_rms_norm_gemv_triton", x, residual, norm_weight, weight, rows="1")
+    k, n = x.shape[-1], weight.shape[0]
     x, residual, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual, weight))
     s = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -258,8 +253,8 @@ def silu_mul_gemv_triton(
     return y
 
 
-def choose_config(rows: int, n: int, k: int, sms: int, silu_mul: bool = False, norm: bool = False) -> GemvConfig:
-    """The tiling for an [rows, k] x [n, k]^T product, from scripts/bench_gemv.py's sweep on an H100 (session 19,
+def choose_config(rows: int, k: int, silu_mul: bool = False, norm: bool = False) -> GemvConfig:
+    """The tiling for a product of `rows` rows of `k` inputs, from scripts/bench_gemv.py's sweep on an H100 (session 19,
     the 1B-shaped model's projections): one row, 2 columns x 1024 of K per program on 4 warps, within 2 % of the
     best tiling at every shape; 2-16 rows, 64 columns x 256 of K, 4 warps, 4 stages (the LM head's best). K
     below the block: the whole row in one load. `silu_mul`: every program makes the activation of the whole row,
