@@ -90,12 +90,13 @@ def attend_key_range(
 
 @triton.jit
 def merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, D: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         CACHE: tl.constexpr = ""):  # fmt: skip
+                         CACHE: tl.constexpr):  # fmt: skip
     """One (token, head)'s output [D_PAD] (float32) from its `used` split partials at rows base + s of the
     scratch: unnormalised acc [.., D], running max m and sum of exponentials l, merged by log-sum-exp. Splits
     past `used` wrote nothing (their scratch is garbage); when no split saw a key every weight is 0 and the
     output is zeros. `CACHE`: the loads' cache modifier (".cg": past L1, for partials other programs of the same
-    launch wrote)."""
+    launch wrote), "" for the default. No default value: Triton 3.6 passes a jit helper's defaults as raw Python
+    values ("'str' object has no attribute 'type'"), so every caller names it."""
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < used

@@ -211,7 +211,7 @@ def _merge_kernel(
     kv_len = tl.load(token_kv_len_ptr + t)
     _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD)  # padding rows -> zeros
+    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD, "")  # padding rows -> zeros
     d = tl.arange(0, D_PAD)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
