@@ -16,9 +16,9 @@ ROOT = Path(draftgraph.__file__).parent
 def jit_functions_with_defaults(source: str) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
-            if node.args.defaults or any(d is not None for d in node.args.kw_defaults):
-                out.append((node.lineno, node.name))
+        jit = isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list)
+        if jit and (node.args.defaults or any(d is not None for d in node.args.kw_defaults)):
+            out.append((node.lineno, node.name))
     return out
 
 
