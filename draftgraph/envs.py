@@ -27,17 +27,14 @@ DRAFTGRAPH_ROPE_KERNEL=0       (no flag)           the Llama attention's RoPE on
                                                    run as torch ops (Inductor's kernels when compiled) instead of
                                                    draftgraph::rope_qkv (ops/rope: one Triton kernel): for
                                                    comparisons
-DRAFTGRAPH_NORM_LINEAR=1       (no flag)           on CUDA with the norm ops, a Llama layer's pre-norms and the
-                                                   projections after them (qkv, gate_up) run as one op each
-                                                   (draftgraph::add_rms_norm_linear: the norm made inside the
-                                                   one-row GEMV): opt-in until measured side by side
-DRAFTGRAPH_ROPE_KV_WRITE=1     (no flag)           on CUDA with the fused RoPE and the Triton attention, the RoPE
-                                                   kernel also writes k and v into the paged caches
-                                                   (draftgraph::rope_qkv_write) and the attention op writes none:
-                                                   opt-in until measured side by side
-DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1
-                               (no flag)           the split-KV decode attention's last split per token and head
-                                                   merges the partials (no merge kernel): opt-in until measured
+DRAFTGRAPH_NORM_LINEAR=0       (no flag)           a Llama layer's pre-norms and the projections after them (qkv,
+                                                   gate_up) on CUDA run as the norm op then the linear op, instead
+                                                   of one draftgraph::add_rms_norm_linear each (the norm made
+                                                   inside the one-row GEMV): for comparisons
+DRAFTGRAPH_ROPE_KV_WRITE=0     (no flag)           k and v go into the paged caches through the attention op's
+                                                   own write kernel, instead of the fused RoPE kernel writing them
+                                                   (draftgraph::rope_qkv_write, with the Triton attention on
+                                                   CUDA): for comparisons
 DRAFTGRAPH_PRESTART_WORKERS=0  (no flag)           the `draftgraph` command starts its compile workers when the
                                                    engine build begins, not before it imports torch (cli.py)
 """
@@ -92,12 +89,8 @@ def rope_kernel() -> bool:
 
 
 def norm_linear_kernel() -> bool:
-    return os.environ.get("DRAFTGRAPH_NORM_LINEAR", "0") == "1"
+    return os.environ.get("DRAFTGRAPH_NORM_LINEAR", "1") != "0"
 
 
 def rope_kv_write() -> bool:
-    return os.environ.get("DRAFTGRAPH_ROPE_KV_WRITE", "0") == "1"
-
-
-def split_kv_fused_merge() -> bool:
-    return os.environ.get("DRAFTGRAPH_SPLIT_KV_FUSED_MERGE", "0") == "1"
+    return os.environ.get("DRAFTGRAPH_ROPE_KV_WRITE", "1") != "0"

@@ -180,7 +180,7 @@ def test_silu_kernels_compile_for_a_hopper_gpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_add_rms_norm_linear_is_the_add_the_norm_then_the_product(dtype, bias):
-    """One row (opt-in: DRAFTGRAPH_NORM_LINEAR=1): s = x + residual and rms_norm(s) @ W.T + b in one launch, with
+    """One row (the Llama layers' default on CUDA): s = x + residual and rms_norm(s) @ W.T + b in one launch, with
     ops/norm's roundings; the op off CUDA is add_rms_norm's reference then F.linear."""
     from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton
     from draftgraph.ops.norm.op import rms_norm_reference

@@ -113,12 +113,15 @@ def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, env, want_ops):
 def test_sums_left_to_the_next_norm_give_the_same_values(monkeypatch, norm_linear):
     """On CUDA with the norm ops each Llama layer's residual add is made by the next layer's input norm (and the
     last one's by the final norm): the same float additions, so the hidden states and the aux layers' residual
-    streams equal the layer-by-layer forward exactly; with DRAFTGRAPH_NORM_LINEAR=1 each add, norm and projection
-    is one op (its CPU form here: the same torch ops). Off CUDA the layer-by-layer forward runs."""
+    streams equal the layer-by-layer forward exactly; with the norms in the projections (CUDA's default) each add,
+    norm and projection is one op (its CPU form here: the same torch ops). Off CUDA the layer-by-layer forward
+    runs, with neither."""
+    from draftgraph.models.layers import DecoderLayer
     from draftgraph.models.llama import CausalLM
     from tests.helpers import PagedRunner, tiny_hf_model
 
-    monkeypatch.setenv("DRAFTGRAPH_NORM_LINEAR", norm_linear)
+    assert not DecoderLayer.norms_in_projections(None, torch.zeros(1))  # not on the CPU
+    monkeypatch.setattr(DecoderLayer, "norms_in_projections", lambda self, r: norm_linear == "1")
     model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), dtype=torch.bfloat16)
     ids = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(2))
     assert not model.sums_in_norms(model.embed_tokens(ids))  # the CPU

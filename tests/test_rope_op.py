@@ -1,8 +1,8 @@
 """The fused RoPE ops (ops/rope): on the CPU `rope_qkv` is the rotation models/rope.py always ran (and v made
 contiguous); the Triton kernel (interpreter here, CUDA on the device) gives the same values from the strided views
 of a fused QKV output, GQA and MHA head counts; it compiles for sm_90; bad shapes name the fix. `rope_qkv_write`
-(opt-in) leaves the caches as the attention op's write would, in a model's CUDA path (interpreted here) and
-through Inductor, which mutates the caches in place."""
+(the default with the Triton attention on CUDA) leaves the caches as the attention op's write would, in a model's
+CUDA path (interpreted here) and through Inductor, which mutates the caches in place."""
 
 import os
 
@@ -56,7 +56,7 @@ def test_no_tokens_and_the_head_sizes_taken():
 
 
 def test_kernel_compiles_for_a_hopper_gpu():
-    """Both variants: k and v into outputs (the default) and into the paged caches at the slots (opt-in)."""
+    """Both variants: k and v into outputs (the default) and into the paged caches at the slots."""
     sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_dst", "v_dst")}
     sig.update({"cos": "*fp32", "sin": "*fp32", "HQ": "i32"})
     sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst", "kv_row")})
@@ -76,7 +76,7 @@ def test_bad_shapes_name_the_fix():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype):
-    """`rope_qkv_write` (opt-in: DRAFTGRAPH_ROPE_KV_WRITE=1): the rotated queries, and the caches at the tokens'
+    """`rope_qkv_write` (DRAFTGRAPH_ROPE_KV_WRITE=0 turns it off): the rotated queries, and the caches at the tokens'
     slots hold the rotated keys and the values (slot -1 skipped), exactly as write_kv_reference of rope_qkv's
     outputs leaves them; the CPU op is that reference (opcheck)."""
     from draftgraph.ops.attention.reference import write_kv_reference

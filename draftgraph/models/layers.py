@@ -156,11 +156,11 @@ class DecoderLayer(nn.Module):
         (mlp out, h) whose sum `forward` returns: the sum is made by the next layer's input norm (add_forward,
         one kernel with the norm ops) instead of a kernel of its own. Needs the input norm. Equal values: the
         adds are the same float additions (x + y == y + x)."""
-        fused = envs.norm_linear_kernel() and type(self.attn.qkv) is Linear and type(self.mlp.gate_up) is Linear
+        fused = self.norms_in_projections(residual)
         if delta is None:
             x, n = residual, self.input_norm(residual)
             qkv = self.attn.qkv(n)
-        elif fused:  # DRAFTGRAPH_NORM_LINEAR=1: the add, the norm and the QKV projection as one op
+        elif fused:
             x, qkv = _add_norm_project(delta, residual, self.input_norm, self.attn.qkv)
         else:
             x, n = self.input_norm.add_forward(delta, residual)
@@ -171,6 +171,19 @@ class DecoderLayer(nn.Module):
             return self.mlp.finish(gate_up), h
         h, n = self.post_norm.add_forward(x, a)
         return self.mlp(n), h
+
+    def norms_in_projections(self, residual: torch.Tensor) -> bool:
+        """Whether `forward_unsummed` makes each add, norm and the projection after it one op
+        (draftgraph::add_rms_norm_linear: the norm inside the one-row GEMV): on CUDA with the norm and GEMV ops,
+        for unsharded projections; DRAFTGRAPH_NORM_LINEAR=0 turns it off."""
+        return (
+            residual.is_cuda
+            and envs.norm_kernel()
+            and envs.gemv_kernel()
+            and envs.norm_linear_kernel()
+            and type(self.attn.qkv) is Linear
+            and type(self.mlp.gate_up) is Linear
+        )
 
 
 def _add_norm_project(x, residual, norm: RMSNorm, proj: nn.Linear):

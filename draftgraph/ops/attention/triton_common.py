@@ -89,21 +89,17 @@ def attend_key_range(
 
 
 @triton.jit
-def merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, D: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         CACHE: tl.constexpr):  # fmt: skip
+def merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, D: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr):
     """One (token, head)'s output [D_PAD] (float32) from its `used` split partials at rows base + s of the
     scratch: unnormalised acc [.., D], running max m and sum of exponentials l, merged by log-sum-exp. Splits
     past `used` wrote nothing (their scratch is garbage); when no split saw a key every weight is 0 and the
-    output is zeros. `CACHE`: the loads' cache modifier (".cg": past L1, for partials other programs of the same
-    launch wrote), "" for the default. No default value: Triton 3.6 passes a jit helper's defaults as raw Python
-    values ("'str' object has no attribute 'type'"), so every caller names it."""
+    output is zeros."""
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < used
-    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)  # [S_PAD]
-    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0,
-                  cache_modifier=CACHE)  # fmt: skip
+    m = tl.load(m_ptr + base + s, mask=s_mask, other=float("-inf"))  # [S_PAD]
+    l_s = tl.load(l_ptr + base + s, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :], other=0.0)
     m_max = tl.max(m, 0)
     w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     denom = tl.sum(w * l_s, 0)

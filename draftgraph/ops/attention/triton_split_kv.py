@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph import envs
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q, merge_split_partials
 from draftgraph.ops.backends import triton_dot_settings
 from draftgraph.ops.launch import launch
@@ -102,18 +101,6 @@ def _chunk_bounds(kv_len, window, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return start, c0, c1, tl.cdiv(span, chunk)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 counter per (token, KV head) for the fused merge, kept per device and grown (never shrunk:
-    every launch leaves its counters at zero). Grown first at the largest size an engine warms up."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        _COUNTERS[device] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 @triton.jit(do_not_specialize=["NUM_SPLITS"])  # one variant for every S of the rule
 def _split_kv_kernel(
     q_ptr,
@@ -143,12 +130,6 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
-    out_ptr,  # FUSED_MERGE: [T, Hq, D], written by each (token, KV head)'s last split to finish
-    count_ptr,  # FUSED_MERGE: [T * KV heads] int32, zero between launches (the last split resets it)
-    stride_ot,
-    stride_oh,
-    FUSED_MERGE: tl.constexpr,
-    S_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -174,19 +155,6 @@ def _split_kv_kernel(
         tl.store(m_ptr + idx, m_i, mask=g_mask)
         tl.store(l_ptr + idx, l_i, mask=g_mask)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & (d < HEAD_DIM)[None, :])
-    if FUSED_MERGE:  # the last of the token's S splits to arrive merges them: no merge kernel
-        tl.debug_barrier()  # every thread's partial stored before the count (released by the atomic)
-        counter = count_ptr + t * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
-            dd = tl.arange(0, D_PAD)
-            for gi in range(GROUP):
-                h = kv_head * GROUP + gi
-                base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-                out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD, ".cg")
-                tl.store(out_ptr + t * stride_ot + h * stride_oh + dd, out.to(out_ptr.dtype.element_ty),
-                         mask=dd < HEAD_DIM)  # fmt: skip
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch (a graph's next replay)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
@@ -211,20 +179,17 @@ def _merge_kernel(
     kv_len = tl.load(token_kv_len_ptr + t)
     _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD, "")  # padding rows -> zeros
+    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD)  # padding rows -> zeros
     d = tl.arange(0, D_PAD)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def attend_split_kv(
-    q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits, fused_merge=None
-):
+def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, scale, window, num_splits):
     """Attention of q [T, Hq, D] over the paged caches with each token's keys split `num_splits` ways.
-    Same result as the unsplit kernel (float32 partials; only the summation order differs). `fused_merge`: the
-    last split of each (token, KV head) to finish merges them (one launch, not two; a zeroed counter per token and
-    KV head, reset by that split); None: DRAFTGRAPH_SPLIT_KV_FUSED_MERGE=1 (opt-in until measured)."""
-    if fused_merge is None:
-        fused_merge = envs.split_kv_fused_merge()
+    Same result as the unsplit kernel (float32 partials; only the summation order differs). The partials are
+    merged by a second kernel: merging them in each token's last split to finish (an atomic counter per token
+    and KV head) made the split kernel 9.8 us against 4.1 + 1.8 us for the two at plain decode B=1 on an H100
+    (docs/benchmarks.md, session 20)."""
     if num_splits < 1:
         raise ValueError(f"num_splits = {num_splits} must be >= 1 (choose_num_splits picks one)")
     num_tokens, num_heads, head_dim = q.shape
@@ -269,17 +234,8 @@ def attend_split_kv(
         BLOCK_N=block_n,
         PRECISION=precision,
         DOT_F32=dot_f32,
-        out_ptr=out,
-        count_ptr=_counters(q.device, num_tokens * num_kv_heads) if fused_merge else m,
-        stride_ot=out.stride(0),
-        stride_oh=out.stride(1),
-        FUSED_MERGE=fused_merge,
-        # fused: the rule's largest S padded (one variant for every S up to it); unfused: unused
-        S_PAD=max(DEFAULT_SPLIT_KV_RULE.max_splits, triton.next_power_of_2(num_splits)) if fused_merge else 2,
         num_warps=4,
     )
-    if fused_merge:
-        return out
     launch(_merge_kernel, (num_tokens, num_heads))(
         acc,
         m,

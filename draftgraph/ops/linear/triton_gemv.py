@@ -261,7 +261,7 @@ def choose_config(rows: int, k: int, silu_mul: bool = False, norm: bool = False)
     so 8 columns per program (a quarter of the programs, the sweep's down projection within 4 % of its best; at 2
     columns the fused kernel was 7 us a step slower than the two it replaced, session 19)."""
     block_k = min(1024, max(16, triton.next_power_of_2(k)))
-    if rows <= 1 and (silu_mul or norm):  # norm (opt-in, not yet swept): the same reasoning as silu_mul's
+    if rows <= 1 and (silu_mul or norm):  # norm: the same reasoning (bench_gemv --fused: 8 columns best)
         return GemvConfig(block_n=8, block_k=block_k, num_warps=8)
     if rows <= 1:
         return GemvConfig(block_n=2, block_k=block_k, num_warps=4)

@@ -145,7 +145,7 @@ def _merge_kernel(
     h = tl.program_id(1)
     _, _, used = _chunk(tl.minimum(tl.load(token_kv_len_ptr + t), topk), 0, NUM_SPLITS, BLOCK_N)
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, R, S_PAD, R_PAD, "")  # no key -> zeros
+    out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, R, S_PAD, R_PAD)  # no key -> zeros
     r = tl.arange(0, R_PAD)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < R)
 
