@@ -246,3 +246,47 @@ def test_piece_graph_keys_are_unique_across_traces(target):
     assert c.counters.traces["drafter"] == 2 and len(runners) == c.counters.pieces
     keys = {GraphKey.piecewise(r.fn_name, 16, r.graph_id) for r in runners}
     assert len(keys) == len(runners)  # one graph per runner and size
+
+
+def test_a_piece_that_reads_the_kv_cache_is_keyed_by_its_token_count():
+    """A piece may take the KV caches (the RoPE kernel writing k and v into them, on CUDA): their block count is a
+    backed symbol (marked dynamic so a resized cache re-uses the trace), which does not stop a graph per token
+    count; an unbacked size other than the token count (the request count) does. Per-size example inputs take
+    the backed size at its traced value."""
+    from torch._dynamo.decorators import mark_unbacked, maybe_mark_dynamic
+
+    from draftgraph.compiler.piece_runner import size_locator
+    from draftgraph.compiler.piecewise import concrete_inputs
+    from draftgraph.passes.split_attention import token_symbol
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        token = token_symbol(gm)
+        fakes = [n.meta["example_value"] for n in phs]
+        symbolic = [isinstance(d, torch.SymInt) for v in fakes if isinstance(v, torch.Tensor) for d in v.shape]
+        where = size_locator(phs, token)
+        seen.append((where, concrete_inputs(fakes, token, 8) if where[0] != "none" else None, symbolic))
+        return gm.forward
+
+    def with_cache(input_ids, cache):
+        return input_ids * 2, cache.sum()
+
+    def with_requests(input_ids, block_tables):
+        return input_ids * 2, block_tables.sum()
+
+    torch._dynamo.reset()
+    ids, cache, tables = torch.zeros(5, dtype=torch.long), torch.zeros(11, 4), torch.zeros(3, 2, dtype=torch.int32)
+    mark_unbacked(ids, 0, shape_id="tokens")
+    maybe_mark_dynamic(cache, 0)
+    torch.compile(with_cache, backend=backend, fullgraph=True, dynamic=False)(ids, cache)
+    (where, inputs, symbolic) = seen.pop()
+    assert symbolic == [True, True, False]  # the token count and the block count
+    assert where[0] != "none"
+    assert [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)] == [(8,), (11, 4)]
+    mark_unbacked(ids, 0, shape_id="tokens")
+    mark_unbacked(tables, 0, shape_id="reqs")
+    torch.compile(with_requests, backend=backend, fullgraph=True, dynamic=False)(ids, tables)
+    assert seen.pop()[0] == ("none", -1)
+    torch._dynamo.reset()

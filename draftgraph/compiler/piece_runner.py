@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs, GraphKey
 
@@ -59,8 +60,11 @@ class PieceRunner(nn.Module):
 
 def size_locator(placeholders, token) -> tuple[str, int]:
     """Where a call's token count is read from: ("int", i) / ("shape", i), or ("none", -1) when the piece's
-    shapes follow anything else too (the request count): such a piece runs its code, never a graph keyed by
-    the token count alone."""
+    shapes follow another batch size too (the request count, unbacked like the token count): such a piece runs
+    its code, never a graph keyed by the token count alone. Backed symbols are sizes an engine keeps from step to
+    step, such as the KV cache's block count (marked dynamic so a resized cache re-uses the trace): a piece that
+    writes the caches (the RoPE kernel's KV write) is graphed by its token count like the rest, its graph taking
+    the caches' addresses as a FULL graph does."""
     free = set()
     for n in placeholders:
         ev = n.meta.get("example_value")
@@ -70,7 +74,7 @@ def size_locator(placeholders, token) -> tuple[str, int]:
             for d in (*ev.shape, *ev.stride()):
                 if isinstance(d, torch.SymInt):
                     free |= d.node.expr.free_symbols
-    if token is None or not free <= {token}:
+    if token is None or free_unbacked_symbols(tuple(free - {token})):
         return ("none", -1)
     for i, n in enumerate(placeholders):
         ev = n.meta.get("example_value")

@@ -297,11 +297,15 @@ def _source_name(node) -> str | None:
 
 def concrete_inputs(fakes, token, size: int) -> list:
     """Real example inputs for one size: every symbolic size and stride with the token symbol set to
-    `size` (strides matter: Inductor's per-size code asserts them, and views like cos/sin are strided)."""
+    `size` (strides matter: Inductor's per-size code asserts them, and views like cos/sin are strided), and
+    any backed symbol (the KV cache's block count) at the value it was traced with."""
     sub = {token: sympy.Integer(size)}
 
     def val(d):
-        return int(d.node.expr.xreplace(sub)) if isinstance(d, torch.SymInt) else int(d)
+        if not isinstance(d, torch.SymInt):
+            return int(d)
+        env = d.node.shape_env  # torch 2.13 renamed var_to_val (2.11's)
+        return int(d.node.expr.xreplace(sub).xreplace(getattr(env, "backed_var_to_val", None) or env.var_to_val))
 
     out = []
     for v in fakes:

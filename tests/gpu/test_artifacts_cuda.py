@@ -45,11 +45,8 @@ def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
     # draftgraph's own kernels come with the artifact (compiler/triton_bundle.py): a fresh Triton cache gets them
     index = json.loads((out / "triton" / "index.json").read_text())
     bundled = {k["kernel"] for k in index["kernels"].values()}
-    # the RoPE kernel (it writes k and v into the caches: the default with the Triton attention on CUDA) and the GEMV
-    assert {
-        "draftgraph.ops.rope.triton_rope._rope_qkv_kernel",
-        "draftgraph.ops.linear.triton_gemv._gemv_kernel",
-    } <= bundled
+    # the RoPE kernel (it writes k and v into the caches: the default with the Triton attention on CUDA)
+    assert "draftgraph.ops.rope.triton_rope._rope_qkv_kernel" in bundled
     assert bundled == set(compiled_variants())  # every kernel this process compiled or loaded
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty_triton_cache"))
     cfg = dg.CompileConfig(capture=capture, **base)
