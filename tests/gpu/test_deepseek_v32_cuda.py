@@ -204,20 +204,27 @@ def generate(target, drafter, mode, backend="eager", k=3):
     return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
 
 
+def none_runs() -> dict:
+    """Mode NONE without and with the MTP drafter (in a side process beside the tier: tests/gpu/side_process.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = CausalLM.from_hf(tiny_v32_model().cuda(), attn_impl="triton")
+    return {"plain": generate(target, None, "NONE")[0], "mtp": generate(target, copy_v32_mtp(target), "NONE")[0]}
+
+
 @pytest.mark.side_reference.with_args(transformers_greedy)
+@pytest.mark.side_reference.with_args(none_runs)
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_greedy_equals_transformers_in_every_mode(target, reference, with_drafter):
+def test_greedy_equals_transformers_in_every_mode(target, reference, side_reference, with_drafter):
     """With the drafter, Inductor compiles the FULL_AND_PIECEWISE pieces (the indexer op inside them, the
     fused draft loop); the other runs use the eager backend (the kernels and graphs are under test there, and
-    one Inductor compile keeps the file near a minute)."""
+    one Inductor compile keeps the file near a minute). Mode NONE runs beside the tier."""
     drafter = copy_v32_mtp(target) if with_drafter else None
-    for mode in ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE"):
+    assert side_reference(none_runs)["mtp" if with_drafter else "plain"] == reference, "NONE"
+    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         backend = "inductor" if mode == "FULL_AND_PIECEWISE" and with_drafter else "eager"
         out, eng = generate(target, drafter, mode, backend)
         assert out == reference, mode
         s = eng.stats()
-        if mode == "NONE":
-            continue
         assert s["fallbacks"] == 0, s["fallbacks_by_key"]
         if with_drafter:
             assert s["accepted_tokens"] > 0

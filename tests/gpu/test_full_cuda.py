@@ -45,9 +45,22 @@ def run(target, kind, mode, k=3, capture="eager"):
     return out, eng.stats(), eng
 
 
+def none_runs() -> dict:
+    """Mode NONE with each drafter kind (in a side process beside the tier: tests/gpu/side_process.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
+    runs = {}
+    for kind in KINDS:
+        tokens, stats, _ = run(target, kind, "NONE")
+        runs[kind] = {"tokens": tokens, **{f: stats[f] for f in ("accepted_tokens", "acceptance_histogram")}}
+    return runs
+
+
+@pytest.mark.side_reference.with_args(none_runs)
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_mode_gives_the_same_tokens_and_acceptance(target, kind):
-    ref, ref_stats, _ = run(target, kind, "NONE")
+def test_every_mode_gives_the_same_tokens_and_acceptance(target, side_reference, kind):
+    ref_stats = side_reference(none_runs)[kind]
+    ref = ref_stats["tokens"]
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
         out, stats, eng = run(target, kind, mode)
         assert out == ref, mode
@@ -89,39 +102,51 @@ def test_lazy_capture_captures_what_steps_use(target):
     print(f"lazy capture: {n_lazy} graphs captured by the steps, against {n_eager} captured eagerly")
 
 
-def test_every_request_count_across_padding(target):
-    """Uniform decode batches of 1..65 requests (64 captured): FULL for 1..64, padded to the next of 1, 2,
-    4, 8, 16, 24, .., 64, and 65 falls back; tokens equal mode NONE at every count."""
-    engines = {}
-    for mode in ("NONE", "FULL"):
-        cfg = dg.CompileConfig(
-            mode=mode,
-            num_speculative_tokens=3,
-            max_num_seqs=65,
-            max_num_batched_tokens=512,  # every prompt prefills in one step: then all decode together
-            max_model_len=128,
-            device="cuda",
-            gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
-            progress=False,
-            max_capture_reqs=64,
-            capture_sizes=(1,),
-            compile_backend="eager",  # padding and replay are under test here, not Inductor's code
-            check_addresses=True,
-            fuse_draft_loop=True,  # the fused loop inside the one-graph step: traced once for every size
-        )
-        engines[mode] = dg.compile_model(target, make_drafter("eagle", target), cfg)
-    full_sizes = engines["FULL"].config.full_capture_sizes
-    assert full_sizes[:5] == (1, 2, 4, 8, 16) and full_sizes[-1] == 64
+def _padding_engine(target, mode):
+    cfg = dg.CompileConfig(
+        mode=mode,
+        num_speculative_tokens=3,
+        max_num_seqs=65,
+        max_num_batched_tokens=512,  # every prompt prefills in one step: then all decode together
+        max_model_len=128,
+        device="cuda",
+        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
+        progress=False,
+        max_capture_reqs=64,
+        capture_sizes=(1,),
+        compile_backend="eager",  # padding and replay are under test here, not Inductor's code
+        check_addresses=True,
+        fuse_draft_loop=True,  # the fused loop inside the one-graph step: traced once for every size
+    )
+    return dg.compile_model(target, make_drafter("eagle", target), cfg)
+
+
+def _padding_batch(n: int):
     prompts_all, _, _ = ragged(65)
+    prompts = [p[:6] for p in prompts_all[:n]]  # short prompts: one prefill step, then uniform decodes
+    return prompts, [dg.SamplingParams(max_tokens=6, ignore_eos=True)] * n
+
+
+def padding_reference() -> list:
+    """Mode NONE at every request count 1..65 (in a side process beside the tier: tests/gpu/side_process.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eng = _padding_engine(CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton"),
+                          "NONE")  # fmt: skip
+    return [[o.token_ids for o in eng.generate(*_padding_batch(n))] for n in range(1, 66)]
+
+
+@pytest.mark.side_reference.with_args(padding_reference)
+def test_every_request_count_across_padding(target, side_reference):
+    """Uniform decode batches of 1..65 requests (64 captured): FULL for 1..64, padded to the next of 1, 2,
+    4, 8, 16, 24, .., 64, and 65 falls back; tokens equal mode NONE at every count (run beside the tier)."""
+    eng = _padding_engine(target, "FULL")
+    full_sizes = eng.config.full_capture_sizes
+    assert full_sizes[:5] == (1, 2, 4, 8, 16) and full_sizes[-1] == 64
+    reference = side_reference(padding_reference)
     for n in range(1, 66):
-        prompts = [p[:6] for p in prompts_all[:n]]  # short prompts: one prefill step, then uniform decodes
-        params = [dg.SamplingParams(max_tokens=6, ignore_eos=True)] * n
-        outs = {}
-        for mode, eng in engines.items():
-            eng.runner.forwards.reset()
-            outs[mode] = [o.token_ids for o in eng.generate(prompts, params)]
-        assert outs["FULL"] == outs["NONE"], n
-        hits = engines["FULL"].runner.forwards.hits
+        eng.runner.forwards.reset()
+        assert [o.token_ids for o in eng.generate(*_padding_batch(n))] == reference[n - 1], n
+        hits = eng.runner.forwards.hits
         padded = min([s for s in full_sizes if s >= n], default=None)
         if padded:
             assert hits[f"step/q4/b{padded}/greedy"] > 0, (n, dict(hits))  # the whole step: one graph
@@ -130,8 +155,8 @@ def test_every_request_count_across_padding(target):
             # 65 verifying requests exceed the bound: those steps fall back; once some requests finish, the
             # rest fit a captured size again
             assert n == 65 and hits["target/none"] > 0, dict(hits)
-            assert engines["FULL"].runner.forwards.fallbacks["target/none"] == hits["target/none"]
-    c = engines["FULL"].compiled.counters
+            assert eng.runner.forwards.fallbacks["target/none"] == hits["target/none"]
+    c = eng.compiled.counters
     assert c.traces["draft_loop"] == 2  # greedy and sampled loops, each traced once for every size
 
 
