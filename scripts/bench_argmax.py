@@ -20,12 +20,12 @@ import statistics
 import torch
 import triton
 
+from draftgraph.ops.backends import device_sm_count
 from draftgraph.ops.sampling.triton_argmax import (
     DEFAULT_ARGMAX_RULE,
     ArgmaxRule,
     argmax_triton,
     choose_chunk,
-    device_sm_count,
 )
 
 CALLS = 20  # calls per graph

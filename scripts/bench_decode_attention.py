@@ -22,7 +22,8 @@ import triton
 
 from draftgraph.ops.attention.reference import paged_attention_reference
 from draftgraph.ops.attention.triton_attention import attend_triton
-from draftgraph.ops.attention.triton_split_kv import DEFAULT_SPLIT_KV_RULE, choose_num_splits, device_sm_count
+from draftgraph.ops.attention.triton_split_kv import DEFAULT_SPLIT_KV_RULE, choose_num_splits
+from draftgraph.ops.backends import device_sm_count
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, DTYPE = 32, 8, 64, 16, torch.bfloat16

@@ -7,6 +7,7 @@ is an error that names the implementation, what was asked, and what it supports.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from dataclasses import dataclass
 
@@ -135,6 +136,19 @@ def get_backend(name: str) -> AttentionBackend:
             "(CompileConfig.attention / --attention)."
         )
     return BACKENDS[name]
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (cached: no driver query per call), for the kernels' launch
+    rules; None elsewhere, where the rules pick their smallest grids (the interpreter checks correctness only)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_interpreting() -> bool:

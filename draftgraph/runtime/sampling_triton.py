@@ -27,14 +27,12 @@ mass-before lies within float rounding of top_p may fall on the other side.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from draftgraph.ops import triton_math
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import device_sm_count, triton_interpreting
 from draftgraph.ops.launch import launch
 
 BITS = 4  # radix digit: 32 / BITS passes per cut
@@ -44,16 +42,11 @@ MIN_CHUNK = 2048  # columns per program at least
 PROGRAMS_PER_SM = 2
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def choose_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Programs per row: about PROGRAMS_PER_SM per SM over all rows, at least MIN_CHUNK columns each."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = device_sm_count(device)
     return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, rows), triton.cdiv(vocab, MIN_CHUNK)))
 
 

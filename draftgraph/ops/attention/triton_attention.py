@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
-from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits, device_sm_count
-from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits
+from draftgraph.ops.backends import device_sm_count, triton_dot_settings
 from draftgraph.ops.launch import launch
 
 

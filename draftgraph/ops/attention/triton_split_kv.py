@@ -15,7 +15,6 @@ load; the merge recomputes the same bounds (one helper) and skips those partials
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -73,19 +72,6 @@ def choose_num_splits(
     below = 1 << (splits.bit_length() - 1)  # powers of two: few kernel variants compile
     above = 2 * below
     return above if above <= cap and splits * splits > below * above else below  # the nearer on a log scale
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> int | None:
-    """Streaming multiprocessors of a CUDA device (cached: no per-call driver query); None elsewhere, where
-    the rule never splits (the interpreter checks correctness, not speed)."""
-    if device.type != "cuda":
-        return None
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.attention.triton_split_kv import device_sm_count
+from draftgraph.ops.backends import device_sm_count
 from draftgraph.ops.launch import launch
 
 CONV_BLOCK_T, CONV_BLOCK_C = 16, 128

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import merge_split_partials
-from draftgraph.ops.attention.triton_split_kv import SplitKVRule, choose_num_splits, device_sm_count
-from draftgraph.ops.backends import triton_dot_settings
+from draftgraph.ops.attention.triton_split_kv import SplitKVRule, choose_num_splits
+from draftgraph.ops.backends import device_sm_count, triton_dot_settings
 from draftgraph.ops.launch import launch
 from draftgraph.ops.mla.triton_absorbed import fold_latent_tile, load_latent_queries
 

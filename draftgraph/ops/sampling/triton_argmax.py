@@ -17,7 +17,6 @@ the lanes holding the maximum (or a NaN, if any), the smallest index.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.backends import device_sm_count
 from draftgraph.ops.launch import launch
 from draftgraph.ops.sampling.op import SUPPORTED_DTYPES
 
@@ -69,18 +69,6 @@ def choose_chunk(rows: int, vocab: int, sm_count: int | None, rule: ArgmaxRule |
     want = math.ceil(target / rows)
     chunk = max(rule.min_chunk, math.ceil(math.ceil(vocab / want) / rule.align) * rule.align)
     return min(chunk, max(vocab, 1))
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sm_count(device: torch.device) -> int | None:
-    """SMs of a CUDA device (cached: no driver query per call); None elsewhere."""
-    if device.type != "cuda":
-        return None
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

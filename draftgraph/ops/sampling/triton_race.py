@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops import triton_math
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import device_sm_count, triton_interpreting
 from draftgraph.ops.sampling.noise import COLUMN_MULT, UNIFORM_SCALE, UNIFORM_SHIFT
 from draftgraph.ops.sampling.triton_argmax import (
     _NONE,
@@ -26,7 +26,6 @@ from draftgraph.ops.sampling.triton_argmax import (
     STEP_BYTES,
     _fold,
     choose_chunk,
-    device_sm_count,
     finish_fold,
     launch_folds,
 )

@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.attention.triton_split_kv import device_sm_count
-from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.backends import device_sm_count, triton_interpreting
 from draftgraph.ops.launch import launch
 from draftgraph.ops.mla.triton_absorbed import write_rows_triton
 
