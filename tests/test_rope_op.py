@@ -104,7 +104,7 @@ def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
-    reason="on a GPU the path runs natively: tests/gpu (with the write: scripts/gpu_session20.sh)",
+    reason="on a GPU the path runs natively, with the write by default: tests/gpu",
 )
 @pytest.mark.parametrize("fused_write", ["0", "1"])
 def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fused_write):
@@ -115,7 +115,7 @@ def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fus
     from draftgraph.models.llama import CausalLM
     from tests.helpers import PagedRunner, tiny_hf_model
 
-    monkeypatch.setenv("DRAFTGRAPH_GEMV_KERNEL", "0")  # its SM count needs a device
+    monkeypatch.setenv("DRAFTGRAPH_GEMV_KERNEL", "0")  # F.linear (and no norm in the GEMV): the RoPE write under test
     calls = []
     real = tr.rope_qkv_write_triton
     monkeypatch.setattr(tr, "rope_qkv_write_triton", lambda *a: calls.append(1) or real(*a))
