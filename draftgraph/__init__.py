@@ -21,7 +21,7 @@ _WHERE = {
     "CUDAGraphMode": "draftgraph.compiler.config",
     "SamplingParams": "draftgraph.runtime.request",
     "RequestOutput": "draftgraph.runtime.request",
-    "shared_compile_workers": ("draftgraph.compiler.pool_lifetime", "shared_workers"),
+    "shared_compile_workers": ("draftgraph.compiler.pool.pool_lifetime", "shared_workers"),
 }
 
 

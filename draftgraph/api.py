@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from draftgraph.compiler.artifacts import ArtifactError, check_artifacts, load_functions
+from draftgraph.artifacts.store import ArtifactError, check_artifacts, load_functions
 from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
 from draftgraph.models.drafters.base import Drafter
@@ -70,7 +70,7 @@ def compile_model(
 ) -> Engine:
     """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None).
 
-    `artifacts`: a directory written by `draftgraph build` (compiler/artifacts.py). Its compiled code is
+    `artifacts`: a directory written by `draftgraph build` (artifacts/store.py). Its compiled code is
     loaded without tracing or compiling; only CUDA graph capture remains. When it was built for something
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
     reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`.
@@ -116,13 +116,13 @@ def build_engine(
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
     if tcfg is not None:
         check_kv_memory(rc, tcfg)
-    if ep is not None:  # models/expert_parallel.py: experts that split, before any weight loads
-        from draftgraph.models.expert_parallel import check_expert_config
+    if ep is not None:  # models/parallel/experts.py: experts that split, before any weight loads
+        from draftgraph.models.parallel.experts import check_expert_config
 
         check_expert_config(tcfg, ep)
-    from draftgraph.compiler.pool_lifetime import release, start_pool
+    from draftgraph.compiler.pool.pool_lifetime import release, start_pool
 
-    # Compile workers start now, so their start overlaps the weights' loading (compiler/compile_pool.py).
+    # Compile workers start now, so their start overlaps the weights' loading (compiler/pool/compile_pool.py).
     started = time.time()  # artifacts.py bundles the Triton launchers built from here on
     pool = start_pool(rc, config.cache_dir, config.progress, wanted=artifacts is None)
     try:
@@ -141,7 +141,7 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
     model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
     experts_note = ""
     if ep is not None:  # this rank's experts only, before anything compiles
-        from draftgraph.models.expert_parallel import shard_experts
+        from draftgraph.models.parallel.experts import shard_experts
 
         experts_note = shard_experts(model, ep, target)
     draft: Drafter | None = None

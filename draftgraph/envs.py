@@ -3,7 +3,7 @@
 DRAFTGRAPH_CHECK_ADDRESSES=1   --check-addresses   verify static input addresses at every graph replay
 DRAFTGRAPH_DUMP_GRAPHS=DIR     --dump-graphs DIR   write each pass's before/after graph to DIR
 DRAFTGRAPH_KERNELS_AHEAD=0     (no flag)           our Triton kernels compile at their first launch, not ahead
-                                                   in threads (compiler/kernels_ahead.py): for comparisons
+                                                   in threads (compiler/pool/kernels_ahead.py): for comparisons
 DRAFTGRAPH_KV_VMM=0            (no flag)           a KV cache sized from measured memory is allocated twice and
                                                    every graph captured twice, instead of growing in place under
                                                    the probe's graphs (runtime/growable.py): for comparisons

@@ -48,7 +48,7 @@ def target_config(source: Any, dtype: torch.dtype | None) -> ModelConfig | None:
 def artifact_mode(path: str) -> str:
     """The mode an artifact directory was built with (mode "auto" takes it); FULL_AND_PIECEWISE, `draftgraph
     build`'s default, when its manifest cannot be read (loading then says why)."""
-    from draftgraph.compiler.artifacts import MANIFEST
+    from draftgraph.artifacts.store import MANIFEST
 
     try:
         mode = json.loads((Path(path) / MANIFEST).read_text()).get("mode")

@@ -1,5 +1,5 @@
 """Sampling probabilities (temperature, top-k, top-p) over a 128k vocabulary, each variant in a CUDA graph:
-the Triton kernels (runtime/sampling_triton.py, what `_probabilities` runs on CUDA; 4-bit digits, and 8-bit
+the Triton kernels (ops/sampling/triton_probs.py, what `_probabilities` runs on CUDA; 4-bit digits, and 8-bit
 as a second column), the same sort-free algorithm in torch ops (`probabilities_torch_ops`) and the former sort
 (tests/test_sampling.py's oracle). Median replay time (triton do_bench) and the memory the capture took, at N
 rows; the last column is the largest difference of the Triton result from the sort's.
@@ -14,8 +14,8 @@ import argparse
 import torch
 import triton
 
-from draftgraph.runtime.sampler import probabilities_torch_ops
-from draftgraph.runtime.sampling_triton import probabilities_triton
+from draftgraph.ops.sampling.probs import probabilities_torch_ops
+from draftgraph.ops.sampling.triton_probs import probabilities_triton
 from tests.test_sampling import sorted_probabilities
 
 VARIANTS = {

@@ -44,7 +44,7 @@ def phase(args) -> None:
     import torch
 
     import draftgraph as dg
-    from draftgraph.compiler.artifacts import CACHE, build_artifacts
+    from draftgraph.artifacts.store import CACHE, build_artifacts
     from scripts.bench_piecewise import build_pair
 
     t_start = time.perf_counter()

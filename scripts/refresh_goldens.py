@@ -10,7 +10,7 @@ import sys
 import tempfile
 import warnings
 
-from draftgraph.inspection.goldens import case_name, cases, golden_dir, inspect_case
+from tests.goldens import case_name, cases, golden_dir, inspect_case
 
 
 def main() -> int:

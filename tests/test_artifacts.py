@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import draftgraph as dg
-from draftgraph.compiler.artifacts import MANIFEST, ArtifactError, build_artifacts
+from draftgraph.artifacts.store import MANIFEST, ArtifactError, build_artifacts
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

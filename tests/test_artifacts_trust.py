@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.compiler.artifacts import MANIFEST, ArtifactError, build_artifacts
+from draftgraph.artifacts.input_paths import InputPathError, describe, parse_source, reader
+from draftgraph.artifacts.store import MANIFEST, ArtifactError, build_artifacts
 from draftgraph.compiler.fx_allowlist import TargetNotAllowed
 from draftgraph.compiler.fx_serialize import decode_target
-from draftgraph.compiler.input_paths import InputPathError, describe, parse_source, reader
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

@@ -7,7 +7,7 @@ import pytest
 
 import draftgraph as dg
 from draftgraph.cli import main
-from draftgraph.cli_parser import build_parser
+from draftgraph.cli.parser import build_parser
 
 COMMANDS = ("generate", "run", "build", "inspect", "graph-diff")
 
@@ -35,7 +35,7 @@ def test_version(capsys):
 
 
 def test_defaults_are_auto_and_the_new_flags_reach_the_config():
-    from draftgraph.cli import _config
+    from draftgraph.cli.commands import _config
 
     parser, _ = _parsers()
     for command in ("generate", "build", "inspect"):
@@ -90,8 +90,8 @@ def test_bad_values_fail_before_anything_is_built(flags, message, capsys, monkey
 )
 def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(argv, prestarts, monkeypatch):
     """cli._prestart_workers: `generate` on a GPU that compiles with workers starts them first; the rest not."""
-    from draftgraph import cli
-    from draftgraph.compiler import pool_lifetime
+    from draftgraph.cli import commands as cli
+    from draftgraph.compiler.pool import pool_lifetime
 
     started = []
     monkeypatch.setattr(pool_lifetime, "prestart", lambda n, device: started.append((n, device)))

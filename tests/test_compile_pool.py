@@ -1,4 +1,4 @@
-"""Compile workers (compiler/compile_pool.py): pieces compiled in other processes give the tokens of the
+"""Compile workers (compiler/pool/compile_pool.py): pieces compiled in other processes give the tokens of the
 uncompiled engine, every piece goes to a worker (no fallback), artifacts save and load from them; a piece's
 inputs travel as data with their symbols; a dead worker's piece compiles in-process; bad settings named."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.compiler import pool_lifetime
-from draftgraph.compiler.artifacts import build_artifacts
-from draftgraph.compiler.compile_pool import CompilePool, wait_stopped
+from draftgraph.artifacts.store import build_artifacts
 from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild_inputs
-from draftgraph.compiler.pool_lifetime import auto_workers, prestart, shared_workers, start_pool
+from draftgraph.compiler.pool import pool_lifetime
+from draftgraph.compiler.pool.compile_pool import CompilePool, wait_stopped
+from draftgraph.compiler.pool.pool_lifetime import auto_workers, prestart, shared_workers, start_pool
 from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

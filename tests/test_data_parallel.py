@@ -183,8 +183,8 @@ def test_expert_parallel_compiled_ranks_run_the_same_graph_keys(deepseek_dir, de
 def _check_expert_parallel_layer(ep):
     """Each rank: the row collectives, then its ExpertParallelMoE share over its own tokens (same count on every
     rank) = the whole MoE layer over the same tokens, eager and inside torch.compile (one node per collective)."""
-    from draftgraph.models.expert_parallel import ExpertParallelMoE
     from draftgraph.models.llama import CausalLM
+    from draftgraph.models.parallel.experts import ExpertParallelMoE
     from draftgraph.ops.collectives.op import ExpertGroups
     from tests.helpers import tiny_deepseek_model
 
@@ -229,8 +229,8 @@ def test_expert_parallel_layer_equals_the_whole_layer(tmp_path):
 
 def _check_qwen_expert_parallel_layer(ep):
     """Each rank: its share of a Qwen3.5-MoE layer over its own tokens = the whole layer over them."""
-    from draftgraph.models.expert_parallel import ExpertParallelMoE
     from draftgraph.models.llama import CausalLM
+    from draftgraph.models.parallel.experts import ExpertParallelMoE
     from draftgraph.ops.collectives.op import ExpertGroups
     from tests.test_qwen3_5 import tiny_qwen3_5
 

@@ -356,7 +356,7 @@ def test_lossless_in_every_mode(pair, temperature):
 def test_artifacts_load_without_tracing(pair, tmp_path):
     """Built artifacts of the MTP pair (pieces around the two-output MLA op, FULL graphs, the fused loop)
     load with no trace and no compile, and give the same tokens."""
-    from draftgraph.compiler.artifacts import build_artifacts
+    from draftgraph.artifacts.store import build_artifacts
 
     target, drafter = pair
     ref, eng = generate(target, drafter, "FULL_AND_PIECEWISE", sizes=(1, 4, 16, 64))

@@ -1,4 +1,4 @@
-"""Expert parallelism over tensor-parallel ranks (EP = tp x dp, models/expert_parallel.py) on the CPU: gloo
+"""Expert parallelism over tensor-parallel ranks (EP = tp x dp, models/parallel/experts.py) on the CPU: gloo
 processes, the tiny float32 DeepSeek-V3 (8 experts + a shared one) and Qwen3.5-MoE (4 experts + a gated shared
 one), mode NONE.
 
@@ -43,7 +43,7 @@ def compiled(module, x):
 def _check_logits(tp: ParallelGroup):
     """Each TP rank: its TP share with its whole experts swapped in (read from the transformers object): the MoE
     layer = the whole layer on the same tokens, for both families, and DeepSeek-V3's logits = one process's."""
-    from draftgraph.models.expert_parallel import ExpertParallelMoE, shard_experts
+    from draftgraph.models.parallel.experts import ExpertParallelMoE, shard_experts
 
     ep = ExpertGroups(tp=tp)
     for hf, moe_layer, experts in ((tiny_deepseek_model(), 1, 8), (tiny_qwen3_5(moe=True), 0, 4)):
@@ -81,7 +81,7 @@ def test_local_experts_from_every_layout(tmp_path):
     tensor per expert) and a fused-layout safetensors file (rows read through get_slice) = the loaded ones."""
     from safetensors.torch import save_file
 
-    from draftgraph.models.expert_weights import local_experts
+    from draftgraph.models.parallel.expert_weights import local_experts
 
     hf = tiny_deepseek_model()
     full = CausalLM.from_hf(hf)
@@ -145,7 +145,7 @@ def test_deepseek_tp2_dp2_expert_parallel_with_an_idle_replica(deepseek_dir, dee
 def test_expert_parallel_refusals():
     """EP sizes that do not divide the experts, named with tp x dp and the sizes that work; a dense target."""
     from draftgraph.models.builtin import builtin_hf_target
-    from draftgraph.models.expert_parallel import ExpertParallelMoE, check_expert_config, shard_experts
+    from draftgraph.models.parallel.experts import ExpertParallelMoE, check_expert_config, shard_experts
     from tests.test_data_parallel import SPEC
 
     def groups(tp: int, dp: int) -> ExpertGroups:  # checked before any collective: names never looked up

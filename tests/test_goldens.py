@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from draftgraph.inspection.goldens import REFRESH, case_name, cases, golden_dir, inspect_case
 from draftgraph.inspection.graph_diff import diff, load
+from tests.goldens import REFRESH, case_name, cases, golden_dir, inspect_case
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 

@@ -11,7 +11,7 @@ import torch
 
 from draftgraph.cli import main
 from draftgraph.inspection.graph_diff import diff, load
-from draftgraph.inspection.inspect import inspect_function
+from draftgraph.inspection.report import inspect_function
 from tests import toy_models
 
 ARGS = (torch.randn(4, 8), torch.randn(8, 8))
@@ -118,7 +118,7 @@ def test_missing_directory_exits_2(tmp_path, capsys):
 
 def test_depyf_files_written_when_installed(tmp_path):
     pytest.importorskip("depyf", reason="depyf is an optional dependency (the inspect extra)")
-    from draftgraph.inspection.goldens import inspect_case
+    from tests.goldens import inspect_case
 
     inspect_case("llama", "eagle", "PIECEWISE", str(tmp_path))
     files = os.listdir(tmp_path / "depyf")
@@ -128,7 +128,7 @@ def test_depyf_files_written_when_installed(tmp_path):
 
 def test_inspection_completes_without_depyf(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "depyf", None)  # import depyf -> ImportError
-    from draftgraph.inspection.goldens import inspect_case
+    from tests.goldens import inspect_case
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

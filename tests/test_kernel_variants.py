@@ -14,7 +14,7 @@ import torch
 import draftgraph.ops.attention.triton_attention as ta
 import draftgraph.ops.attention.triton_split_kv as sk
 from draftgraph.ops.sampling import triton_argmax
-from draftgraph.runtime import sampling_triton
+from draftgraph.ops.sampling import triton_probs as sampling_triton
 from tests.test_split_kv import HEAD_DIM, make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -66,7 +66,7 @@ class _Launches:
         # Every launching module imported first: one imported later would bind `launch` as it is then.
         for info in pkgutil.walk_packages(draftgraph.ops.__path__, "draftgraph.ops."):
             importlib.import_module(info.name)
-        importlib.import_module("draftgraph.runtime.sampling_triton")
+        importlib.import_module("draftgraph.ops.sampling.triton_probs")
         for module in list(sys.modules.values()):
             ours = getattr(module, "__name__", "").startswith("draftgraph.") and module is not launch_module
             if ours and getattr(module, "launch", None) is original:

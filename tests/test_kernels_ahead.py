@@ -1,4 +1,4 @@
-"""draftgraph's own kernels compiled ahead, side by side (compiler/kernels_ahead.py, ops/launch.py): a traced
+"""draftgraph's own kernels compiled ahead, side by side (compiler/pool/kernels_ahead.py, ops/launch.py): a traced
 engine's calls of our ops are written as data, one per distinct call (the layers' identical attention calls
 are one, submodules' calls included), each runs on zero inputs after a JSON round trip, and a large input keeps
 its strides with fewer rows. Inside `compiling_ahead()` a launch site compiles (Triton's `warmup`) and launches
@@ -12,7 +12,7 @@ import torch
 import triton
 
 import draftgraph as dg
-from draftgraph.compiler.kernels_ahead import (
+from draftgraph.compiler.pool.kernels_ahead import (
     MAX_TENSOR_BYTES,
     KernelsAhead,
     _tensor,

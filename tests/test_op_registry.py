@@ -50,8 +50,8 @@ def test_every_draftgraph_op_is_defined_through_the_registry():
     import draftgraph.ops.collectives.rows  # noqa: F401
     import draftgraph.ops.moe.op  # noqa: F401
     import draftgraph.ops.sampling.op  # noqa: F401
+    import draftgraph.ops.sampling.probs  # noqa: F401
     import draftgraph.ops.splitting  # noqa: F401
-    import draftgraph.runtime.sampler  # noqa: F401
 
     ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("draftgraph::"))
     assert len(ops) >= 14 and set(ops) <= set(DEFINED_IN), set(ops) - set(DEFINED_IN)

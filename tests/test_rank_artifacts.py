@@ -9,8 +9,8 @@ import re
 import pytest
 
 import draftgraph as dg
-from draftgraph.compiler.artifact_ranks import ONE_PROCESS, layout_problem, mismatch
-from draftgraph.compiler.artifacts import MANIFEST, ArtifactError
+from draftgraph.artifacts.ranks import ONE_PROCESS, layout_problem, mismatch
+from draftgraph.artifacts.store import MANIFEST, ArtifactError
 from draftgraph.models.builtin import builtin_hf_target
 from draftgraph.workers.build import build_ranks
 from tests.test_workers import PARAMS, PROMPTS, SPEC

@@ -16,15 +16,9 @@ import draftgraph as dg
 from draftgraph.models.drafters import truncated_draft_model
 from draftgraph.models.llama import CausalLM
 from draftgraph.ops.sampling.noise import uniform_noise
+from draftgraph.ops.sampling.probs import _ordered_keys, _probabilities, _threshold_key
 from draftgraph.runtime.rejection import rejection_sample
-from draftgraph.runtime.sampler import (
-    SamplingTensors,
-    _ordered_keys,
-    _probabilities,
-    _threshold_key,
-    probabilities,
-    sample_from_probs,
-)
+from draftgraph.runtime.sampler import SamplingTensors, probabilities, sample_from_probs
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 

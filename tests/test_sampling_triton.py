@@ -1,4 +1,4 @@
-"""The Triton top-k / top-p kernels (runtime/sampling_triton.py) against the torch-ops version they implement
+"""The Triton top-k / top-p kernels (ops/sampling/triton_probs.py) against the torch-ops version they implement
 (`probabilities_torch_ops`): the kept sets equal exactly (ties at both cuts kept lowest index first) and the
 probabilities to float32 rounding (1e-6 abs, 1e-5 rel). On CPU the kernels run under TRITON_INTERPRET=1
 (conftest.py), on small vocabularies and few programs (the interpreter runs every program in Python); on CUDA
@@ -8,8 +8,8 @@ within 1e-5 of top_p (checked against the sort's exact mass-before, as in test_s
 import pytest
 import torch
 
-from draftgraph.runtime.sampler import probabilities_torch_ops
-from draftgraph.runtime.sampling_triton import choose_splits, probabilities_triton
+from draftgraph.ops.sampling.probs import probabilities_torch_ops
+from draftgraph.ops.sampling.triton_probs import choose_splits, probabilities_triton
 from tests.test_sampling import param_grid, sorted_probabilities
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
 """Sharded checkpoint reads for every family: each tensor-parallel rank reads only its share
-(models/sharded_read.py, the cuts of models/shard_cut.py).
+(models/parallel/sharded_read.py, the cuts of models/parallel/shard_cut.py).
 
 Tiny float32 checkpoints saved with save_pretrained (several safetensors files under an index): DeepSeek-V3
 with its MTP layer stored after the decoder (hub layout, its own LM head), DeepSeek-V3.2 (the indexer,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import draftgraph as dg
-import draftgraph.models.sharded_read as sharded_read
+import draftgraph.models.parallel.sharded_read as sharded_read
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import shard_dim
+from draftgraph.models.parallel.dense import shard_dim
 from draftgraph.models.weights import read_checkpoint, read_target_config, weight_files
 from draftgraph.ops.collectives.op import ParallelGroup
 from tests.helpers import tiny_hf_model

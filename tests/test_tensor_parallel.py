@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import draftgraph as dg
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import shard_config
+from draftgraph.models.parallel.dense import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
 from tests.helpers import PagedRunner, tiny_hf_model
 from tests.test_deepseek_v32 import hf_greedy

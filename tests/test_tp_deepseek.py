@@ -2,7 +2,7 @@
 tests/helpers.py and test_deepseek_v32.py (4 MLA heads, 8 routed experts of intermediate 32 + a shared one, a
 dense first layer; V3.2: its indexer, 16 heads, top-8, replicated on every rank).
 
-Each rank checks its share (models/parallel_mla.py): local heads and expert slices, the router and the
+Each rank checks its share (models/parallel/mla.py): local heads and expert slices, the router and the
 latent cache (and V3.2's index-key cache) whole; logits of a flat two-request batch in both MLA forms = one
 process (1e-5: the sharded sums only change the summation order); greedy tokens in mode NONE =
 transformers' generate() and the one-process engine, alone and with the MTP drafter split like the target
@@ -18,7 +18,7 @@ from draftgraph.models.builtin import deepseek_layer_weights, module_from_state_
 from draftgraph.models.deepseek import set_mla_form
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import full_config, shard_config
+from draftgraph.models.parallel.dense import full_config, shard_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_deepseek_model
 from tests.test_deepseek_v32 import hf_greedy, tiny_v32_model

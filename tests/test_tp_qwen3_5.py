@@ -1,7 +1,7 @@
 """Qwen3.5 hybrids over tensor parallelism on the CPU: two processes over gloo, the tiny float32 dense and MoE
 models of test_qwen3_5.py (4 attention heads / 2 KV heads, Gated DeltaNet with 2 k heads and 4 v heads).
 
-Each rank checks its share (models/parallel_hybrid.py): local k / v heads, so its state rings hold half the
+Each rank checks its share (models/parallel/hybrid.py): local k / v heads, so its state rings hold half the
 heads; greedy tokens in mode NONE (5 prompts through 2 slots, a 77-token prompt in three chunks) = transformers'
 generate(); the MTP head (random, `mtp.*` layout) split like the target (draft TP = 2) and replicated (draft
 TP = 1, no collective in its step): its logits on a flat two-request batch = one process (1e-5), and the
@@ -14,7 +14,7 @@ from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import full_config
+from draftgraph.models.parallel.dense import full_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests.test_qwen3_5 import hf_generate, run, tiny_qwen3_5
 from tests.test_tensor_parallel import spawn

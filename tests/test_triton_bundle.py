@@ -1,4 +1,4 @@
-"""draftgraph's compiled Triton kernels in artifacts (compiler/triton_bundle.py), on the CPU: what a build
+"""draftgraph's compiled Triton kernels in artifacts (artifacts/triton_bundle.py), on the CPU: what a build
 copies out of Triton's cache is what a load puts back where Triton's JIT looks, once. The GPU half (real
 kernels, a fresh cache, a warm start without JIT compiles) is tests/gpu/test_artifacts_cuda.py."""
 
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from triton.runtime.cache import get_cache_manager  # noqa: E402
 
-from draftgraph.compiler import triton_bundle  # noqa: E402
+from draftgraph.artifacts import triton_bundle  # noqa: E402
 from draftgraph.ops import kernel_variants  # noqa: E402
 
 

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftgraph import envs
-from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
-from draftgraph.compiler.kernels_ahead import KernelsAhead, async_compile_mode
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
-from draftgraph.compiler.pool_lifetime import release, shared_pieces
+from draftgraph.compiler.pool.compile_pool import CompilePool
+from draftgraph.compiler.pool.kernels_ahead import KernelsAhead, async_compile_mode
+from draftgraph.compiler.pool.pool_lifetime import release, shared_pieces
 from draftgraph.passes.manager import PassManager
 
 LOOP_VARIANTS = ("greedy", "sample")
@@ -105,7 +105,7 @@ def build_compiled(
 
 
 def kernels_ahead(rc: ResolvedConfig) -> KernelsAhead | None:
-    """Our Triton kernels compiled ahead in threads (compiler/kernels_ahead.py): on CUDA with Triton's
+    """Our Triton kernels compiled ahead in threads (compiler/pool/kernels_ahead.py): on CUDA with Triton's
     AsyncCompileMode, unless DRAFTGRAPH_KERNELS_AHEAD=0."""
     if rc.device.type != "cuda" or not envs.kernels_ahead():
         return None

@@ -77,7 +77,7 @@ class CompileConfig:
     data_parallel_size: int = 1
     # Split a MoE target's experts whole across all tensor_parallel_size x data_parallel_size ranks (the EP group;
     # with several replicas they then step together); the router stays replicated, the drafter, attention and
-    # the shared experts as without it. Needs tp x dp >= 2 (models/expert_parallel.py).
+    # the shared experts as without it. Needs tp x dp >= 2 (models/parallel/experts.py).
     expert_parallel: bool = False
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
@@ -112,7 +112,7 @@ class CompileConfig:
     # Inductor settings for every piece: None = draftgraph's measured defaults (compiler/inductor_options.py),
     # () = Inductor's own, or (key, value) pairs of torch._inductor.config.
     inductor_options: tuple[tuple[str, object], ...] | None = None
-    # Processes that compile unique pieces in parallel while tracing goes on (compiler/compile_pool.py):
+    # Processes that compile unique pieces in parallel while tracing goes on (compiler/pool/compile_pool.py):
     # None = auto (on CUDA half the cores, at most 8; on the CPU none), 0 = compile in this process.
     compile_workers: int | None = None
 
@@ -227,7 +227,7 @@ def _compile_workers(config: CompileConfig, mode: CUDAGraphMode, device: torch.d
         return 0
     if config.compile_workers is not None:
         return config.compile_workers
-    from draftgraph.compiler.pool_lifetime import auto_workers
+    from draftgraph.compiler.pool.pool_lifetime import auto_workers
 
     return auto_workers(device.type, config.tensor_parallel_size * config.data_parallel_size)
 
@@ -376,7 +376,7 @@ def check_parallel(tp: int, draft_tp: int | None) -> None:
 
 def check_data_parallel(dp: int, tp: int, expert_parallel: bool) -> None:
     """Data-parallel replicas number at least 1; expert parallelism spreads the experts over all tp x dp ranks
-    (models/expert_parallel.py), so it needs at least two."""
+    (models/parallel/experts.py), so it needs at least two."""
     if dp < 1:
         raise ValueError(f"data_parallel_size={dp} must be at least 1 (1 = one engine replica, no data parallelism)")
     if expert_parallel and dp * tp < 2:

@@ -25,7 +25,7 @@ class CompileCounters:
     dynamic_runs: Counter = field(default_factory=Counter)  # key "fn" -> piece runs past the captured sizes
     compile_seconds: float = 0.0
     warmup_seconds: dict = field(default_factory=dict)  # warm-up phase -> seconds (runtime/warmup.py)
-    compile_workers: int = 0  # processes that compiled pieces in parallel (compiler/compile_pool.py)
+    compile_workers: int = 0  # processes that compiled pieces in parallel (compiler/pool/compile_pool.py)
     compile_worker_failures: int = 0  # pieces a worker could not compile (compiled in-process instead)
     piece_compile_seconds: dict = field(default_factory=dict)  # "fn/submod/key" -> seconds of its compiles
     compile_pool: dict = field(default_factory=dict)  # the workers' timeline (CompilePool.timeline)

@@ -2,7 +2,7 @@
 
 A piece is compiled from the fake tensors Dynamo traced it with: their sizes and strides are expressions in
 the trace's size symbols (the unbacked token count `u0`, the request count, a backed KV block count `s3`).
-A compile worker (compiler/compile_pool.py) has no Dynamo trace, so the inputs travel as data: each tensor's
+A compile worker (compiler/pool/compile_pool.py) has no Dynamo trace, so the inputs travel as data: each tensor's
 dtype, device, sizes, strides and storage offset (expressions written as text), each SymInt input's
 expression, each plain value as is, and every symbol they mention with its kind (unbacked or backed with its
 hint) and its value range. `rebuild_inputs` makes a fresh ShapeEnv with one symbol per stored symbol and

@@ -6,7 +6,7 @@ compute piece once with Inductor, the token count left symbolic; CUDA graphs for
 captured from that one compiled code (compiler/piece_runner.py). Pieces are unique across every function
 of an engine (`PieceCache`): a draft model truncated from its target, or the fused draft loop, reuses the
 target's or the drafter's compiled layers. Within a `shared_compile_workers` block, pieces are also unique
-across the engines built in it (`PieceCache.earlier`, compiler/pool_lifetime.py): a later engine runs the code
+across the engines built in it (`PieceCache.earlier`, compiler/pool/pool_lifetime.py): a later engine runs the code
 an earlier one compiled. Per-size compiles happen only for the sizes a user lists
 (`CompileConfig.compile_sizes`). Attention pieces stay as they are and run eagerly.
 """
@@ -26,11 +26,11 @@ import torch
 from torch import fx
 from tqdm import tqdm
 
-from draftgraph.compiler.compile_pool import CompilePool
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.inductor_options import inductor_patch
-from draftgraph.compiler.kernels_ahead import KernelsAhead
 from draftgraph.compiler.piece_runner import PieceRunner, size_locator
+from draftgraph.compiler.pool.compile_pool import CompilePool
+from draftgraph.compiler.pool.kernels_ahead import KernelsAhead
 from draftgraph.passes.manager import PassManager
 from draftgraph.passes.split_attention import Piece, token_symbol
 
@@ -146,11 +146,11 @@ class PiecewiseBackend:
         self.compile_backend, self.cache_dir = compile_backend, cache_dir
         self.shared = shared if shared is not None else PieceCache()
         self.inductor_options = inductor_options
-        self.pool = pool  # compile workers (compiler/compile_pool.py); None: every compile in this process
-        self.ahead = ahead  # compiles our ops' kernels ahead (compiler/kernels_ahead.py); None: at first launch
+        self.pool = pool  # compile workers (compiler/pool/compile_pool.py); None: every compile in this process
+        self.ahead = ahead  # compiles our ops' kernels ahead (compiler/pool/kernels_ahead.py); None: at first launch
         self._compiled: dict[str, CompiledPiece] = {}  # structural key -> compiled code this function uses
         self.traces: list = []  # (graph after passes, SplitGraph) per Dynamo trace, for inspection
-        # Per trace, what an artifact needs to run it without Dynamo (compiler/artifacts.py): the Python
+        # Per trace, what an artifact needs to run it without Dynamo (artifacts/store.py): the Python
         # expression of each graph input, and each compute piece's size locator.
         self.records: list[dict] = []
         self.recorded_outputs: dict[int, tuple] | None = None  # trace -> last outputs, while recording

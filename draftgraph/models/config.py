@@ -160,7 +160,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     indexer: IndexerConfig | None = None  # DeepSeek-V3.2: sparse MLA over the indexer's top-k tokens
     hybrid: HybridConfig | None = None  # Qwen3.5: linear-attention layers, partial RoPE, output gate, Qwen MoE
-    # Tensor-parallel ranks this config is one share of (models/parallel.py's shard_config): then num_heads,
+    # Tensor-parallel ranks this config is one share of (models/parallel/dense.py's shard_config): then num_heads,
     # num_kv_heads and intermediate_size are per rank (the KV cache holds the local KV heads), vocab_size is full.
     tp_size: int = 1
 

@@ -6,7 +6,7 @@ MLA per token: the query q = q_b(norm(q_a(x))) (or q_proj(x)) split per head int
 k_pe. The op writes the cache and attends, absorbing kv_b into the queries (decode, verify) or rebuilding
 per-head K/V from the latents (long prefills), as attention/mla.py decides; then o_proj.
 
-Tensor parallelism (models/parallel_mla.py): `tp` on the constructors; `cfg` is then one rank's share (its
+Tensor parallelism (models/parallel/mla.py): `tp` on the constructors; `cfg` is then one rank's share (its
 heads, its slice of every expert), o_proj row-parallel, the MoE's output all-reduced; the latent is whole.
 """
 
@@ -21,7 +21,7 @@ import draftgraph.ops.mla.op  # noqa: F401  (registers torch.ops.draftgraph.mla_
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
 from draftgraph.models.moe import MoE
-from draftgraph.models.parallel import row_linear
+from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope, apply_rope_interleaved
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup

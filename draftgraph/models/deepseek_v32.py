@@ -9,7 +9,7 @@ w = weights_proj(x) * Hi^-0.5 in float32. ops/sparse_mla: `indexer_topk` writes 
 (kv[2], beside the latent kv[0] and RoPE key kv[1]) and returns each token's top `index_topk` visible
 positions; `sparse_mla_attention` writes the latent and attends over those positions only.
 
-Tensor parallelism (`tp`; models/parallel_mla.py): MLA's query heads split as V3's; the indexer is replicated
+Tensor parallelism (`tp`; models/parallel/mla.py): MLA's query heads split as V3's; the indexer is replicated
 (whole on every rank), so every rank picks the same positions and keeps the whole index-key cache.
 """
 

@@ -12,7 +12,7 @@ import draftgraph.ops.rope.op as rope_op  # registers torch.ops.draftgraph.rope_
 from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.linear import Linear
-from draftgraph.models.parallel import row_linear
+from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """QKV projection (fused), optional q/k RMSNorm, RoPE, paged attention, output projection.
 
-    Under tensor parallelism `cfg` is one rank's share (models/parallel.py): the local heads, and `o` is
+    Under tensor parallelism `cfg` is one rank's share (models/parallel/dense.py): the local heads, and `o` is
     row-parallel over `tp` (its sum over ranks inside)."""
 
     def __init__(

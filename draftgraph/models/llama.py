@@ -5,7 +5,7 @@ forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hi
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
 separate call on chosen rows only, so a decode step never materializes [T, vocab].
 
-Tensor parallelism (every family; models/parallel.py, parallel_mla.py, parallel_hybrid.py): `tp` (a
+Tensor parallelism (every family; models/parallel/dense.py, parallel/mla.py, parallel/hybrid.py): `tp` (a
 ParallelGroup) on the constructors; each rank builds its share from the full weights, and compute_logits
 all-gathers the vocabulary so every rank returns the full logits.
 """
@@ -22,7 +22,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
 from draftgraph.models.linear import head_logits
-from draftgraph.models.parallel import embedding, shard_config, shard_state
+from draftgraph.models.parallel.dense import embedding, shard_config, shard_state
 from draftgraph.models.weights import (
     assign_weights,
     convert_layer,
@@ -194,13 +194,13 @@ class CausalLM(nn.Module):
         cls, path: str, dtype=None, device="cpu", attn_impl="reference", tp: ParallelGroup = SINGLE
     ) -> CausalLM:
         """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its share of the
-        split tensors (models/sharded_read.py, every family)."""
+        split tensors (models/parallel/sharded_read.py, every family)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
         if tp.is_single:
             return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
-        from draftgraph.models.sharded_read import read_target_share
+        from draftgraph.models.parallel.sharded_read import read_target_share
 
         return cls.from_state_dict(cfg, read_target_share(path, cfg, tp), device, attn_impl, tp, sharded=True)
 

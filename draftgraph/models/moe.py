@@ -8,7 +8,7 @@ back to the host. So the layer can sit inside compiled pieces and FULL CUDA grap
 - triton: the (token, expert) pairs are sorted by expert into blocks padded to the tile height (on the
   device; the grid is sized for the worst case and surplus tiles exit at once), then one grouped matmul
   per projection reads only the chosen experts' weights (ops/moe/triton_moe.py).
-Under tensor parallelism (`tp`, models/parallel_mla.py) every expert and the shared experts hold this rank's
+Under tensor parallelism (`tp`, models/parallel/mla.py) every expert and the shared experts hold this rank's
 slice of their intermediate dimension; the router is whole; routed + shared partials, one all_reduce.
 """
 

@@ -12,7 +12,7 @@ Gated attention: q_proj yields [q | gate] per head; q/k RMSNorm per head, RoPE o
 (partial RoPE; Qwen3.5's mrope has equal sections for text, i.e. plain RoPE), paged attention, then
 out * sigmoid(gate) and o_proj.
 
-Tensor parallelism (`tp`; models/parallel_hybrid.py): `cfg` is one rank's share (its k / v heads, attention
+Tensor parallelism (`tp`; models/parallel/hybrid.py): `cfg` is one rank's share (its k / v heads, attention
 heads, expert slices); out_proj / o_proj / down row-parallel, the MoE's output all-reduced.
 """
 
@@ -26,7 +26,7 @@ import draftgraph.ops.linear_attention.op  # noqa: F401  (registers torch.ops.dr
 import draftgraph.ops.moe.op  # noqa: F401  (registers torch.ops.draftgraph.moe_experts)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP, RMSNorm
-from draftgraph.models.parallel import row_linear
+from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.backends import linear_attention_impl

@@ -4,7 +4,7 @@
 There the same call is `kernel.warmup(...)`: Triton compiles the variant these arguments select (or, under
 Triton's AsyncCompileMode, queues its compile on the mode's executor) and launches nothing. Running an op on
 stand-in inputs inside `compiling_ahead()` therefore names every kernel variant the op would launch, without
-running any of them; compiler/kernels_ahead.py compiles them side by side that way before the traced code's
+running any of them; compiler/pool/kernels_ahead.py compiles them side by side that way before the traced code's
 first calls. Launch sites never read a launched kernel's output on the host, so an op's Python runs alike in
 both modes.
 """

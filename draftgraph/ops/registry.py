@@ -16,7 +16,7 @@ these ops.
 Registering is the defining module's one import-time action (once per process, before any graph naming the
 op is traced or loaded); DRAFTGRAPH_TORCH_CUSTOM_OP=1 defines them through torch.library.custom_op instead, for
 comparisons (draftgraph/envs.py). `DEFINED_IN` records which module defines each op, for compile workers that
-must import exactly those (compiler/compile_pool.py).
+must import exactly those (compiler/pool/compile_pool.py).
 """
 
 from __future__ import annotations

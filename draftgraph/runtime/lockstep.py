@@ -1,5 +1,5 @@
 """Lock-step for data-parallel ranks that must step together (expert parallelism over replicas: every target
-forward holds collectives across them, models/expert_parallel.py).
+forward holds collectives across them, models/parallel/experts.py).
 
 Each rank has its own scheduler and requests. At every `Engine.step`, after scheduling, the ranks agree on
 one step shape with one small all-reduce (MAX) of their counts over a CPU (gloo) group, never a device sync:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from draftgraph.compiler.compile_pool import wait_stopped
+from draftgraph.compiler.pool.compile_pool import wait_stopped
 
 log = logging.getLogger("draftgraph")
 
@@ -102,7 +102,7 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     # What this process holds outside the allocator (its context, libraries), measured after warm-up and
-    # after the compile workers (compiler/compile_pool.py), stopped when compiling ended, have exited with
+    # after the compile workers (compiler/pool/compile_pool.py), stopped when compiling ended, have exited with
     # their CUDA contexts; other processes' memory counts.
     if (left := wait_stopped()) > 0:
         log.warning("%d compile worker processes are still exiting: their memory counts as used", left)

@@ -50,7 +50,7 @@ def step_sampling_calls(engine) -> list[dict]:
     threads while the forwards are traced, instead of one after another at the step's first run (3-4 s of the
     built-in pair's cold start on an H100, docs/benchmarks.md, session 13). The argmax's kernels specialise
     on the row count (its chunk)."""
-    from draftgraph.compiler.kernels_ahead import op_call, tensor_arg
+    from draftgraph.compiler.pool.kernels_ahead import op_call, tensor_arg
 
     rc, target, q = engine.config, engine.target, engine.runner.shapes.verify
     shapes = {(b * q, target.cfg.vocab_size, target.cfg.dtype) for b in rc.full_capture_sizes}

@@ -1,5 +1,5 @@
 """`draftgraph build` with several ranks: every rank compiles its share and writes its own artifact set into
-OUT/rank-R (compiler/artifact_ranks.py), whether draftgraph starts the ranks (driver.py) or torchrun did
+OUT/rank-R (artifacts/ranks.py), whether draftgraph starts the ranks (driver.py) or torchrun did
 (launched.py)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 until told to stop. Rank r is tensor-parallel rank r % tp of data-parallel replica r // tp. The ranks of a
 replica run the same scheduler on the same requests (SPMD), so they take the same steps and replay the same
 graphs; replicas have their own requests. With expert parallelism every rank is an expert-parallel rank (EP =
-tp x dp, models/expert_parallel.py): a replica's TP ranks split its experts, and with several replicas each TP
+tp x dp, models/parallel/experts.py): a replica's TP ranks split its experts, and with several replicas each TP
 rank gathers the tokens of its peers in the others, so the replicas' steps agree on one shape (runtime/lockstep.py)."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
 def _build_config(config: CompileConfig, out: str, rank: int) -> CompileConfig:
     """The config rank `rank` compiles with when it writes artifacts into `out`: on the CPU, Inductor's cache
     (the built libraries a CPU artifact carries) inside `out`; on CUDA, a cache directory of its own."""
-    from draftgraph.compiler.artifacts import CACHE
+    from draftgraph.artifacts.store import CACHE
 
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if not cuda:
@@ -174,9 +174,9 @@ def setup_rank(
     build_dir: str | None = None,
 ):
     """In a rank whose default process group is up: its groups and its engine, and what it reports once ready
-    (the driver's `rank_info`). Artifacts of several ranks are per rank (compiler/artifact_ranks.py): rank r
+    (the driver's `rank_info`). Artifacts of several ranks are per rank (artifacts/ranks.py): rank r
     loads artifacts/rank-r and, given `build_dir`, writes build_dir/rank-r (its manifest in the report)."""
-    from draftgraph.compiler.artifact_ranks import rank_dir
+    from draftgraph.artifacts.ranks import rank_dir
 
     if artifacts is not None and world_size > 1:
         artifacts = rank_dir(artifacts, rank)
@@ -195,7 +195,7 @@ def setup_rank(
         "compile": engine.compiled.counters.as_dict() if engine.compiled is not None else None,
     }
     if build_dir is not None:
-        from draftgraph.compiler.artifacts import build_artifacts
+        from draftgraph.artifacts.store import build_artifacts
 
         info["manifest"] = build_artifacts(engine, build_dir, progress=False)
     return engine, info

@@ -22,7 +22,7 @@ def pytest_addoption(parser):
 def _compile_workers(request, monkeypatch):
     n = request.config.getoption("--compile-workers", default=None)  # unknown when tests/ is the root given
     if n is not None:
-        from draftgraph.compiler import pool_lifetime
+        from draftgraph.compiler.pool import pool_lifetime
 
         monkeypatch.setattr(pool_lifetime, "auto_workers", lambda device_type, local_ranks=1: n)
 

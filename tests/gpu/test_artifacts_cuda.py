@@ -8,7 +8,7 @@ import torch
 from triton.runtime.cache import get_cache_manager
 
 import draftgraph as dg
-from draftgraph.compiler.artifacts import CACHE, build_artifacts
+from draftgraph.artifacts.store import CACHE, build_artifacts
 from draftgraph.models.llama import CausalLM
 from draftgraph.ops.kernel_variants import compiled_variants
 from tests.copy_drafters import make_drafter
@@ -42,7 +42,7 @@ def test_build_and_load_on_cuda(tmp_path, monkeypatch, kind, capture):
     build_artifacts(built, str(out))
     assert not (out / CACHE).exists()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty_cache"))  # nothing to find there
-    # draftgraph's own kernels come with the artifact (compiler/triton_bundle.py): a fresh Triton cache gets them
+    # draftgraph's own kernels come with the artifact (artifacts/triton_bundle.py): a fresh Triton cache gets them
     index = json.loads((out / "triton" / "index.json").read_text())
     bundled = {k["kernel"] for k in index["kernels"].values()}
     # the RoPE kernel (it writes k and v into the caches: the default with the Triton attention on CUDA)

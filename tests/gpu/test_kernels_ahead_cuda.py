@@ -1,4 +1,4 @@
-"""GPU tier: draftgraph's own Triton kernels compiled ahead in threads (compiler/kernels_ahead.py). Each
+"""GPU tier: draftgraph's own Triton kernels compiled ahead in threads (compiler/pool/kernels_ahead.py). Each
 distinct call of our ops in the traced graphs runs once on zero inputs inside `compiling_ahead()`, which queues
 its kernels' compiles on a thread pool and launches nothing; the traced code's first launches wait for them.
 The one-graph step's token-choice calls, which no traced graph names, are seeded at warm-up's start. The tokens

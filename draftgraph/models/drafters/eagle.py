@@ -20,7 +20,7 @@ from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import DecoderLayer, materialize, rope_lookup
 from draftgraph.models.linear import Linear, head_logits
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import embedding
+from draftgraph.models.parallel.dense import embedding
 from draftgraph.models.weights import assign_weights, convert_layer, layer_indices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 

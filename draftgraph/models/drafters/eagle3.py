@@ -21,8 +21,8 @@ from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
 from draftgraph.models.linear import Linear
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import embedding
-from draftgraph.models.shard_cut import take
+from draftgraph.models.parallel.dense import embedding
+from draftgraph.models.parallel.shard_cut import take
 from draftgraph.models.weights import assign_weights, convert_layer
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 

@@ -16,8 +16,8 @@ from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
 from draftgraph.models.drafters.parallel_heads import check_draft_group
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import full_config, shard_config
-from draftgraph.models.sharded_read import model_share, open_checkpoint
+from draftgraph.models.parallel.dense import full_config, shard_config
+from draftgraph.models.parallel.sharded_read import model_share, open_checkpoint
 from draftgraph.models.weights import read_config, read_target_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
@@ -58,7 +58,7 @@ def load_drafter(
     load their share (from a checkpoint dir or a transformers object) or the whole model replicated. Heads
     (EAGLE, EAGLE-3, MTP) over a split target are split like it, or replicated with the target's embedding
     and LM head gathered once (drafters/parallel_heads.py). From a safetensors checkpoint each rank reads
-    only its share of the tensors the drafter keeps (models/sharded_read.py)."""
+    only its share of the tensors the drafter keeps (models/parallel/sharded_read.py)."""
     device = device if device is not None else target.embed_tokens.weight.device
     attn_impl = attn_impl or target.layers[0].attn.attn_impl
     dtype = dtype or target.cfg.dtype

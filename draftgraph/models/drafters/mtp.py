@@ -22,7 +22,7 @@ from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM, layer_converter, make_layer
-from draftgraph.models.parallel import embedding, full_config
+from draftgraph.models.parallel.dense import embedding, full_config
 from draftgraph.models.weights import assign_weights, layer_indices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 

@@ -27,8 +27,8 @@ import torch
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import shard_config, tensor_cut
-from draftgraph.models.shard_cut import Cut, split_cut, take
+from draftgraph.models.parallel.dense import shard_config, tensor_cut
+from draftgraph.models.parallel.shard_cut import Cut, split_cut, take
 from draftgraph.ops.collectives.op import ParallelGroup
 
 

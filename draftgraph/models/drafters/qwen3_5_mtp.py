@@ -28,7 +28,7 @@ from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM
-from draftgraph.models.parallel import full_config
+from draftgraph.models.parallel.dense import full_config
 from draftgraph.models.qwen3_5 import Qwen3_5Layer
 from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer
 from draftgraph.models.weights import assign_weights

@@ -8,7 +8,7 @@ docs/benchmarks.md), and for 2-16 rows of an LM head (a verify at batch 1-3) its
 compiled piece calls it as one opaque node, as Inductor calls cuBLAS for a matmul anyway (no fusion is lost);
 the row count may be symbolic: each captured size picks its path at capture.
 
-Inside `compiling_ahead()` (compiler/kernels_ahead.py) a call compiles every kernel variant the rule may launch,
+Inside `compiling_ahead()` (compiler/pool/kernels_ahead.py) a call compiles every kernel variant the rule may launch,
 since a trace leaves the row count symbolic and captured sizes may need different ones.
 Registering the op is this module's one import-time action; Triton loads on the first CUDA call.
 """

@@ -26,7 +26,7 @@ filled with -inf first and sorted over, and it breaks ties in no documented orde
 the visible columns, 5 times (4 histogram passes and the write), so its cost is O(token_kv_len) per row, below
 the scoring pass that wrote them (which reads Di bf16 values per column), and its ties are the reference's.
 Its limit: one program per row, so a few rows over a long context (1 row x 128k: 5 sweeps of 512 KiB by one
-SM) are latency-bound; splitting a row over programs with per-split histograms (runtime/sampling_triton.py
+SM) are latency-bound; splitting a row over programs with per-split histograms (ops/sampling/triton_probs.py
 does so) is the next step where scripts/bench_sparse_mla.py shows the select dominating.
 
 Memory: the scratch is 4 * rows * span bytes; rows are processed in chunks (a host loop over T, so a graph

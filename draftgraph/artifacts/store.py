@@ -1,0 +1,461 @@
+"""Ahead-of-time artifacts: build once (`draftgraph build`), start warm (`compile_model(..., artifacts=DIR)`).
+
+An artifact directory holds, per compiled function (target, drafter, the fused loop's two variants) and per
+Dynamo trace, the split graph, the input paths and output layout (artifacts/loaded.py); each unique compute
+piece's compiled code once, whichever functions share it: the symbolic-size version, plus one per listed
+`compile_sizes` entry (Inductor's `CompiledArtifact`, or the FX graph with compile_backend="eager" and for
+pieces that compute no tensor); a JSON manifest; a readable summary.
+
+The manifest records what the code was built for: draftgraph, torch, triton, CUDA and Python versions, the
+GPU architecture, the resolved config's fields and their hash, hashes of both model configs and of
+draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file.
+Loading checks every file's checksum before anything is read (a truncated or altered file is never run),
+compares each field with the running setup, then the functions and pieces against what the engine needs
+(manifest_check.py): a difference is named, and the engine compiles from scratch, or stops when strict.
+
+Trust: the directory holds compiled code (Inductor's artifacts are pickles and shared libraries), so it
+must come from a source trusted like a checkpoint that contains pickles. What draftgraph itself reads is
+not evaluated: input paths are declared steps (input_paths.py) and graph call targets come from an
+allowlist (fx_allowlist.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+import draftgraph
+from draftgraph.artifacts.input_paths import InputPathError, parse_source
+from draftgraph.artifacts.manifest_check import (
+    ManifestError,
+    check_directory,
+    check_functions,
+    check_trace_graph,
+    field_mismatches,
+    piece_file,
+)
+from draftgraph.artifacts.ranks import (
+    MANIFEST,
+    ONE_PROCESS,
+    layout_problem,
+    mismatch,
+    parallel_fields,
+    this_rank,
+)
+from draftgraph.artifacts.triton_bundle import restore_kernels, save_kernels
+from draftgraph.compiler.build import LOOP_VARIANTS
+from draftgraph.compiler.fx_serialize import decode_module, encode_module
+
+log = logging.getLogger("draftgraph")
+
+FORMAT = 2  # 2: input paths as declared steps (not expressions), the config's fields
+# Inductor's cache of a CPU build: the built .so files, which a CPU artifact does not bundle (without them
+# every load would re-run the C++ compiler). `draftgraph build` points Inductor here on the CPU only; a CUDA
+# artifact bundles its Triton kernels.
+CACHE = "inductor_cache"
+SUMMARY = "summary.txt"
+_SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
+_FUNCTIONS = ("target", "drafter", "draft_loop")
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory that cannot be used (missing, corrupt, or built for something else)."""
+
+
+# ---- what an artifact is built for ------------------------------------------------------------------
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def source_hash() -> str:
+    """Hash of draftgraph's compiler, pass, model and runtime sources: any code change invalidates."""
+    root = Path(draftgraph.__file__).parent
+    h = hashlib.sha256()
+    for sub in _SOURCE_DIRS:
+        for f in sorted((root / sub).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def config_fields(rc) -> dict[str, str]:
+    """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off)."""
+    skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason",
+            "compile_workers", "overlap_steps"}  # fmt: skip
+    return {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
+
+
+def config_hash(rc) -> str:
+    return _sha(json.dumps(config_fields(rc), sort_keys=True).encode())[:16]
+
+
+def model_hash(model) -> str:
+    cfg = getattr(model, "cfg", None)
+    text = repr(cfg) + "|" + getattr(model, "kind", type(model).__name__)
+    if getattr(model, "target_hidden", None) == "aux":
+        text += f"|aux={model.aux_layers}"
+    return _sha(text.encode())[:16]
+
+
+def gpu_arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def expected_fields(rc, target, drafter) -> dict:
+    """What the running setup would write into a manifest (the fields a load compares)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {
+        "format": FORMAT,
+        "draftgraph": draftgraph.__version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "gpu_arch": gpu_arch(rc.device),
+        "config_hash": config_hash(rc),
+        "target_hash": model_hash(target),
+        "drafter_hash": model_hash(drafter) if drafter is not None else "none",
+        "source_hash": source_hash(),
+        "mode": rc.mode.value,
+        "capture_sizes": list(rc.capture_sizes),
+        "full_capture_sizes": list(rc.full_capture_sizes),
+    }
+
+
+# ---- build ------------------------------------------------------------------------------------------
+
+
+def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
+    """Write the compiled code of `engine` (built with compile_model, any mode but NONE) to out_dir."""
+    compiled = engine.compiled
+    if compiled is None:
+        raise ArtifactError(
+            "mode NONE compiles nothing: build artifacts with a compiling mode (e.g. FULL_AND_PIECEWISE)"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(p.name != CACHE for p in out.iterdir()):
+        raise ArtifactError(f"{out_dir} is not empty; artifacts go into a new or empty directory")
+    t0 = time.perf_counter()
+    calls = _exercise(engine)  # every trace once, recording its graph outputs and the returned value
+    functions, saved = {}, {}
+    for fn_name, backend in _backends(compiled).items():
+        traces = []
+        for i, rec in enumerate(backend.records):
+            if i not in calls[fn_name]:
+                raise ArtifactError(f"{fn_name} trace {i} did not run while building; cannot record its outputs")
+            graph_outs, value, variant = calls[fn_name][i]
+            leaves, spec = pytree.tree_flatten(value)
+            leaf_map = []
+            for leaf in leaves:
+                hits = [j for j, g in enumerate(graph_outs) if g is leaf]
+                if not hits:
+                    raise ArtifactError(f"{fn_name} trace {i} returns a value that is not one of its graph outputs")
+                leaf_map.append(hits[0])
+            inputs = _input_paths(fn_name, i, rec["sources"])
+            path = f"functions/{fn_name}.{i}.json"
+            _save_split(rec["split"], out / path)
+            traces.append(
+                {
+                    "graph": path,
+                    "variant": variant,  # the fused loop: "greedy" or "sample"
+                    "inputs": inputs,
+                    "static_shapes": rec["static_shapes"],
+                    "leaf_map": leaf_map,
+                    "treespec": pytree.treespec_dumps(spec),
+                    "pieces": [
+                        {"name": p.name, "key": p.key, "size_at": rec["size_at"][p.name]}
+                        for p in rec["split"].compute_pieces
+                    ],
+                }
+            )
+        pieces = {}
+        for key, cp in backend._compiled.items():
+            if key not in saved:  # a piece shared by several functions is written once
+                entry = {"multi_output": cp.multi_output, "host_only": cp.host_only, "per_size": {}, "dynamic": None}
+                for size, art in cp.per_size.items():
+                    entry["per_size"][str(size)] = _save_piece(art, out / piece_file(fn_name, key, size))
+                entry["dynamic"] = _save_piece(cp.dynamic, out / piece_file(fn_name, key, "dynamic"))
+                saved[key] = entry
+            pieces[key] = saved[key]
+        functions[fn_name] = {"traces": traces, "pieces": pieces, "backend": backend.compile_backend}
+    # draftgraph's own Triton kernels and their launchers, compiled (triton_bundle.py): no JIT at a warm start
+    since = getattr(engine, "build_started", None) if engine.config.device.type == "cuda" else None
+    kernels = save_kernels(out, since)
+    fields = expected_fields(engine.config, engine.target, engine.drafter)
+    files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = {**fields, "config": config_fields(engine.config), "functions": functions, "files": files}
+    manifest["parallel"] = parallel_fields(engine.config, this_rank(engine.config))  # artifacts/ranks.py
+    manifest["triton_kernels"] = {k: len(v) for k, v in kernels.items()}
+    manifest["build_seconds"] = round(time.perf_counter() - t0, 2)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    (out / SUMMARY).write_text(summary_text(manifest))
+    return manifest
+
+
+def _input_paths(fn_name: str, i: int, sources: list) -> list:
+    """Dynamo's source expressions as declared steps (input_paths.py); refused at build when outside them."""
+    out = []
+    for j, src in enumerate(sources):
+        try:
+            out.append(parse_source(src if isinstance(src, str) else repr(src)))
+        except InputPathError as e:
+            raise ArtifactError(f"{fn_name} trace {i} input {j}: {e}; only the call's arguments are supported") from e
+    return out
+
+
+def _backends(compiled) -> dict:
+    out = {"target": compiled.target.backend}
+    if compiled.drafter is not None:
+        out["drafter"] = compiled.drafter.backend
+    if compiled.loop_backend is not None:
+        out["draft_loop"] = compiled.loop_backend
+    return out
+
+
+def _exercise(engine) -> dict:
+    """Call every compiled function on padding-only inputs so each trace runs once through its Python
+    entry (not a graph replay), recording (graph outputs, returned value) per trace."""
+    compiled, runner = engine.compiled, engine.runner
+    backends = _backends(compiled)
+    calls = {name: {} for name in backends}
+    for b in backends.values():
+        b.recorded_outputs = {}
+    saved = runner.forwards.graphs
+    runner.forwards.graphs = None  # call the compiled code itself, never a whole-forward graph
+    try:
+
+        def record(name, value, tag=None):
+            rec = backends[name].recorded_outputs
+            for i, graph_outs in rec.items():
+                calls[name][i] = (graph_outs, value, tag)
+            rec.clear()
+
+        size = engine.config.warmup_tokens
+        meta, positions = runner.target_meta.build([], num_tokens_padded=size, num_reqs_padded=1)
+        ids = torch.zeros(size, dtype=torch.long, device=runner.device)
+        aux = getattr(runner, "aux_layers", ())
+        record("target", compiled.target(ids, positions, meta, runner.target_cache.layers, aux))
+        if engine.drafter is not None:
+            for width in runner.proposer.hidden_widths:
+                hidden = (
+                    None
+                    if width is None
+                    else torch.zeros(size, width, dtype=engine.target.cfg.dtype, device=runner.device)
+                )
+                record("drafter", compiled.drafter(ids, positions, hidden, meta, runner.draft_cache.layers))
+        if compiled.loops is not None:
+            p = runner.proposer
+            for variant, loop in zip(LOOP_VARIANTS, compiled.loops):
+                x = p.dummy_loop_inputs(max(engine.config.full_capture_sizes), sampled=variant == "sample")
+                record("draft_loop", loop(kv_caches=runner.draft_cache.layers, **x), variant)
+    finally:
+        runner.forwards.graphs = saved
+        for b in backends.values():
+            b.recorded_outputs = None
+    return calls
+
+
+def _save_split(split, path: Path) -> None:
+    """The split graph with its compute pieces as plain FX graphs (the runners hold compiled code)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = split.module
+    runners = {p.name: getattr(module, p.name) for p in split.compute_pieces}
+    try:
+        for p in split.compute_pieces:
+            setattr(module, p.name, p.graph)
+        path.write_text(json.dumps(encode_module(module)))
+    finally:
+        for name, r in runners.items():
+            setattr(module, name, r)
+
+
+def _save_piece(art, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(art, torch.fx.GraphModule):  # compile_backend="eager"
+        path.write_text(json.dumps(encode_module(art)))
+        return "fx"
+    art.save(path=str(path), format="binary")
+    return "inductor"
+
+
+def summary_text(m: dict) -> str:
+    lines = [
+        f"draftgraph artifacts (format {m['format']}), built in {m['build_seconds']} s",
+        f"for: draftgraph {m['draftgraph']}, torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda']}, "
+        f"Python {m['python']}, {m['gpu_arch']}",
+        f"mode {m['mode']}; capture sizes {m['capture_sizes']}; FULL request counts {m['full_capture_sizes']}",
+        f"hashes: config {m['config_hash']}, target {m['target_hash']}, drafter {m['drafter_hash']}, "
+        f"sources {m['source_hash']}",
+    ]
+    p = m.get("parallel")
+    if p and p["world_size"] > 1:
+        lines.append(
+            f"rank {p['rank']} of {p['world_size']}: tensor-parallel rank {p['tp_rank']} of "
+            f"{p['tensor_parallel_size']}, data-parallel replica {p['dp_rank']} of {p['data_parallel_size']}"
+            + (", expert parallel" if p["expert_parallel"] else "")
+        )
+    for name, fn in m["functions"].items():
+        n_art = sum(len(p["per_size"]) + 1 for p in fn["pieces"].values())
+        lines.append(
+            f"{name}: {len(fn['traces'])} trace(s), {sum(len(t['pieces']) for t in fn['traces'])} compute pieces, "
+            f"{len(fn['pieces'])} unique, {n_art} compiled artifacts ({fn['backend']})"
+        )
+    total = sum(1 for _ in m["files"])
+    lines.append(f"{total} files, each with its SHA-256 in {MANIFEST}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- load -------------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest, after checking every file it lists against its checksum."""
+    root = Path(path)
+    if not (root / MANIFEST).is_file():
+        raise ArtifactError(
+            f"{path} holds no {MANIFEST}: not an artifact directory (build one with `draftgraph build`)"
+        )
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}/{MANIFEST} is not valid JSON ({e}); rebuild the artifacts") from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}/{MANIFEST} is not a JSON object; rebuild the artifacts")
+    try:
+        check_directory(root, manifest, skip=(CACHE, MANIFEST, SUMMARY))
+    except ManifestError as e:
+        raise ArtifactError(f"artifacts in {path}: {e}; rebuild the artifacts") from e
+    for rel, digest in manifest["files"].items():
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"artifact file {rel} is missing from {path}; rebuild the artifacts")
+        if _sha(f.read_bytes()) != digest:
+            raise ArtifactError(
+                f"artifact file {rel} does not match its checksum (truncated or altered); it was not loaded. "
+                "Rebuild the artifacts"
+            )
+    return manifest
+
+
+def check_artifacts(path: str, rc, target, drafter, needs) -> dict:
+    """The manifest of `path` when it matches the running setup and lists what the engine needs (`needs`:
+    its function names); otherwise ArtifactError naming every differing field, or the first bad entry. The
+    rank comes first: a build for other ranks is named with the fix (artifacts/ranks.py)."""
+    running = parallel_fields(rc, this_rank(rc))
+    problem = layout_problem(path, running)
+    if problem:
+        raise ArtifactError(problem)
+    manifest = read_manifest(path)
+    problem = mismatch(path, manifest.get("parallel", ONE_PROCESS), running)
+    if problem:
+        raise ArtifactError(problem)
+    diffs = field_mismatches(manifest, expected_fields(rc, target, drafter), config_fields(rc))
+    if diffs:
+        raise ArtifactError(f"artifacts in {path} were built for something else: " + "; ".join(diffs))
+    try:
+        check_functions(manifest, set(needs))
+    except ManifestError as e:
+        raise ArtifactError(f"artifacts in {path} do not match what the engine needs: {e}") from e
+    return manifest
+
+
+def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
+    """Replace compiled.target / drafter / loops by LoadedFunctions over the stored code (no Dynamo, no
+    Inductor). `fns` maps a function name to what its traces' `L['fn']` was: the bound forward, or the loops."""
+
+    from draftgraph.compiler.piecewise import _cache_dir
+
+    restored = restore_kernels(Path(path))  # draftgraph's own compiled Triton kernels, into Triton's cache
+    compiled.counters.kernels_restored = restored
+    if restored:
+        log.info("restored %d compiled Triton kernels and launchers from %s", restored, path)
+    cache = Path(path) / CACHE
+    cache = cache.resolve() if cache.is_dir() else None
+    with _cache_dir(str(cache) if cache else None):
+        _load_functions(root_path=Path(path), manifest=manifest, compiled=compiled, fns=fns, cache=cache)
+
+
+class _LazyArtifact:
+    """An Inductor artifact read from disk at its first call (its checksum was verified with the manifest):
+    a warm start reads only the sizes its steps use, each when a step (or the capture) first runs it."""
+
+    def __init__(self, path: Path, cache: Path | None):
+        self.path, self.cache, self.fn = path, cache, None
+
+    def __call__(self, *args):
+        if self.fn is None:
+            from torch._inductor import CompiledArtifact
+
+            from draftgraph.compiler.piecewise import _cache_dir
+
+            with _cache_dir(str(self.cache) if self.cache else None):
+                self.fn = CompiledArtifact.load(path=str(self.path), format="binary")
+        return self.fn(*args)
+
+
+def _read_graph(root: Path, rel: str):
+    """A stored FX graph; a refused call target or malformed node is an ArtifactError naming the file."""
+    try:
+        return decode_module(json.loads((root / rel).read_text()))
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        raise ArtifactError(f"artifact graph {rel} was refused: {e}") from e
+
+
+def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache: Path | None) -> None:
+    from draftgraph.artifacts.loaded import LoadedFunction, LoadedTrace
+    from draftgraph.compiler.piecewise import CompiledPiece
+
+    root = root_path
+    ctx = compiled.ctx
+    loaded = {}
+    for fn_name, fn in manifest["functions"].items():
+        pieces = {}
+        for key, entry in fn["pieces"].items():
+
+            def load(size, kind, fn_name=fn_name, key=key):
+                rel = piece_file(fn_name, key, size)
+                return _read_graph(root, rel) if kind == "fx" else _LazyArtifact(root / rel, cache)
+
+            per_size = {int(s): load(s, k) for s, k in entry["per_size"].items()}
+            dynamic = load("dynamic", entry["dynamic"]) if entry["dynamic"] is not None else None
+            pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["host_only"])
+        traces = []
+        for i, t in enumerate(fn["traces"]):
+            module = _read_graph(root, t["graph"])
+            try:
+                check_trace_graph(module, t)
+                traces.append(LoadedTrace(fn_name, module, t, pieces, ctx))
+            except (ManifestError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise ArtifactError(f"function {fn_name} trace {i} ({t['graph']}): {e}; rebuild the artifacts") from e
+        loaded[fn_name] = (traces, len(pieces), sum(len(t["pieces"]) for t in fn["traces"]))
+    counters = compiled.counters
+    counters.unique_pieces += len({key for fn in manifest["functions"].values() for key in fn["pieces"]})
+    for fn_name, (traces, _unique, total) in loaded.items():
+        counters.pieces += total
+        if fn_name == "draft_loop":
+            variants = [t["variant"] for t in manifest["functions"][fn_name]["traces"]]
+            compiled.loops = tuple(
+                LoadedFunction(fn_name, f, [t for t, v in zip(traces, variants) if v == name])
+                for f, name in zip(fns["draft_loop"], LOOP_VARIANTS)
+            )
+        else:
+            setattr(compiled, fn_name, LoadedFunction(fn_name, fns[fn_name], traces))

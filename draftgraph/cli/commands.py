@@ -1,0 +1,366 @@
+"""The `draftgraph` command line (also `python -m draftgraph`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+
+from draftgraph.cli.parser import build_parser
+from draftgraph.cli.text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
+
+# Nothing above loads torch: `main` starts the compile workers first (_prestart_workers), then imports it.
+
+
+def _config(args, **over):
+    import draftgraph as dg
+
+    fields = dict(
+        mode=args.mode,
+        num_speculative_tokens=args.num_speculative_tokens,
+        attention=args.attention,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        drafter_kind=args.drafter_kind,
+        capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
+        compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
+        compile_backend=args.compile_backend,
+        use_cuda_graphs=not args.no_cuda_graphs,
+        capture=args.capture,
+        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
+        overlap_steps=not getattr(args, "no_overlap_steps", False),
+        check_addresses=args.check_addresses,
+        dump_graphs_dir=args.dump_graphs,
+        inductor_options=_inductor_options(args.inductor_option),
+        compile_workers=getattr(args, "compile_workers", None),
+        tensor_parallel_size=getattr(args, "tp", 1),
+        draft_tensor_parallel_size=getattr(args, "draft_tp", None),
+        data_parallel_size=getattr(args, "dp", 1),
+        expert_parallel=getattr(args, "expert_parallel", False),
+    )
+    fields.update(over)
+    config = dg.CompileConfig(**fields)
+    from draftgraph.workers.launched import uses_launch
+
+    uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
+    return config
+
+
+_FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
+
+
+def _inductor_options(given: list[str] | None):
+    """--inductor-option KEY=VALUE pairs (VALUE a Python literal), or None for draftgraph's defaults."""
+    if not given:
+        return None
+    import ast
+
+    pairs = []
+    for item in given:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(
+                f"draftgraph: error: --inductor-option {item!r} must be KEY=VALUE, e.g. split_reductions=False"
+            )
+        try:
+            pairs.append((key.strip(), ast.literal_eval(value.strip())))
+        except (ValueError, SyntaxError):
+            pairs.append((key.strip(), value.strip()))  # a bare word is a string
+    return tuple(pairs)
+
+
+def _models(args):
+    """(target, drafter) from --target / --drafter, or the built-in pair."""
+    from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, builtin_pair
+
+    if args.target:
+        target, drafter = args.target, None if args.no_drafter else args.drafter
+        if drafter is None and not args.no_drafter:
+            print("no --drafter given: plain decoding with the target alone")
+    else:
+        spec = BuiltinSpec(seed=args.seed)
+        print(
+            f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
+        )
+        # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
+        split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
+        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec)
+        drafter = None if args.no_drafter else (args.drafter or built_drafter)
+    return target, drafter
+
+
+def cmd_generate(args) -> int:
+    import draftgraph as dg
+
+    config = _config(args)
+    # Checked before anything is built or compiled: a bad value fails in well under a second.
+    texts = text_prompts(args)  # text prompts, stop ids and the tokenizer too
+    stops = stop_token_ids(args)
+    tokenizer = cli_tokenizer(args, needed=bool(texts))
+    params = dg.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos or not texts,  # random prompts run to max_tokens
+        stop_token_ids=stops,
+        seed=args.seed,
+    )
+    if args.profile and config.tensor_parallel_size * config.data_parallel_size > 1:
+        raise ValueError(
+            f"--profile reads one process's engine; it runs with --tp 1 --dp 1 only, not --tp {args.tp} --dp {args.dp}"
+        )
+    for name in ("num_prompts", "prompt_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    print(f"config: {config}")
+    target, drafter = _models(args)
+    t0 = time.perf_counter()
+    engine = dg.compile_model(
+        target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts, tokenizer=tokenizer
+    )
+    if engine.warm_up_report:
+        print(engine.warm_up_report)
+    why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
+    now = time.perf_counter()
+    print(
+        f"engine ready in {now - t0:.1f} s ({now - _STARTED[0]:.1f} s since the command started): mode "
+        f"{engine.config.mode.value}{why}, device {engine.config.device}, attention {engine.config.attention}, "
+        f"K={engine.k}"
+    )
+    if texts:
+        generate_text(engine, texts, params, args.stream)
+        print_report(engine.stats())
+        return 0
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = engine.vocab_size
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    outputs = engine.generate(prompts, params, progress=True)
+    for out in outputs[: min(3, len(outputs))]:
+        print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
+    print_report(engine.stats())
+    if args.profile:
+        from draftgraph.runtime.profiling import profile_steps
+
+        for prompt in prompts:  # the same requests again, profiled for the first --profile steps
+            engine.add_request(prompt, params)
+        summary = profile_steps(engine, args.profile)
+        while engine.has_unfinished():
+            engine.step()
+        print(summary.format())
+    return 0
+
+
+def print_report(s: dict) -> None:
+    k = s["num_speculative_tokens"]
+    print(f"\nsteps {s['steps']}, generated tokens {s['generated_tokens']}, wall {s['seconds']:.2f} s")
+    replicas = s.get("per_replica", [])
+    for d, r in enumerate(replicas if len(replicas) > 1 else []):  # data parallelism: each replica's share
+        print(f"  replica {d}: steps {r['steps']}, tokens {r['generated_tokens']}, dummy steps {r['dummy_steps']}")
+    if s.get("preemptions"):
+        print(f"preemptions {s['preemptions']} (the KV cache ran out: requests were recomputed)")
+    if s.get("overlapped_steps"):
+        print(
+            f"overlapped steps {s['overlapped_steps']} (launched before the step ahead of them was read; "
+            f"{s['dropped_steps']} dropped: every request had stopped)"
+        )
+    if k:
+        total = max(1, s["verify_steps"])
+        print(f"acceptance histogram (accepted drafts per verify step, K={k}):")
+        for a, count in enumerate(s["acceptance_histogram"]):
+            bar = "#" * round(40 * count / total)
+            print(f"  {a}: {count:6d} ({100 * count / total:5.1f}%) {bar}")
+        print(
+            f"acceptance rate {100 * s['acceptance_rate']:.1f}%, mean accepted length "
+            f"{s['mean_accepted_length']:.2f} tokens per verify step"
+        )
+    if "compile" in s:
+        c = s["compile"]
+        replays, compiled, dynamic = (sum(c[k].values()) for k in ("graph_replays", "compiled_runs", "dynamic_runs"))
+        ran = (
+            f"piece runs: {replays} CUDA-graph replays, {compiled} compiled without graphs, {dynamic} on "
+            f"dynamic-shape code past the captured sizes"
+        )
+    else:
+        ran = "eager, no compilation"
+    print(f"tokens/s {s['tokens_per_second']:.1f}  (mode {s['mode']}; {ran})")
+    if s.get("dispatch") and s["mode"] != "NONE":
+        hits = ", ".join(f"{key} {n}" for key, n in s["dispatch"].items())
+        print(f"forwards by artifact ({s['fallbacks']} fallbacks without graphs): {hits}")
+        if s["fallbacks_by_key"]:
+            missed = ", ".join(f"{key} {n}" for key, n in s["fallbacks_by_key"].items())
+            print(f"fallbacks by dispatch key: {missed}")
+
+
+def cmd_build(args) -> int:
+    """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
+    import tempfile
+
+    import draftgraph as dg
+    from draftgraph.artifacts.store import CACHE, build_artifacts, summary_text
+
+    if args.mode == "NONE":
+        print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
+        return 2
+    mode = "FULL_AND_PIECEWISE" if args.mode == "auto" else args.mode  # graphs are captured when loaded
+    from draftgraph.workers.launched import launch_env
+
+    launch = launch_env()  # under torchrun each rank checks (and writes) its own OUT/rank-R only
+    mine = args.out if launch is None or launch.world_size == 1 else os.path.join(args.out, f"rank-{launch.rank}")
+    if os.path.isdir(mine) and os.listdir(mine):
+        print(f"draftgraph build: error: {mine} is not empty; choose a new directory", file=sys.stderr)
+        return 2
+    # Graphs are captured at load, not here. On the CPU, Inductor's cache (the built C++ libraries, which a
+    # CPU artifact does not bundle) goes into the artifact; a CUDA artifact bundles its kernels, and the
+    # build's cache goes to a temporary directory.
+    import torch
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    with tempfile.TemporaryDirectory(prefix="draftgraph-build-") as tmp:
+        cache = tmp if cuda else os.path.join(args.out, CACHE)
+        config = _config(args, mode=mode, use_cuda_graphs=False, cache_dir=cache, gpu_memory_utilization=0.0)
+        print(f"config: {config}")
+        target, drafter = _models(args)
+        t0 = time.perf_counter()
+        if config.tensor_parallel_size * config.data_parallel_size > 1:  # one artifact set per rank: OUT/rank-R
+            from draftgraph.workers.build import build_ranks
+
+            manifests = build_ranks(target, drafter, config, args.out)
+        else:
+            manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out)]
+    print(summary_text(manifests[0]), end="")
+    where = f" (rank-0 .. rank-{len(manifests) - 1}, one per rank)" if len(manifests) > 1 else ""
+    files = sum(len(m["files"]) for m in manifests)
+    print(f"built {args.out}{where} in {time.perf_counter() - t0:.1f} s ({files} files)")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import draftgraph as dg
+    from draftgraph.inspection.report import inspect_model
+    from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_pair
+
+    if args.mode == "NONE":
+        print(
+            "draftgraph inspect: error: mode NONE compiles nothing; choose a compiling mode (e.g. PIECEWISE)",
+            file=sys.stderr,
+        )
+        return 2
+    config = dg.CompileConfig(
+        mode="PIECEWISE" if args.mode == "auto" else args.mode,  # inspection compiles on the CPU
+        num_speculative_tokens=args.num_speculative_tokens,
+        device="cpu",
+        dtype=args.dtype,
+        attention="reference",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x) or (1, 2, 4, 8, 16),
+        compile_backend=args.compile_backend,
+        drafter_kind=args.drafter_kind,
+        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
+        progress=False,
+    )
+    if args.target:
+        target, drafter = args.target, args.drafter
+    elif args.family == "deepseek_v32":
+        from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_deepseek_v32_hf(args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "mtp", target)
+    elif args.family == "qwen3_5":
+        from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_qwen3_5_hf(args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "mtp", target)
+    else:
+        target, _ = builtin_pair(BuiltinSpec(family=args.family, seed=args.seed))
+        drafter = builtin_drafter(args.drafter_kind or "eagle", target)
+    if args.no_drafter:
+        drafter = None
+    report = inspect_model(target, drafter, config, args.out)
+    from draftgraph.inspection.report import summary_text
+
+    print(summary_text(report), end="")
+    print(f"inspection written to {args.out}")
+    return 1 if report["graph_breaks"] else 0
+
+
+def cmd_graph_diff(args) -> int:
+    from draftgraph.inspection.graph_diff import main_diff
+
+    return main_diff(args.a, args.b, args.json)
+
+
+def _prestart_workers(args) -> None:
+    """`generate` on a GPU, compiling with workers (the defaults): the compile workers' process starts before
+    this one imports torch, so that both import it side by side; the engine build takes the pool when its
+    settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
+    driver's device node exists; where torch then finds none, the build closes the pool."""
+    from draftgraph import envs
+
+    if args.command not in ("generate", "run") or args.mode == "NONE" or args.artifacts:
+        return
+    if not envs.prestart_workers():
+        return
+    if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: each rank starts its own
+        return
+    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return
+    from draftgraph.compiler.pool.pool_lifetime import auto_workers, prestart
+
+    prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
+
+
+_STARTED = [time.perf_counter()]  # when the command started (main sets it again)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _STARTED[0] = time.perf_counter()
+    parser = build_parser(
+        {"generate": cmd_generate, "build": cmd_build, "inspect": cmd_inspect, "graph-diff": cmd_graph_diff}
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _prestart_workers(args)
+    from draftgraph.artifacts.store import ArtifactError
+    from draftgraph.workers.ranked import WorkerError
+
+    try:
+        from draftgraph.workers.launched import launch_env
+
+        launch = launch_env()  # under torchrun every rank runs this command; rank 0 alone prints
+        if launch is None or launch.rank == 0:
+            return args.func(args)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError, ArtifactError) as e:
+        print(f"draftgraph: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:  # a rank's error, named; its traceback with -v
+        text = str(e) if args.verbose else str(e).split("\nTraceback (most recent call last)")[0]
+        print(f"draftgraph: error: {text}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Golden inspections of the built-in tiny model pairs: every target family x drafter kind x mode, and
+DeepSeek-V3.2 (sparse MLA, models/builtin_deepseek.py) and Qwen3.5 (Gated DeltaNet, models/builtin_qwen3_5.py)
+with their MTP drafters in each mode.
+
+`python scripts/refresh_goldens.py` rewrites tests/golden/; tests/test_goldens.py compares fresh
+inspections against it.
+"""
+
+from __future__ import annotations
+
+import os
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+KINDS = ("eagle", "eagle3", "mtp", "draft_model")
+MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")  # modes that compile (NONE has nothing to inspect)
+REFRESH = "python scripts/refresh_goldens.py"
+
+
+def cases() -> list[tuple[str, str, str]]:
+    own_mtp = [(f, "mtp", m) for f in ("deepseek_v32", "qwen3_5") for m in MODES]
+    return [(f, k, m) for f in FAMILIES for k in KINDS for m in MODES] + own_mtp
+
+
+def case_name(family: str, kind: str, mode: str) -> str:
+    return f"{family}-{kind}-{mode.lower()}"
+
+
+def inspect_case(family: str, kind: str, mode: str, out_dir: str) -> dict:
+    import draftgraph as dg
+    from draftgraph.inspection.report import inspect_model
+    from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_pair
+
+    if family == "deepseek_v32":
+        from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_deepseek_v32_hf())
+    elif family == "qwen3_5":
+        from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+        from draftgraph.models.llama import CausalLM
+
+        target = CausalLM.from_hf(builtin_qwen3_5_hf())
+    else:
+        spec = BuiltinSpec(
+            family=family,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            draft_layers=1,
+            max_position_embeddings=256,
+        )
+        target, _ = builtin_pair(spec)
+    drafter = builtin_drafter(kind, target)
+    config = dg.CompileConfig(
+        mode=mode,
+        num_speculative_tokens=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        capture_sizes=(1, 2, 4, 8, 16, 32),
+        compile_backend="eager",
+        progress=False,
+    )
+    return inspect_model(target, drafter, config, out_dir)
+
+
+def golden_dir(root: str, family: str, kind: str, mode: str) -> str:
+    return os.path.join(root, case_name(family, kind, mode))
