@@ -16,7 +16,7 @@ Variants, compiled in this one process and measured side by side:
 * `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
 * `norm apart`: `overlap` with each pre-norm a kernel of its own before its GEMV (DRAFTGRAPH_NORM_LINEAR=0).
 * `kv apart`: `overlap` with k and v written into the caches by the attention op (DRAFTGRAPH_ROPE_KV_WRITE=0).
-* `both apart`: the two above at once (session 19's default).
+* `both apart`: the two above at once (the default until 2026-11-26).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -53,7 +53,7 @@ VARIANTS = {  # name: CompileConfig fields
     "norm apart": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_LINEAR": "0"}),
     # k and v written into the caches by the attention op's kernel, not by the RoPE kernel (draftgraph::rope_qkv_write)
     "kv apart": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KV_WRITE": "0"}),
-    # both of the above: session 19's default
+    # both of the above: the default until 2026-11-26
     "both apart": dict(
         one_graph_step=True,
         overlap_steps=True,

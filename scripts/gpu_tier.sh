@@ -5,7 +5,7 @@
 #   N>1: in two parts: the whole_device tests alone in one process (no shared compile workers), then the rest
 #      in N pytest processes sharing the GPU (pytest-xdist, a test file at a time per process: --dist loadfile
 #      keeps a file's module fixtures in one process). On the device's 16 cores 2-4 processes took as long as
-#      one (docs/benchmarks.md, session 15).
+#      one (docs/history/benchmarks-2026-11.md, 2026-11-25).
 #   N=1 bash scripts/gpu_tier.sh [more pytest args]; N=3 W=3 DIST=load ... (the device's image has pytest-xdist)
 # W: compile workers per pytest process (tests/gpu/conftest.py --compile-workers; default: the engines' own
 # automatic count, half the cores, at most 8, in every process).
@@ -19,7 +19,8 @@ N=${N:-1}
 W=${W:+--compile-workers $W}
 common=(-q -p no:cacheprovider -p no:logging --tb=short)
 nvidia-smi --query-gpu=name --format=csv,noheader
-# The host's speed: the tier is CPU-bound (tracing, Triton), and H100 hosts differ by up to 1.5x in it (sessions 17-18);
+# The host's speed: the tier is CPU-bound (tracing, Triton), and H100 hosts differ by up to 1.5x in it
+# (docs/history/benchmarks-2026-11.md);
 # compare tier times only between runs whose calibration is alike.
 python3 - <<'PY'
 import time

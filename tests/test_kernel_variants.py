@@ -1,10 +1,11 @@
-"""Launchers of draftgraph's Triton kernels must not compile a kernel per batch size (docs/benchmarks.md,
-session 10: constexprs derived from the row count made capture recompile the sampling kernels at every
-captured size, 63 s of a 109 s cold start). Each launcher runs at several batch-driven values (rows, split
-counts); the kernels' constexpr arguments must be equal across them, and every integer argument that varies
-must be marked `do_not_specialize` (an int equal to 1 or divisible by 16 is otherwise another kernel).
-Known, bounded variation is listed in ALLOWED with its reason. On the CPU the kernels run in Triton's
-interpreter (conftest.py), which keeps the `triton.jit` arguments: the check is the same as on a GPU."""
+"""Launchers of draftgraph's Triton kernels must not compile a kernel per batch size
+(docs/history/benchmarks-2026-11.md, 2026-11-23: constexprs derived from the row count made capture recompile
+the sampling kernels at every captured size, 63 s of a 109 s cold start). Each launcher runs at several
+batch-driven values (rows, split counts); the kernels' constexpr arguments must be equal across them, and every
+integer argument that varies must be marked `do_not_specialize` (an int equal to 1 or divisible by 16 is
+otherwise another kernel). Known, bounded variation is listed in ALLOWED with its reason. On the CPU the kernels
+run in Triton's interpreter (conftest.py), which keeps the `triton.jit` arguments: the check is the same as on a
+GPU."""
 
 import inspect
 

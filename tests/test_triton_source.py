@@ -3,7 +3,7 @@ Rules found the hard way are checked on the source here, where no GPU compiles i
 
 * No `@triton.jit` function takes a default value: Triton 3.6 hands a jit helper's defaults to the code
   generator as raw Python values, and every kernel calling it fails to compile ("'str' object has no attribute
-  'type'", session 20's GPU tier); newer Triton wraps them. Callers name every argument."""
+  'type'" in the GPU tier of 2026-11-26); newer Triton wraps them. Callers name every argument."""
 
 import ast
 from pathlib import Path

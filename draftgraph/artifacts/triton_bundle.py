@@ -2,7 +2,7 @@
 
 Inductor's artifacts carry the Triton kernels Inductor generated; draftgraph's hand-written kernels
 (attention, sampling, argmax, ...) are compiled by Triton's JIT at their first call, which on a warm start
-from artifacts cost ~10 s of the 1B pair's 17 s (docs/benchmarks.md, session 10). `save_kernels` copies
+from artifacts cost ~10 s of the 1B pair's 17 s (docs/history/benchmarks-2026-11.md, 2026-11-23). `save_kernels` copies
 each of those compiled kernels (its Triton cache entry: binary, IR, metadata) and the launcher modules Triton
 built for them into `triton/` of the artifact directory; `restore_kernels` puts them back into the running
 Triton cache, where the JIT finds them at the first call instead of compiling. An entry is keyed by Triton's

@@ -61,7 +61,7 @@ class LazyCompile:
     """`torch.compile(own_entry_point(fn, name), backend=backend, fullgraph=True, dynamic=False)`, made at the
     first call: an engine that loads artifacts never calls it, and its first torch.compile imports Dynamo's
     backend registry (functorch's partitioners, networkx: 1.1 s of a 6.5 s warm start on an H100,
-    docs/benchmarks.md, session 13)."""
+    docs/history/benchmarks-2026-11.md, 2026-11-23)."""
 
     def __init__(self, fn, name: str, backend: PiecewiseBackend):
         self.target, self.name, self.backend = fn, name, backend

@@ -98,7 +98,7 @@ class CompileConfig:
     # (False: the loop runs around the compiled drafter step: a graph per step outside the one-graph step).
     # "auto": fused only when one_graph_step is off. Inside the one-graph step the loop is in the step's graph
     # either way; fusing there costs two traces of K drafter steps (5-7 s of a cold start) and, with the
-    # metadata advance as one Triton kernel, buys no step time (docs/benchmarks.md, session 14).
+    # metadata advance as one Triton kernel, buys no step time (docs/history/benchmarks-2026-11.md, 2026-11-24).
     fuse_draft_loop: bool | str = "auto"
     # FULL modes: a uniform decode batch's whole step (verify, LM head, acceptance, the K drafts) is one graph
     # (False: a verify graph, then the acceptance outside graphs, then the draft loop's graph or graphs).

@@ -1,7 +1,8 @@
 """Inductor settings every piece is compiled with: draftgraph's measured defaults, or a user's own.
 
 Measured on an H100 with scripts/bench_inductor_options.py, bench_step.py and a cold `draftgraph generate
---device cuda` (docs/benchmarks.md, session 7), none of the candidates paid, so the defaults are Inductor's own:
+--device cuda` (docs/history/benchmarks-2026-11.md, 2026-11-23), none of the candidates paid, so the defaults
+are Inductor's own:
 - `triton.autotune_pointwise=False` (one launch config per pointwise kernel, no first-call benchmarking): the
   built-in pair ready in 41.0 s instead of 55.5 s from empty caches, but the 1B-shaped pair's B=1 decode step
   6-12 % slower. Step time wins; a user who wants the faster start passes it (--inductor-option).

@@ -3,8 +3,8 @@
 The target is a transformers Llama-family model from a config. Its layers past `draft_layers` get small
 residual branches (o_proj and down_proj scaled by `late_scale`), so the built-in drafter, the target's
 own first `draft_layers` layers with its embedding, norm and head (truncated_draft_model), agrees with
-it often: real acceptance, measured rather than assumed (see docs/benchmarks.md). `acceptance_pair` builds
-such a pair at Llama-3.2-1B's shape (LLAMA_1B_ACCEPTANCE, about 2.5 of K = 4 drafts accepted) or a tiny one of
+it often: real acceptance, measured rather than assumed (see docs/history/benchmarks-2026-11.md). `acceptance_pair`
+builds such a pair at Llama-3.2-1B's shape (LLAMA_1B_ACCEPTANCE, about 2.5 of K = 4 drafts accepted) or a tiny one of
 the same structure (TINY_ACCEPTANCE), on the device directly.
 """
 

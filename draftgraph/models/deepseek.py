@@ -4,7 +4,7 @@ in the first `first_k_dense_replace` layers). `CausalLM` (llama.py) builds these
 MLA per token: the query q = q_b(norm(q_a(x))) (or q_proj(x)) split per head into q_nope [dn] and q_pe
 [dr]; the cache entry c = norm(kv_a(x)[:r]) and k_pe = kv_a(x)[r:] (shared by all heads); RoPE on q_pe and
 k_pe. The op writes the cache and attends, absorbing kv_b into the queries (decode, verify) or rebuilding
-per-head K/V from the latents (long prefills), as attention/mla.py decides; then o_proj.
+per-head K/V from the latents (long prefills), as ops/mla/forms.py decides; then o_proj.
 
 Tensor parallelism (models/parallel/mla.py): `tp` on the constructors; `cfg` is then one rank's share (its
 heads, its slice of every expert), o_proj row-parallel, the MoE's output all-reduced; the latent is whole.
@@ -46,7 +46,7 @@ class MLAttention(nn.Module):
         self.o = row_linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias, tp)  # local heads' values
         self.rope = apply_rope_interleaved if a.rope_interleave else apply_rope
         self.attn_impl = attn_impl
-        self.form = "auto"  # which MLA form runs for which rows (attention/mla.py); set_mla_form
+        self.form = "auto"  # which MLA form runs for which rows (ops/mla/forms.py); set_mla_form
 
     def project(self, x, cos, sin):
         """q_nope [T, H, dn], q_pe [T, H, dr] (RoPE'd), the latent c [T, r], k_pe [T, dr] (RoPE'd), and the
@@ -84,7 +84,7 @@ class MLAttention(nn.Module):
 
 
 def set_mla_form(model: nn.Module, form: str) -> int:
-    """Set the MLA form ("auto", "absorbed", "decompressed": attention/mla.py) of every MLA layer in
+    """Set the MLA form ("auto", "absorbed", "decompressed": ops/mla/forms.py) of every MLA layer in
     `model`; returns how many. Set it before compiling: traced graphs keep the form they saw."""
     check_form(form)
     layers = [m for m in model.modules() if isinstance(m, MLAttention)]

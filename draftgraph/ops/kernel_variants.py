@@ -3,8 +3,8 @@
 Triton compiles a kernel again for every new set of constexpr values and of integer specialisations (an
 int argument equal to 1, or divisible by 16, is a different kernel). A launcher that derives a constexpr or
 a specialised int from the batch size compiles once per captured size: on the 1B pair that was hundreds of
-compiles, a minute of capture (docs/benchmarks.md, session 10). Launchers therefore derive their constexprs
-from model sizes only and mark batch-dependent ints `do_not_specialize`; `compiled_variants()` is how
+compiles, a minute of capture (docs/history/benchmarks-2026-11.md, 2026-11-23). Launchers therefore derive their
+constexprs from model sizes only and mark batch-dependent ints `do_not_specialize`; `compiled_variants()` is how
 scripts and the engine's stats check that it stays so.
 """
 

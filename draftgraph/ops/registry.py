@@ -5,8 +5,8 @@ dispatcher.
 kernel that fills defaults and bumps version counters), paid by every eager call and by every op a piecewise
 runtime runs between its pieces (attention in each layer of each forward): an attention-shaped op cost 22 us a
 call against 7.6 us here on the H100 machine's host, 67 against 7 on a slower CPU (scripts/bench_op_dispatch.py),
-and the 1B-shaped pair's PIECEWISE draft steps ran 43 % faster at batch 1 (docs/benchmarks.md, session 17).
-draftgraph only runs inference, so here an op is its schema (inferred from the function's annotations, as
+and the 1B-shaped pair's PIECEWISE draft steps ran 43 % faster at batch 1 (docs/history/benchmarks-2026-11.md,
+2026-11-26). draftgraph only runs inference, so here an op is its schema (inferred from the function's annotations, as
 custom_op infers it), one Python kernel registered with `torch.library.Library.impl` (for every device, as
 custom_op's default, or for the device types named) and a fake: a call is the C++ dispatcher and one Python
 call. Traced graphs name `torch.ops.draftgraph.<name>` exactly as before (the same schema: mutated arguments

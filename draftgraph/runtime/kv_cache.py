@@ -1,4 +1,9 @@
-"""The paged KV cache: per-layer K and V block pools, a block allocator and per-request block tables."""
+"""The paged KV cache: per-layer K and V block pools, a block allocator and per-request block tables.
+
+Rollback is by length: a rejected token's K/V stays in its slot, every read stops at the reading token's visible
+length, and a later step overwrites those slots before anything reads them. The target and the drafter share one
+block table per request (drafter row i at the slot of target position i, runtime/step.py), indexing two caches.
+"""
 
 from __future__ import annotations
 

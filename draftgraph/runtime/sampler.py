@@ -70,7 +70,7 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
     the one-graph step's acceptance, captured as it runs) may take the Triton race (`draftgraph::race_sample`,
     the noise in registers instead of [N, V] temporaries: on an H100 6.5-21x faster at 1-128 rows of a 128k
     vocabulary, the sampled one-graph step 5 % faster at B = 1 and 31 % at B = 32, its graph memory 404 -> 304 MiB,
-    docs/benchmarks.md session 18); DRAFTGRAPH_RACE_KERNEL=0 keeps the torch ops."""
+    docs/history/benchmarks-2026-11.md, 2026-11-26); DRAFTGRAPH_RACE_KERNEL=0 keeps the torch ops."""
     if probs.is_cuda and not torch.compiler.is_compiling() and envs.race_kernel():
         return torch.ops.draftgraph.race_sample(probs, seeds.long(), positions.long(), salt)
     return race_reference(probs, seeds, positions, salt)

@@ -48,8 +48,8 @@ def step_sampling_calls(engine) -> list[dict]:
     CUDA, the metadata advance between its steps (one kernel variant for every row count), and on CUDA the step's
     own metadata (ops/attention/uniform_metadata.py, a variant per rows-per-request). Compiled ahead in
     threads while the forwards are traced, instead of one after another at the step's first run (3-4 s of the
-    built-in pair's cold start on an H100, docs/benchmarks.md, session 13). The argmax's kernels specialise
-    on the row count (its chunk)."""
+    built-in pair's cold start on an H100, docs/history/benchmarks-2026-11.md, 2026-11-23). The argmax's kernels
+    specialise on the row count (its chunk)."""
     from draftgraph.compiler.pool.kernels_ahead import op_call, tensor_arg
 
     rc, target, q = engine.config, engine.target, engine.runner.shapes.verify

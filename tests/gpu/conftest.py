@@ -1,6 +1,6 @@
 """GPU tier options. `pytest tests/gpu --compile-workers N`: every engine whose config leaves compile_workers
 unset gets N compile worker processes instead of the automatic count, so that the tier can be timed with and
-without the pool (scripts/gpu_next.sh). Those engines share one pool for the whole session
+without the pool (scripts/gpu_tier.sh: W=N). Those engines share one pool for the whole session
 (`draftgraph.shared_compile_workers`): the workers start once, at pytest_configure (before collection), not once
 per engine. Tests marked `side_reference` have their eager reference runs started in processes of their own once
 the tests are collected (tests/gpu/side_process.py)."""

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tests.gpu.side_process MODULE:FUNCTION OUT.json", file=sys.stderr)
         return 2
     # Below pytest's priority: a reference has tens of seconds of slack before its test asks for it, the tests'
-    # tracing and compiles have none (seven references starting with the first test slowed it by 7 s, session 20).
+    # tracing and compiles have none (seven references starting with the first test slowed it by 7 s on an H100).
     os.nice(NICE)
     module, fn = argv[0].split(":", 1)
     data = getattr(importlib.import_module(module), fn)()

@@ -66,7 +66,7 @@ def test_every_mode_gives_the_same_tokens_and_acceptance(target, side_reference,
         assert out == ref, mode
         # Acceptance depends on the drafter's argmax; the compiled drafter rounds differently from eager in
         # the last bits, and random heads have near-tied logits, so a few drafts may flip (tokens cannot:
-        # the target decides them). Bound the gap; the printed histograms go to docs/benchmarks.md.
+        # the target decides them). Bound the gap; the printed histograms go to docs/performance.md.
         gap = abs(stats["accepted_tokens"] - ref_stats["accepted_tokens"])
         assert gap <= max(3, 0.1 * ref_stats["accepted_tokens"]), (mode, stats["acceptance_histogram"])
         replays = eng.compiled.counters.graph_replays

@@ -41,7 +41,8 @@ log = logging.getLogger("draftgraph")
 
 def worker_threads(workers: int) -> int:
     """Inductor's compile threads in each worker (TORCHINDUCTOR_COMPILE_THREADS there): the cores shared out.
-    (1 per worker, which spares each its own pool of Triton-compile processes, measured no faster: session 12.)"""
+    (1 per worker, which spares each its own pool of Triton-compile processes, measured no faster:
+    docs/history/benchmarks-2026-11.md.)"""
     return max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -143,7 +144,8 @@ class _Worker:
 class CompilePool:
     """`workers` compile processes, forked from one parent process that imported torch, Inductor and the
     modules defining our custom ops once (before any CUDA call, so the children may use CUDA): eight processes
-    importing all that side by side took 20 s to be ready on 16 cores (docs/benchmarks.md, session 12)."""
+    importing all that side by side took 20 s to be ready on 16 cores (docs/history/benchmarks-2026-11.md,
+    2026-11-23)."""
 
     def __init__(
         self, workers: int, device: str, progress: bool = True, cache_dir: str = "", modules: tuple | None = None

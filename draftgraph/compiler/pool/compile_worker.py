@@ -15,7 +15,7 @@ pool's log file, never into the protocol. A job names the draftgraph modules the
 by then; the worker imports the ones it lacks.
 
 Eight workers each importing all of this side by side took 20 s to be ready on 16 cores; one import and
-forks take a fraction (docs/benchmarks.md, session 12).
+forks take a fraction (docs/history/benchmarks-2026-11.md, 2026-11-23).
 """
 
 from __future__ import annotations

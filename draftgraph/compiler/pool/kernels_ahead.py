@@ -2,12 +2,12 @@
 
 A cold start used to JIT-compile draftgraph's Triton kernels (attention, split-KV, sampling, argmax, ...) at
 their first launch, one after another in the engine process: 14-19 s of the built-in pair's 31-40 s cold
-start on an H100 (docs/benchmarks.md, session 11). A traced graph names every call of our custom ops with its
-arguments' shapes, strides and dtypes and its constant arguments. `op_calls(gm)` writes each distinct call as
+start on an H100 (docs/history/benchmarks-2026-11.md, 2026-11-23). A traced graph names every call of our custom ops
+with its arguments' shapes, strides and dtypes and its constant arguments. `op_calls(gm)` writes each distinct call as
 data. `KernelsAhead` runs each once, in a thread of its own, on zero-filled tensors of that layout inside
 `ops.launch.compiling_ahead()` and Triton's AsyncCompileMode: the op's launch sites then queue the compile of
 every kernel variant the call would launch on a thread pool and launch nothing. Triton's compiles overlap in
-threads (code generation, LLVM, ptxas, and the C launcher built here too: 4x on 8 threads, session 12), and
+threads (code generation, LLVM, ptxas, and the C launcher built here too: 4x on 8 threads), and
 the traced code's first launch of a variant waits for that variant only (Triton's kernel cache holds its
 pending compile). A kernel whose variant the data does not reach (a size the trace leaves symbolic and that a
 launcher specialises on) compiles at its first launch, as before.
@@ -285,8 +285,9 @@ class KernelsAhead:
 
 def _triton_key() -> None:
     """Triton's cache key of its own build (a hash of its sources and its 300+ MB compiler library; cached per
-    process): 0.7 s of an H100 warm start in the engine thread at its first kernel launch (docs/benchmarks.md,
-    session 13). Hashing releases the GIL, so here it overlaps the engine thread's loading and tracing."""
+    process): 0.7 s of an H100 warm start in the engine thread at its first kernel launch
+    (docs/history/benchmarks-2026-11.md, 2026-11-23). Hashing releases the GIL, so here it overlaps the engine
+    thread's loading and tracing."""
     with contextlib.suppress(Exception):  # an internal of Triton's; where it is missing, nothing is lost
         from triton.runtime.cache import triton_key
 

@@ -30,8 +30,8 @@ from draftgraph.ops.launch import launch
 @dataclass(frozen=True)
 class SplitKVRule:
     """When to split and into how many parts; from host-known sizes only. Calibrated on an H100 (132 SMs) with
-    scripts/bench_decode_attention.py at 512, 1k and 8k contexts (docs/benchmarks.md): the best S brought the
-    grid to about 4 programs per SM (512-640) at batch 1 and 8, decode and verify; at 512 keys, 16 splits of
+    scripts/bench_decode_attention.py at 512, 1k and 8k contexts (docs/history/benchmarks-2026-11.md): the best S
+    brought the grid to about 4 programs per SM (512-640) at batch 1 and 8, decode and verify; at 512 keys, 16 splits of
     32 keys still beat the unsplit kernel by 2.3x at batch 1 (launch latency, not bandwidth, bounds it)."""
 
     min_context: int = 256  # longest context a row can see (block-table width * block size) below which: never
@@ -175,7 +175,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
     Same result as the unsplit kernel (float32 partials; only the summation order differs). The partials are
     merged by a second kernel: merging them in each token's last split to finish (an atomic counter per token
     and KV head) made the split kernel 9.8 us against 4.1 + 1.8 us for the two at plain decode B=1 on an H100
-    (docs/benchmarks.md, session 20)."""
+    (docs/history/benchmarks-2026-11.md, 2026-11-26)."""
     if num_splits < 1:
         raise ValueError(f"num_splits = {num_splits} must be >= 1 (choose_num_splits picks one)")
     num_tokens, num_heads, head_dim = q.shape

@@ -1,10 +1,10 @@
 """`torch.ops.draftgraph.linear(x, weight, bias)`: x @ weight.T + bias, as F.linear computes it.
 
 On CUDA, for one row of x (a decode step at batch 1, a draft step's) the product is the Triton GEMV of
-triton_gemv.py, which streams the weight closer to copy speed than cuBLAS's kernels do (an H100, session 19:
+triton_gemv.py, which streams the weight closer to copy speed than cuBLAS's kernels do (an H100, 2026-11-26:
 4.9 against 6.4 us for a 2048 x 2048 projection, 167 against 188 us for a 128k vocabulary's LM head;
-docs/benchmarks.md), and for 2-16 rows of an LM head (a verify at batch 1-3) its tensor-core kernel; the rule is
-`GEMV_RULE`. Other products, and every other device, are F.linear. A
+docs/history/benchmarks-2026-11.md), and for 2-16 rows of an LM head (a verify at batch 1-3) its tensor-core kernel;
+the rule is `GEMV_RULE`. Other products, and every other device, are F.linear. A
 compiled piece calls it as one opaque node, as Inductor calls cuBLAS for a matmul anyway (no fusion is lost);
 the row count may be symbolic: each captured size picks its path at capture.
 
@@ -28,7 +28,7 @@ from draftgraph.ops.registry import custom_op
 class GemvRule:
     """When the op runs the Triton kernels: one row always; 2 to `max_rows` rows when the weight has at least
     `multi_row_min_n` rows (an LM head: at 2-16 rows the tensor-core kernel beat cuBLAS only there, by 3-7 %;
-    cuBLAS won for the 2k-16k-row projections; bench_gemv.py, session 19); weights in `dtypes`."""
+    cuBLAS won for the 2k-16k-row projections; bench_gemv.py on an H100); weights in `dtypes`."""
 
     max_rows: int = 16
     multi_row_min_n: int = 32768
@@ -132,7 +132,7 @@ def add_rms_norm_linear(
     pre-norm), as ops/norm's add_rms_norm then F.linear compute them. On CUDA one row is one launch (the GEMV makes
     the norm as it loads the row: no normalised row in memory); more rows are add_rms_norm's kernel then F.linear.
     The Llama layers' default on CUDA (DRAFTGRAPH_NORM_LINEAR=0 turns it off): 1.3 % off plain decode at batch 1
-    on an H100, even at 8 and 32 (docs/benchmarks.md, session 20)."""
+    on an H100, even at 8 and 32 (docs/history/benchmarks-2026-11.md, 2026-11-26)."""
     from draftgraph.ops.norm.op import rms_norm_reference
 
     k = x.shape[-1]

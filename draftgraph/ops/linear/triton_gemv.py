@@ -2,8 +2,8 @@
 
 At batch 1 a decode step's projections are matrix-vector products: cuBLAS runs the 1B-shaped model's q/k/v and
 output projections (8-13 MB of weight each) at 1.3-1.95 TB/s on an H100 where a copy moves 3 TB/s
-(docs/benchmarks.md, session 18). Two kernels, each program owning BLOCK_N output columns (weight rows) and
-reading each of their bytes once:
+(docs/history/benchmarks-2026-11.md, 2026-11-26). Two kernels, each program owning BLOCK_N output columns (weight rows)
+and reading each of their bytes once:
 - one row (`_gemv_kernel`): [BLOCK_N, BLOCK_K] weight tiles times the row, summed elementwise in float32 and
   reduced once; small tiles, many programs, the loads of a tile all in flight at once;
 - 2-16 rows (`_dot_kernel`): the rows padded to 16, tensor-core products of [16, BLOCK_K] x [BLOCK_K, BLOCK_N]
@@ -196,7 +196,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.stride(-1) != 1:
         x = x.contiguous()
     if m > 1 and x.dtype not in (torch.bfloat16, torch.float16):
-        # float32 operands on an H100 differed from F.linear by TF32-sized errors (session 19); their products
+        # float32 operands on an H100 differed from F.linear by TF32-sized errors; their products
         # stay on cuBLAS (the op's rule never sends them here)
         raise ValueError(f"gemv_triton: {m} rows of {x.dtype}: the tensor-core kernel takes bfloat16 or float16")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -254,12 +254,12 @@ def silu_mul_gemv_triton(
 
 
 def choose_config(rows: int, k: int, silu_mul: bool = False, norm: bool = False) -> GemvConfig:
-    """The tiling for a product of `rows` rows of `k` inputs, from scripts/bench_gemv.py's sweep on an H100 (session 19,
+    """The tiling for a product of `rows` rows of `k` inputs, from scripts/bench_gemv.py's sweep on an H100 (2026-11-26,
     the 1B-shaped model's projections): one row, 2 columns x 1024 of K per program on 4 warps, within 2 % of the
     best tiling at every shape; 2-16 rows, 64 columns x 256 of K, 4 warps, 4 stages (the LM head's best). K
     below the block: the whole row in one load. `silu_mul`: every program makes the activation of the whole row,
     so 8 columns per program (a quarter of the programs, the sweep's down projection within 4 % of its best; at 2
-    columns the fused kernel was 7 us a step slower than the two it replaced, session 19)."""
+    columns the fused kernel was 7 us a step slower than the two it replaced)."""
     block_k = min(1024, max(16, triton.next_power_of_2(k)))
     if rows <= 1 and (silu_mul or norm):  # norm: the same reasoning (bench_gemv --fused: 8 columns best)
         return GemvConfig(block_n=8, block_k=block_k, num_warps=8)

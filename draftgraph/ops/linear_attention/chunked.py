@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 # Shortest run whose head goes to fla. Measured on an H100, one ~1B-shaped layer, eager (scripts/bench_qwen3_5.py,
-# docs/benchmarks.md session 8): our kernel 196 / 755 / 3483 us at 128 / 512 / 2048 tokens, fla 2953 / 2143 / 2053.
+# docs/history/benchmarks-2026-11.md, 2026-11-23): our kernel 196 / 755 / 3483 us at 128 / 512 / 2048 tokens,
+# fla 2953 / 2143 / 2053.
 CHUNK_MIN_RUN = 1536
 
 

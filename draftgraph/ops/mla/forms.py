@@ -1,6 +1,6 @@
 """Multi-head latent attention: which form runs for which rows, and the two forms end to end.
 
-Both forms give the same attention (mla_reference.py states them); they differ in cost. Per head and per
+Both forms give the same attention (reference.py states them); they differ in cost. Per head and per
 causal (query row, key) pair the absorbed form does 2(2r + dr) flops, scoring and accumulating in latent
 space (r = 512 in V3); the decompressed form does 2(dn + dr + dv), after rebuilding each key's per-head
 K/V once per step (2 r (dn + dv) flops per key and head), and its buffers are sized on the host.
@@ -37,7 +37,8 @@ def check_form(form: str) -> None:
 @dataclass(frozen=True)
 class MLACost:
     """Time per head of each part, in picoseconds, and the decompressed path's fixed cost in
-    microseconds (host plan, gathers, launches). Defaults: H100, bf16, V3's ranks (docs/benchmarks.md)."""
+    microseconds (host plan, gathers, launches). Defaults: H100, bf16, V3's ranks
+    (docs/history/benchmarks-2026-11.md)."""
 
     absorbed_pair_ps: float = 27.0  # one causal (row, key) pair, absorbed kernel
     decompressed_pair_ps: float = 5.0  # one pair, decompressed kernel

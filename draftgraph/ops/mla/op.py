@@ -31,7 +31,7 @@ def mla_attention(
 ) -> torch.Tensor:
     """Multi-head latent attention: writes this step's latent c [T, r] and RoPE key [T, dr] into the paged
     caches, attends with queries (q_nope [T, H, dn], q_pe [T, H, dr]) in the absorbed or the decompressed
-    form (`form`, mla.py) and returns the per-head values [T, H, dv], before o_proj."""
+    form (`form`, forms.py) and returns the per-head values [T, H, dv], before o_proj."""
     check_device(impl, q_nope.device.type)
     check_form(form)
     return mla_forward(

@@ -2,7 +2,7 @@
 
 The paged cache holds, per token, the normed latent c [r] and the RoPE key k_pe [d_rope]; the keys of
 head h are (c W_UK^h, k_pe) and its values c W_UV^h (W_UK, W_UV: kv_b's two halves). Two forms compute
-the same attention (mla.py chooses between them):
+the same attention (forms.py chooses between them):
 
 - absorbed (`mla_latent_reference`): queries arrive multiplied by W_UK (q_lat = q_nope W_UK^h, [T, H, r]),
   a score is q_lat . c + q_pe . k_pe and the output stays in latent space (sum_s p_s c_s, [T, H, r]);

@@ -1,5 +1,5 @@
 """Triton kernel for MLA's decompressed form: causal multi-head attention over per-head keys and values
-already rebuilt from the latents (mla.py builds them with one matmul per step).
+already rebuilt from the latents (forms.py builds them with one matmul per step).
 
 Tiled like flash attention: one program per (block of BM query rows of one request, head). The rows'
 keys lie in one contiguous range of the flat K/V (`token_key_start`); each key tile [BN] is read once
@@ -130,7 +130,7 @@ def mla_decompressed_triton(
     q_nope, q_pe, k_nope, k_pe, v, token_key_start, token_kv_len, scale, q_blocks
 ) -> torch.Tensor:
     """Same contract as mla_decompressed_reference; q_blocks [NB, 2] int64 tiles the rows by request, at
-    most BLOCK_M rows each (mla.py's planner builds it)."""
+    most BLOCK_M rows each (forms.py's planner builds it)."""
     num_tokens, num_heads, head_nope = q_nope.shape
     head_v = v.shape[-1]
     out = torch.zeros(num_tokens, num_heads, head_v, dtype=q_nope.dtype, device=q_nope.device)

@@ -1,10 +1,10 @@
 """RMSNorm in one Triton kernel: a program per row, the row in registers (hidden sizes up to 16k).
 
 Inductor compiles a decoder layer's norms as a reduction kernel then a pointwise kernel each, and the residual add
-as a third (docs/benchmarks.md, session 18: five 1.0-1.4 us kernels per layer at batch 1, the step's GEMMs being
-the rest). Here the add (optional), the sum of squares and the scaled product are one launch, with the values
-torch's eager code gives: the sum rounded to the input dtype before the norm reads it, the norm in float32, the
-normalised row rounded to the input dtype, then multiplied by the weight and rounded again.
+as a third (docs/history/benchmarks-2026-11.md, 2026-11-26: five 1.0-1.4 us kernels per layer at batch 1, the
+step's GEMMs being the rest). Here the add (optional), the sum of squares and the scaled product are one launch,
+with the values torch's eager code gives: the sum rounded to the input dtype before the norm reads it, the norm
+in float32, the normalised row rounded to the input dtype, then multiplied by the weight and rounded again.
 
 Rows are the input's leading dims: [N, H] or [T, heads, H] (q/k norms over a strided view of the QKV output).
 """

@@ -2,8 +2,8 @@
 and keys of a fused QKV projection, and the values made contiguous.
 
 The Llama attention's q and k rotations and the copy of v out of the QKV output were three Inductor kernels per
-layer, each about a microsecond at decode sizes (docs/benchmarks.md, session 18); on CUDA this op is one Triton
-kernel (triton_rope.py; a program per token and head) reading the strided views once and writing three new
+layer, each about a microsecond at decode sizes (docs/history/benchmarks-2026-11.md, 2026-11-26); on CUDA this op is
+one Triton kernel (triton_rope.py; a program per token and head) reading the strided views once and writing three new
 contiguous tensors. Off CUDA it is `rotate_half`, the torch code models/rope.py's apply_rope always ran. Values
 equal: the rotation in float32, rounded once to the input dtype. Registering the op is this module's one
 import-time action.
@@ -78,7 +78,7 @@ def rope_qkv_write(
     skipped), as the attention op's KV write would put them; returns the rotated queries. The attention op then
     gets no rows to write: the KV write's kernel goes. The Llama attention's default on CUDA with the Triton
     attention (DRAFTGRAPH_ROPE_KV_WRITE=0 turns it off): 1.0-1.3 % off plain decode at batch 1, 8 and 32 on an
-    H100 (docs/benchmarks.md, session 20)."""
+    H100 (docs/history/benchmarks-2026-11.md, 2026-11-26)."""
     if q.is_cuda:
         from draftgraph.ops.rope.triton_rope import rope_qkv_write_triton
 
