@@ -192,4 +192,56 @@ print(json.dumps(sorted(compiled.asm)))
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     if out.returncode != 0:
         raise AssertionError(f"{fn.__name__} does not compile for sm_90:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if isinstance(got, dict):
+        pytest.skip(f"cannot compile {fn.__name__} for sm_90 here: {got['skip']}")
+    return got
+
+
+def within(seconds: float, what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a daemon thread: its result, or its exception raised here (so `pytest.raises`
+    sees it). Still running after `seconds` fails the test naming `what` instead of hanging it: a generous
+    bound on a hang, not a speed check (speed belongs in scripts/bench_*.py)."""
+    import threading
+
+    import pytest
+
+    done = threading.Event()
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"within: {what}", daemon=True).start()
+    if not done.wait(seconds):
+        pytest.fail(f"{what}: still running after {seconds:.0f} s (hung)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def nothing_starts(monkeypatch) -> list[str]:
+    """Make loading models, building an engine and starting worker processes record their name (and raise)
+    instead: a check that must fail before anything starts then asserts the returned list stays empty."""
+    import draftgraph as dg
+    from draftgraph.models import builtin
+    from draftgraph.workers import driver
+
+    started: list[str] = []
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            started.append(name)
+            raise AssertionError(f"{name} ran, but the settings should have been refused before it")
+
+        return call
+
+    for owner, name in ((dg, "compile_model"), (builtin, "builtin_pair"), (builtin, "builtin_hf_pair"),
+                        (driver, "start_workers")):  # fmt: skip
+        monkeypatch.setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
+    return started
