@@ -2,8 +2,9 @@
 DeepSeek-V3.2 (sparse MLA, models/builtin_deepseek.py) and Qwen3.5 (Gated DeltaNet, models/builtin_qwen3_5.py)
 with their MTP drafters in each mode.
 
-`python scripts/refresh_goldens.py` rewrites tests/golden/; tests/test_goldens.py compares fresh
-inspections against it.
+`python scripts/refresh_goldens.py` prints graph-diff's lines of fresh inspections against tests/golden/ and
+writes nothing; with `--write` it rewrites the changed ones. tests/test_goldens.py compares fresh inspections
+against tests/golden/.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ import os
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 KINDS = ("eagle", "eagle3", "mtp", "draft_model")
 MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")  # modes that compile (NONE has nothing to inspect)
-REFRESH = "python scripts/refresh_goldens.py"
+REFRESH = "python scripts/refresh_goldens.py"  # prints the diff, writes nothing; `--write` writes
+
+
+def failure_message(name: str, lines: list[str]) -> str:
+    """What a golden test says on a difference: the semantic diff first, then the commands that review it and,
+    once reviewed, write it."""
+    return (
+        f"{name}: how the model compiles changed (graph-diff, golden -> fresh):\n  "
+        + "\n  ".join(lines)
+        + f"\nIf every change above is intended: review it for every case with `{REFRESH}` (prints the diff,"
+        f" writes nothing), then write it with `{REFRESH} --write {name}`."
+    )
 
 
 def cases() -> list[tuple[str, str, str]]:

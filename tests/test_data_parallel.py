@@ -9,7 +9,6 @@ spends in dummy steps, counted. Greedy tokens equal the one-process engine's and
 import multiprocessing
 import os
 import signal
-import time
 from dataclasses import replace
 
 import pytest
@@ -20,6 +19,9 @@ from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 from draftgraph.runtime.request import RequestOutput
 from draftgraph.workers.driver import WorkerError
 from draftgraph.workers.router import Router, merge_stats
+from tests.helpers import nothing_starts, within
+
+HANG_S = 300  # a dead rank is noticed by its process sentinel, at once; this long means it hung
 
 SPEC = BuiltinSpec(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=2, num_kv_heads=2,
                    head_dim=32, draft_layers=1, max_position_embeddings=256)  # fmt: skip
@@ -35,8 +37,8 @@ def config(**over) -> dg.CompileConfig:
     return dg.CompileConfig(**{**fields, **over})
 
 
-def test_bad_data_parallel_settings_fail_before_anything_starts():
-    t0 = time.perf_counter()
+def test_bad_data_parallel_settings_fail_before_anything_starts(monkeypatch):
+    started = nothing_starts(monkeypatch)
     with pytest.raises(ValueError, match="data_parallel_size=0 must be at least 1"):
         config(data_parallel_size=0)
     with pytest.raises(ValueError, match=r"expert_parallel=True with tensor_parallel_size=1 and data_parallel_size=1"
@@ -48,7 +50,7 @@ def test_bad_data_parallel_settings_fail_before_anything_starts():
 
     assert main(["generate", "--device", "cpu", "--dp", "0"]) == 2
     assert main(["generate", "--device", "cpu", "--expert-parallel"]) == 2
-    assert time.perf_counter() - t0 < 2.0
+    assert started == [] and not multiprocessing.active_children()  # no model, engine or process started
 
 
 def test_router_spreads_least_loaded_and_sums_stats():
@@ -150,12 +152,11 @@ def test_expert_parallel_with_an_idle_rank_then_a_killed_rank(deepseek_dir, deep
         engine.add_request(PROMPTS[0], PARAMS[0])
         engine.step()
         os.kill(engine.pids[1], signal.SIGKILL)
-        t0 = time.perf_counter()
         with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
-            engine.step()
-        assert time.perf_counter() - t0 < 10.0
-        engine.procs[0].join(10.0)
-        assert not engine.procs[0].is_alive() and not multiprocessing.active_children()
+            within(HANG_S, "engine.step() after rank 1 was killed", engine.step)
+        engine.procs[0].join(HANG_S)
+        assert not engine.procs[0].is_alive(), f"rank 0 still runs {HANG_S} s after rank 1 died"
+        assert not multiprocessing.active_children()
     finally:
         engine.close()
 

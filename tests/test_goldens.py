@@ -1,14 +1,18 @@
 """Fresh inspections of the built-in tiny pairs (family x drafter kind x mode) against tests/golden/.
 
-On a difference the test prints graph-diff's lines and the one command that refreshes the goldens.
+On a difference the test prints graph-diff's lines first, then the commands that review and write the goldens
+(scripts/refresh_goldens.py: it writes nothing without --write).
 """
 
+import json
 import os
 
 import pytest
 
-from draftgraph.inspection.graph_diff import diff, load
-from tests.goldens import REFRESH, case_name, cases, golden_dir, inspect_case
+from scripts.refresh_goldens import main as refresh
+from scripts.refresh_goldens import review
+from tests import goldens
+from tests.goldens import REFRESH, case_name, cases, failure_message, golden_dir, inspect_case
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -16,15 +20,51 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 @pytest.mark.parametrize("case", cases(), ids=[case_name(*c) for c in cases()])
 def test_inspection_matches_golden(case, tmp_path):
     expected = golden_dir(GOLDEN, *case)
-    assert os.path.exists(os.path.join(expected, "summary.json")), f"no golden for {case}: run `{REFRESH}`"
+    assert os.path.exists(os.path.join(expected, "summary.json")), (
+        f"no golden for {case_name(*case)}: review it with `{REFRESH} {case_name(*case)}`, then add `--write`"
+    )
     inspect_case(*case, str(tmp_path))
-    fresh = (tmp_path / "summary.json").read_text()
-    with open(os.path.join(expected, "summary.json")) as f:
-        golden = f.read()
-    if fresh != golden:
-        lines = [c.line() for c in diff(load(expected), load(str(tmp_path)))] or ["(the JSON text differs only)"]
-        pytest.fail(
-            f"{case_name(*case)}: how the model compiles changed:\n  "
-            + "\n  ".join(lines)
-            + f"\nIf the change is intended, refresh the goldens with `{REFRESH}` and review `git diff tests/golden`."
-        )
+    lines = review(expected, str(tmp_path))
+    if lines is not None:
+        pytest.fail(failure_message(case_name(*case), lines))
+
+
+def test_refresh_shows_the_diff_and_writes_only_when_asked(tmp_path, monkeypatch, capsys):
+    """The refresh script on a copy of one golden, with an inspection that gains one linear in the drafter's first
+    compute piece (no model run: the inspection is replaced): the dry run prints graph-diff's line and leaves
+    the file alone, --write writes it, and a second dry run finds nothing to do."""
+    name = "llama-eagle-piecewise"
+    case = next(c for c in cases() if case_name(*c) == name)
+    with open(os.path.join(golden_dir(GOLDEN, *case), "summary.json")) as f:
+        summary = json.load(f)
+    root = tmp_path / "golden"
+    os.makedirs(golden_dir(str(root), *case))
+    golden_file = tmp_path / "golden" / case_name(*case) / "summary.json"
+    golden_file.write_text(before := json.dumps(summary, indent=1, sort_keys=True))
+    piece = next(p for p in summary["functions"]["drafter"]["traces"][0]["pieces"] if p["kind"] == "compute")
+    piece["ops"]["torch._C._nn.linear"] = piece["ops"].get("torch._C._nn.linear", 0) + 1
+    fresh = json.dumps(summary, indent=1, sort_keys=True)
+
+    def fake_inspect(family, kind, mode, out_dir):
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            f.write(fresh)
+
+    monkeypatch.setattr(goldens, "inspect_case", fake_inspect)
+    assert refresh(["--golden-dir", str(root), name]) == 1
+    out = capsys.readouterr().out
+    assert f"changed {name}:" in out and "[ops] drafter" in out and "torch._C._nn.linear" in out, out
+    assert "nothing written" in out and f"--write {name}" in out
+    assert golden_file.read_text() == before  # the dry run wrote nothing
+    assert refresh(["--golden-dir", str(root), "--write", name]) == 0
+    assert golden_file.read_text() == fresh
+    assert refresh(["--golden-dir", str(root), name]) == 0
+    assert f"unchanged {name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a name that is no case: refused, naming the cases
+        refresh(["--golden-dir", str(root), "llama-nope"])
+    assert "unknown case llama-nope" in capsys.readouterr().err
+
+
+def test_failure_message_shows_the_diff_before_the_command():
+    msg = failure_message("llama-eagle-piecewise", ["[ops] drafter#0/piece 1: torch._C._nn.linear 5 -> 6"])
+    assert msg.index("[ops] drafter") < msg.index(REFRESH)
+    assert f"{REFRESH} --write llama-eagle-piecewise" in msg

@@ -100,13 +100,13 @@ def test_kernels_compile_for_a_hopper_gpu():
     got = compile_for_sm90(
         _gemv_kernel, common, {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": False, "ACCURATE": True}
     )
-    assert got is None or "cubin" in got
+    assert "cubin" in got
     sig = {**common, "M": "i32", "sxm": "i64", "sym": "i64"}
     for bias in (False, True):
         constexprs = {"HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "DOT_F32": False,
                       "PRECISION": "tf32" if not bias else "ieee"}  # fmt: skip
         got = compile_for_sm90(_dot_kernel, sig, constexprs)
-        assert got is None or "cubin" in got
+        assert "cubin" in got
 
 
 def test_model_layers_keep_values_and_names(monkeypatch):
@@ -171,10 +171,10 @@ def test_silu_kernels_compile_for_a_hopper_gpu():
     sig = {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "swn": "i64"}
     constexprs = {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 1024, "SILU_MUL": True, "ACCURATE": True}
     got = compile_for_sm90(_gemv_kernel, sig, constexprs)
-    assert got is None or "cubin" in got
+    assert "cubin" in got
     sig = {"x": "*bf16", "y": "*bf16", "M": "i32", "INTER": "i32", "sxm": "i64"}
     got = compile_for_sm90(_silu_mul_kernel, sig, {"BLOCK": 1024, "ACCURATE": True})
-    assert got is None or "cubin" in got
+    assert "cubin" in got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,4 +209,4 @@ def test_norm_gemv_compiles_for_a_hopper_gpu():
     sig.update({"N": "i32", "K": "i32", "swn": "i64", "eps": "fp32"})
     constexprs = {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 1024, "ROW": 2048, "ACCURATE": True}
     got = compile_for_sm90(_norm_gemv_kernel, sig, constexprs)
-    assert got is None or "cubin" in got
+    assert "cubin" in got

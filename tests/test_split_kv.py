@@ -150,9 +150,9 @@ def test_split_kernels_compile_for_a_hopper_gpu():
     constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
                   "PRECISION": "tf32", "DOT_F32": False}  # fmt: skip
     got = compile_for_sm90(sk._split_kv_kernel, sig, constexprs)
-    assert got is None or "cubin" in got
+    assert "cubin" in got
     merge_sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16",
                  "token_kv_len_ptr": "*i32", "stride_ot": "i64", "stride_oh": "i64", "window": "i32",
                  "NUM_SPLITS": "i32", "num_heads": "i32"}  # fmt: skip
     got = compile_for_sm90(sk._merge_kernel, merge_sig, {"HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "BLOCK_N": 64})
-    assert got is None or "cubin" in got
+    assert "cubin" in got

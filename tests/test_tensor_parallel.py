@@ -8,7 +8,6 @@ magnitude ~1 (the sharded sums only change the summation order).
 
 import datetime
 import os
-import time
 
 import pytest
 import torch
@@ -24,8 +23,9 @@ from tests.helpers import PagedRunner, tiny_hf_model
 from tests.test_deepseek_v32 import hf_greedy
 
 ATOL = 1e-5
-JOIN_TIMEOUT_S = 150  # whole spawn: imports, init, work
-INIT_TIMEOUT = datetime.timedelta(seconds=60)  # rendezvous and every collective
+# Bounds on a hang, not on speed: a busy 2-core machine must never reach them (speed: scripts/bench_*.py).
+JOIN_TIMEOUT_S = 900  # whole spawn: imports, init, work; past it the ranks still alive are named and killed
+INIT_TIMEOUT = datetime.timedelta(seconds=300)  # rendezvous and every collective
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=4)  # divisible by 2 and 4
 MODELS = {
     "llama3": dict(
@@ -62,16 +62,16 @@ def _entry(rank, fn, world_size, init_file, args):
 
 
 def spawn(fn, world_size, tmp_path, *args):
-    """Run fn(tp, *args) on `world_size` processes; a rank's exception or exit fails the test, and so does
-    running past JOIN_TIMEOUT_S (the processes are killed)."""
+    """Run fn(tp, *args) on `world_size` processes; a rank's exception or exit fails the test, and so does a
+    hang: ranks still running after JOIN_TIMEOUT_S are named in the failure, then killed."""
     ctx = mp.spawn(_entry, (fn, world_size, str(tmp_path / "rendezvous"), args), nprocs=world_size, join=False)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"{world_size} tensor-parallel ranks ran past {JOIN_TIMEOUT_S} s")
+    for _ in range(JOIN_TIMEOUT_S):  # join's own timeout: one second per round, returning early on any exit
+        if ctx.join(timeout=1.0):
+            return
+    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for rank in hung:
+        ctx.processes[rank].kill()
+    pytest.fail(f"{fn.__name__}: ranks {hung} of {world_size} still running after {JOIN_TIMEOUT_S} s (hung)")
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------------
@@ -170,10 +170,10 @@ def test_tensor_parallel_equals_one_process(world_size, tmp_path):
 
 
 def test_dead_peer_fails_instead_of_hanging(tmp_path):
-    start = time.monotonic()
+    # A hang would end in spawn's pytest.fail (an outcome, not this exception): raising this is the proof that
+    # the dead rank was noticed, and the live one (blocked in its all-reduce) ended with it.
     with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
         spawn(_peer_dies, 2, tmp_path)
-    assert time.monotonic() - start < JOIN_TIMEOUT_S
 
 
 def test_one_process_ops_are_copies():

@@ -6,7 +6,6 @@ dies or raises stops them all."""
 import multiprocessing
 import os
 import signal
-import time
 from dataclasses import replace
 
 import pytest
@@ -14,6 +13,9 @@ import pytest
 import draftgraph as dg
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 from draftgraph.workers.driver import WorkerError
+from tests.helpers import nothing_starts, within
+
+HANG_S = 300  # a dead rank is noticed by its process sentinel, at once; this long means it hung
 
 SPEC = BuiltinSpec(
     vocab_size=128,
@@ -40,8 +42,8 @@ def wait_gone(proc, timeout_s: float) -> bool:
     return not proc.is_alive()
 
 
-def test_bad_tensor_parallel_sizes_fail_before_anything_starts():
-    t0 = time.perf_counter()
+def test_bad_tensor_parallel_sizes_fail_before_anything_starts(monkeypatch):
+    started = nothing_starts(monkeypatch)
     with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=3 with tensor_parallel_size=4.*\[1, 4\]"):
         config(tensor_parallel_size=4, draft_tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be at least 1"):
@@ -50,7 +52,7 @@ def test_bad_tensor_parallel_sizes_fail_before_anything_starts():
     from draftgraph.cli import main
 
     assert main(["generate", "--device", "cpu", "--tp", "2", "--draft-tp", "3"]) == 2
-    assert time.perf_counter() - t0 < 2.0
+    assert started == [] and not multiprocessing.active_children()  # no model, engine or process started
 
 
 def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
@@ -80,11 +82,9 @@ def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
         engine.add_request(PROMPTS[0], PARAMS)
         engine.step()
         os.kill(engine.pids[1], signal.SIGKILL)
-        t0 = time.perf_counter()
         with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
-            engine.step()  # the request has tokens left: a step on both ranks
-        assert time.perf_counter() - t0 < 10.0
-        assert wait_gone(engine.procs[0], 10.0), "rank 0 still runs after rank 1 died"
+            within(HANG_S, "engine.step() after rank 1 was killed", engine.step)  # tokens left: both ranks step
+        assert wait_gone(engine.procs[0], HANG_S), f"rank 0 still runs {HANG_S} s after rank 1 died"
         with pytest.raises(RuntimeError, match="closed"):
             engine.stats()
         assert not multiprocessing.active_children()
