@@ -89,6 +89,7 @@ def _inductor_options(given: list[str] | None):
 def _models(args):
     """(target, drafter) from --target / --drafter, or the built-in pair."""
     from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, builtin_pair
+    from draftgraph.ops.choices import DEFAULT_OPS
 
     if args.target:
         target, drafter = args.target, None if args.no_drafter else args.drafter
@@ -102,7 +103,8 @@ def _models(args):
         )
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
-        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec)
+        ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
+        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
 
