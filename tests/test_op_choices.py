@@ -52,13 +52,20 @@ def _modules_with_ops(module: torch.nn.Module) -> list:
     return [m for m in module.modules() if hasattr(m, "ops")]
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("family", ["llama", "deepseek", "qwen3_5"])
 def test_every_layer_is_built_with_the_choices(family):
     """Every module that reads a choice (norms, linears, attention, MLP, layers, the model, the drafter heads)
     holds the OpChoices the model was built with: none fell back to the defaults on the way down."""
-    hf = tiny_hf_model("llama", vocab_size=96) if family == "llama" else tiny_deepseek_model()
+    from draftgraph.models.builtin import builtin_drafter
+    from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
+
+    hf = {"llama": lambda: tiny_hf_model("llama", vocab_size=96), "deepseek": tiny_deepseek_model,
+          "qwen3_5": lambda: builtin_qwen3_5_hf(0)}[family]()  # fmt: skip
     target = CausalLM.from_hf(hf, ops=OFF)
-    drafters = [make_drafter(k, target) for k in ("eagle", "eagle3", "draft_model")] if family == "llama" else []
+    kinds = {"llama": ("eagle", "eagle3", "draft_model"), "deepseek": (), "qwen3_5": ()}[family]
+    drafters = [make_drafter(k, target) for k in kinds] + (
+        [builtin_drafter("mtp", target)] if family != "llama" else []
+    )
     for model in [target, *drafters]:
         holders = _modules_with_ops(model)
         # at least the model, its norms and its linears: norms and linears are where the kernels are picked
