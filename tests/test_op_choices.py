@@ -62,10 +62,10 @@ def test_every_layer_is_built_with_the_choices(family):
     hf = {"llama": lambda: tiny_hf_model("llama", vocab_size=96), "deepseek": tiny_deepseek_model,
           "qwen3_5": lambda: builtin_qwen3_5_hf(0)}[family]()  # fmt: skip
     target = CausalLM.from_hf(hf, ops=OFF)
-    kinds = {"llama": ("eagle", "eagle3", "draft_model"), "deepseek": (), "qwen3_5": ()}[family]
-    drafters = [make_drafter(k, target) for k in kinds] + (
-        [builtin_drafter("mtp", target)] if family != "llama" else []
-    )
+    if family == "llama":
+        drafters = [make_drafter(k, target) for k in ("eagle", "eagle3", "draft_model")]
+    else:  # the MTP heads (DeepSeek's MLA + MoE block, Qwen3.5's hybrid block)
+        drafters = [builtin_drafter("mtp", target)]
     for model in [target, *drafters]:
         holders = _modules_with_ops(model)
         # at least the model, its norms and its linears: norms and linears are where the kernels are picked
