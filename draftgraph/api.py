@@ -19,6 +19,7 @@ from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, res
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices, check_op_choices
 from draftgraph.ops.collectives.op import SINGLE, ExpertGroups, ParallelGroup
 from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
@@ -36,10 +37,14 @@ def set_kernel_impl(model: torch.nn.Module, impl: str) -> None:
             m.attn_impl = impl
 
 
-def load_target(source: Any, device, dtype, attn_impl: str, tp: ParallelGroup = SINGLE) -> CausalLM:
+def load_target(
+    source: Any, device, dtype, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
+) -> CausalLM:
     """A draftgraph CausalLM from a checkpoint dir, a transformers model object or a CausalLM; with a
-    tensor-parallel `tp`, this rank's share (from a checkpoint dir or a transformers object)."""
+    tensor-parallel `tp`, this rank's share (from a checkpoint dir or a transformers object); its layers use the
+    kernels `ops` names (a CausalLM passed in must have been built with them)."""
     if isinstance(source, CausalLM):
+        check_op_choices(source, ops, "the target")
         if tp.world_size > 1 and source.tp.world_size != tp.world_size:
             raise ValueError(
                 f"a draftgraph CausalLM object cannot be split over tensor_parallel_size={tp.world_size} here; pass "
@@ -47,9 +52,9 @@ def load_target(source: Any, device, dtype, attn_impl: str, tp: ParallelGroup = 
             )
         model = source
     elif isinstance(source, str):
-        model = CausalLM.from_pretrained(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp)
+        model = CausalLM.from_pretrained(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp, ops=ops)
     elif isinstance(source, torch.nn.Module) and hasattr(source, "config"):
-        model = CausalLM.from_hf(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp)
+        model = CausalLM.from_hf(source, dtype=dtype, device=device, attn_impl=attn_impl, tp=tp, ops=ops)
     else:
         raise TypeError(
             f"target of type {type(source).__name__} is not supported; pass a checkpoint directory, a "
@@ -138,7 +143,7 @@ def build_engine(
 
 def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_artifacts, tp, ep, pool) -> Engine:
     """build_engine's weights, compiled functions, KV cache and warm-up (the pool is closed by the warm-up)."""
-    model = load_target(target, rc.device, rc.dtype, rc.attention, tp)
+    model = load_target(target, rc.device, rc.dtype, rc.attention, tp, rc.ops)
     experts_note = ""
     if ep is not None:  # this rank's experts only, before anything compiles
         from draftgraph.models.parallel.experts import shard_experts
@@ -149,7 +154,7 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
         draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE
         draft = load_drafter(
             drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention, dtype=model.cfg.dtype,
-            tp=draft_tp,
+            tp=draft_tp, ops=rc.ops,
         )  # fmt: skip
         draft = draft.to(rc.device)
         set_kernel_impl(draft, rc.attention)
@@ -158,7 +163,7 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
     if rc.mode != CUDAGraphMode.NONE:
         loop_fns = None
         if rc.fuse_draft_loop:
-            choose = Chooser(draft, model.cfg.vocab_size)
+            choose = Chooser(draft, model.cfg.vocab_size, rc.ops.race_sampler)
             loop_fns = fused_loop_fn(draft, choose, rc.num_speculative_tokens, rc.block_size)
         compiled = build_compiled(
             model,

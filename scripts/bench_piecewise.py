@@ -16,6 +16,7 @@ Usage: python scripts/bench_piecewise.py [--sizes 1,8,64,256] [--k 4] [--context
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -27,6 +28,7 @@ import draftgraph as dg
 from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.drafters import load_drafter
 from draftgraph.models.llama import CausalLM
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.runtime.attn_metadata import RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor
 from draftgraph.runtime.sampler import SamplingTensors
@@ -45,12 +47,18 @@ SHAPE = dict(
 )
 
 
-def build_pair(device="cuda"):
+@functools.cache
+def _hf_target(device: str):
     cfg = transformers.LlamaConfig(**SHAPE)
     torch.manual_seed(0)
     with torch.device(device):
-        hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    target = CausalLM.from_hf(hf, attn_impl="triton")
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def build_pair(device="cuda", ops: OpChoices = DEFAULT_OPS):
+    """The 1B-shaped target and its EAGLE head, their layers using the kernels `ops` names; a pair for other
+    ops shares the target's weights with the first (one transformers model, referenced)."""
+    target = CausalLM.from_hf(_hf_target(device), attn_impl="triton", ops=ops)
     h, inter, q, kv = 2048, 8192, 32 * 64, 8 * 64
     g = torch.Generator(device=device).manual_seed(1)
 

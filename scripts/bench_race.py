@@ -4,7 +4,8 @@
    and the memory the call allocates beyond its input (the [N, V] noise temporaries the torch ops make).
 2. The speculative step of the 1B-shaped pair (bench_piecewise.py's, FULL, one graph per step, K = 4) with
    every request sampling (temperature 0.8): graph memory and median wall ms of engine.step(), with the torch ops
-   (DRAFTGRAPH_RACE_KERNEL=0) and with the kernel (=1), both engines built in this process.
+   (CompileConfig(ops=OpChoices(race_sampler=False))) and with the kernel (the default), both engines built in
+   this process.
 
 Usage: python scripts/bench_race.py [--rows 1,8,32,128] [--sizes 1,32] [--k 4] [--context 512]
 """
@@ -12,13 +13,13 @@ Usage: python scripts/bench_race.py [--rows 1,8,32,128] [--sizes 1,32] [--k 4] [
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
 import draftgraph as dg
+from draftgraph.ops.choices import OpChoices
 from draftgraph.ops.sampling.noise import race_reference
 from draftgraph.ops.sampling.triton_race import race_triton
 from scripts.bench_piecewise import build_pair
@@ -79,12 +80,12 @@ def main():
     draw_table(target.cfg.vocab_size, [int(r) for r in args.rows.split(",")])
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"\nsampled speculative step (temperature 0.8), FULL one graph, K={args.k}, sizes {sizes}")
-    for flag in ("0", "1"):
-        os.environ["DRAFTGRAPH_RACE_KERNEL"] = flag  # read as the step's graphs are captured
-        eng = full_engine(target, drafter, max(sizes), args.k, args.context, sizes=sizes)
+    for flag in (False, True):
+        ops = OpChoices(race_sampler=flag)  # a runtime choice: the models are the same
+        eng = full_engine(target, drafter, max(sizes), args.k, args.context, sizes=sizes, ops=ops)
         mem = eng.stats()["compile"]["graph_memory_bytes"] / 2**20
         row = " ".join(f"B={b}: {sampled_step_ms(eng, b, args.context):.3f} ms" for b in sizes)
-        print(f"  RACE_KERNEL={flag}: graph memory {mem:.0f} MiB; {row}", flush=True)
+        print(f"  race_sampler={int(flag)}: graph memory {mem:.0f} MiB; {row}", flush=True)
         del eng
         torch.cuda.empty_cache()
 

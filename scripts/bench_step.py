@@ -11,12 +11,13 @@ Variants, compiled in this one process and measured side by side:
   next step launched before the host reads the last one (CompileConfig.overlap_steps);
 * `serial`: the one graph per step, each read before the next is launched (overlap_steps=False);
 * `2 graphs`: one_graph_step=False: the verify graph, acceptance outside graphs, the fused loop's graph;
-* `torch norms`: `overlap` with RMSNorm and the residual add as torch ops (DRAFTGRAPH_NORM_KERNEL=0).
-* `cuBLAS`: `overlap` with every linear layer on F.linear (DRAFTGRAPH_GEMV_KERNEL=0).
-* `torch rope`: `overlap` with RoPE and the v copy as torch ops (DRAFTGRAPH_ROPE_KERNEL=0).
-* `norm apart`: `overlap` with each pre-norm a kernel of its own before its GEMV (DRAFTGRAPH_NORM_LINEAR=0).
-* `kv apart`: `overlap` with k and v written into the caches by the attention op (DRAFTGRAPH_ROPE_KV_WRITE=0).
-* `both apart`: the two above at once (the default until 2026-11-26).
+* `torch norms`: `overlap` with RMSNorm and the residual add as torch ops (OpChoices(norm_kernel=False)).
+* `cuBLAS`: `overlap` with every linear layer on F.linear (OpChoices(gemv=False)).
+* `torch rope`: `overlap` with RoPE and the v copy as torch ops (OpChoices(rope_kernel=False)).
+* `norm apart`: `overlap` with each pre-norm a kernel of its own before its GEMV (norm_in_projection=False).
+* `kv apart`: `overlap` with k and v written into the caches by the attention op (rope_kv_write=False).
+* `both apart`: the two above at once.
+A variant with other OpChoices gets its own model pair built with them (the target's weights shared).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
 Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512] [--variants overlap,serial]
@@ -26,7 +27,6 @@ Usage: python scripts/bench_step.py [--sizes 1,8,32,128] [--k 4] [--context 512]
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -34,6 +34,7 @@ import torch
 import triton
 
 import draftgraph as dg
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.runtime.profiling import profile_steps
 from scripts.bench_full import step_time
 from scripts.bench_piecewise import build_pair, copy_bandwidth, layer_bytes, target_layer_bytes
@@ -44,38 +45,38 @@ VARIANTS = {  # name: CompileConfig fields
     "serial": dict(one_graph_step=True, overlap_steps=False),
     "2 graphs": dict(one_graph_step=False),
     # the overlapped step with RMSNorm and the residual add as torch ops (Inductor's kernels), not ops/norm's
-    "torch norms": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_KERNEL": "0"}),
+    "torch norms": dict(one_graph_step=True, overlap_steps=True, ops=OpChoices(norm_kernel=False)),
     # the overlapped step with every linear layer on cuBLAS (F.linear), not draftgraph::linear's one-row GEMV
-    "cuBLAS": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_GEMV_KERNEL": "0"}),
+    "cuBLAS": dict(one_graph_step=True, overlap_steps=True, ops=OpChoices(gemv=False)),
     # RoPE on q and k and the copy of v as torch ops (Inductor's kernels), not draftgraph::rope_qkv's one kernel
-    "torch rope": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KERNEL": "0"}),
+    "torch rope": dict(one_graph_step=True, overlap_steps=True, ops=OpChoices(rope_kernel=False)),
     # each pre-norm and the projection after it as two ops, not one draftgraph::add_rms_norm_linear
-    "norm apart": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_NORM_LINEAR": "0"}),
+    "norm apart": dict(one_graph_step=True, overlap_steps=True, ops=OpChoices(norm_in_projection=False)),
     # k and v written into the caches by the attention op's kernel, not by the RoPE kernel (draftgraph::rope_qkv_write)
-    "kv apart": dict(one_graph_step=True, overlap_steps=True, env={"DRAFTGRAPH_ROPE_KV_WRITE": "0"}),
-    # both of the above: the default until 2026-11-26
+    "kv apart": dict(one_graph_step=True, overlap_steps=True, ops=OpChoices(rope_kv_write=False)),
+    # both of the above
     "both apart": dict(
-        one_graph_step=True,
-        overlap_steps=True,
-        env={"DRAFTGRAPH_NORM_LINEAR": "0", "DRAFTGRAPH_ROPE_KV_WRITE": "0"},
+        one_graph_step=True, overlap_steps=True, ops=OpChoices(norm_in_projection=False, rope_kv_write=False)
     ),
 }
 
 
-def engine(target, drafter, sizes, k, ctx, variant: str):
+_pairs: dict[OpChoices, tuple] = {}
+
+
+def pair(ops: OpChoices):
+    """The model pair built with `ops` (once per OpChoices; the target's weights shared between them)."""
+    if ops not in _pairs:
+        _pairs[ops] = build_pair(ops=ops)
+    return _pairs[ops]
+
+
+def engine(spec: bool, sizes, k, ctx, variant: str):
     t0 = time.perf_counter()
     fields = dict(VARIANTS[variant])
-    env = fields.pop("env", {})
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # read while the forwards are traced
-    try:
-        eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **fields)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    target, drafter = pair(fields.get("ops", DEFAULT_OPS))
+    drafter = drafter if spec else None
+    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **fields)
     name = f"{'spec' if drafter is not None else 'plain'} {variant}"
     print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
     return eng
@@ -98,11 +99,10 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
     k, ctx = args.k, args.context
-    target, drafter = build_pair()
+    target, drafter = pair(DEFAULT_OPS)
     bw = copy_bandwidth()
     with dg.shared_compile_workers():  # the engines share their compiled pieces: each is compiled once
-        engines = {(kind, v): engine(target, drafter if kind == "spec" else None, sizes, k, ctx, v) for kind in kinds
-                   for v in variants}  # fmt: skip
+        engines = {(kind, v): engine(kind == "spec", sizes, k, ctx, v) for kind in kinds for v in variants}
     head = target.head_weight.numel() * target.head_weight.element_size()
     t_bytes, d_bytes = target_layer_bytes(target) + head, layer_bytes(drafter) + head
     print(

@@ -138,7 +138,10 @@ def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
 def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch):
     """The one-graph step's draws (the Triton race, ops/sampling/triton_race.py) are seeded too: one row per
     request, per FULL capture size, over the target's and the unfused drafter's vocabularies; with
-    DRAFTGRAPH_RACE_KERNEL=0 (the torch ops), none."""
+    OpChoices(race_sampler=False) (the torch ops), none."""
+    from dataclasses import replace
+
+    from draftgraph.ops.choices import OpChoices
     from draftgraph.runtime.warmup import step_sampling_calls
 
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
@@ -146,9 +149,9 @@ def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch):
                               max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
                               progress=False)  # fmt: skip
     engine = dg.compile_model(target, make_drafter("eagle", target), config)
-    monkeypatch.setenv("DRAFTGRAPH_RACE_KERNEL", "0")
-    assert not any(c["op"] == "draftgraph::race_sample" for c in step_sampling_calls(engine))
-    monkeypatch.delenv("DRAFTGRAPH_RACE_KERNEL")
+    with monkeypatch.context() as m:  # the engine as resolved with the race sampler off
+        m.setattr(engine, "config", replace(engine.config, ops=OpChoices(race_sampler=False)))
+        assert not any(c["op"] == "draftgraph::race_sample" for c in step_sampling_calls(engine))
     race = [c for c in step_sampling_calls(engine) if c["op"] == "draftgraph::race_sample"]
     assert [c["args"][0]["tensor"]["shape"] for c in race] == [[1, 96], [2, 96], [8, 96]]  # one vocabulary here
     for call in race:

@@ -116,8 +116,8 @@ def test_model_layers_keep_values_and_names(monkeypatch):
     ref.load_state_dict(lin.state_dict())
     assert list(lin.state_dict()) == ["weight", "bias"]
     x = torch.randn(3, 24, generator=g)
-    assert torch.equal(lin(x), ref(x)) and torch.equal(project(x, lin.weight, lin.bias), ref(x))
-    assert torch.equal(head_logits(x, lin.weight), x @ lin.weight.t())
+    assert torch.equal(lin(x), ref(x)) and torch.equal(project(x, lin.weight, lin.bias, lin.ops), ref(x))
+    assert torch.equal(head_logits(x, lin.weight, lin.ops), x @ lin.weight.t())
 
 
 def test_bad_configs_and_shapes_name_the_fix():

@@ -73,7 +73,7 @@ def test_a_resized_cache_reuses_every_trace():
         fuse_draft_loop=True,  # the fused loops' traces are reused too
     )
     rc = resolve(config, 256, True)
-    loops = fused_loop_fn(drafter, Chooser(drafter, target.cfg.vocab_size), 3, rc.block_size)
+    loops = fused_loop_fn(drafter, Chooser(drafter, target.cfg.vocab_size, rc.ops.race_sampler), 3, rc.block_size)
     compiled = build_compiled(target, drafter, rc, loops, "eager", "", False, "", False)
     prompts, params, arrivals = ragged(16)
     eng = Engine(target, drafter, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)

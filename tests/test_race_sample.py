@@ -49,7 +49,8 @@ def test_many_rows_and_the_op_on_each_device():
     got = race_triton(probs.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), SALT_TARGET, chunk=64, block=32)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(race_sample(probs, seeds, positions, SALT_TARGET), want)  # CPU: the reference
-    assert torch.equal(sample_from_probs(probs, seeds, positions, SALT_TARGET), want)
+    for race_kernel in (True, False):  # CPU: the reference either way (the kernel is for CUDA tensors only)
+        assert torch.equal(sample_from_probs(probs, seeds, positions, SALT_TARGET, race_kernel), want)
 
 
 def test_bad_inputs_name_the_fix():

@@ -85,22 +85,19 @@ def test_bad_shapes_name_the_fix():
         torch.ops.draftgraph.rms_norm(torch.zeros(2, 8, device="meta"), torch.zeros(4, device="meta"), 1e-6)
 
 
-@pytest.mark.parametrize("cuda,env,want_ops", [(True, None, True), (True, "0", False), (False, None, False)])
-def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, env, want_ops):
+@pytest.mark.parametrize("cuda,kernel,want_ops", [(True, True, True), (True, False, False), (False, True, False)])
+def test_the_layer_norms_use_the_ops_on_cuda(monkeypatch, cuda, kernel, want_ops):
     """On CUDA RMSNorm and the post-attention add are the ops (one node each in a trace) unless
-    DRAFTGRAPH_NORM_KERNEL=0; on the CPU the torch ops, as the goldens record. (A CUDA trace without a GPU: CPU
+    OpChoices.norm_kernel is off; on the CPU the torch ops, as the goldens record. (A CUDA trace without a GPU: CPU
     tensors that say they are on CUDA.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from draftgraph.models.layers import RMSNorm
+    from draftgraph.ops.choices import OpChoices
 
-    if env is None:
-        monkeypatch.delenv("DRAFTGRAPH_NORM_KERNEL", raising=False)
-    else:
-        monkeypatch.setenv("DRAFTGRAPH_NORM_KERNEL", env)
-    norm = RMSNorm(16, 1e-6).to("cuda" if cuda and torch.cuda.is_available() else "cpu")
-    fn = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))
     device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
+    norm = RMSNorm(16, 1e-6, ops=OpChoices(norm_kernel=kernel)).to(device)
+    fn = make_fx(lambda x, r: (norm(x), *norm.add_forward(x, r)))
     if cuda and device == "cpu":  # CPU tensors that say they are on CUDA: the kernels, interpreted
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     gm = fn(torch.randn(3, 16, device=device), torch.randn(3, 16, device=device))

@@ -76,8 +76,8 @@ def test_bad_shapes_name_the_fix():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype):
-    """`rope_qkv_write` (DRAFTGRAPH_ROPE_KV_WRITE=0 turns it off): the rotated queries, and the caches at the tokens'
-    slots hold the rotated keys and the values (slot -1 skipped), exactly as write_kv_reference of rope_qkv's
+    """`rope_qkv_write` (OpChoices(rope_kv_write=False) turns it off): the rotated queries, and the caches at the
+    tokens' slots hold the rotated keys and the values (slot -1 skipped), exactly as write_kv_reference of rope_qkv's
     outputs leaves them; the CPU op is that reference (opcheck)."""
     from draftgraph.ops.attention.reference import write_kv_reference
     from draftgraph.ops.rope.op import rope_qkv_write
@@ -106,24 +106,25 @@ def test_rope_with_the_kv_write_fills_the_caches_as_the_attention_op_would(dtype
     torch.cuda.is_available(),
     reason="on a GPU the path runs natively, with the write by default: tests/gpu",
 )
-@pytest.mark.parametrize("fused_write", ["0", "1"])
+@pytest.mark.parametrize("fused_write", [False, True])
 def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fused_write):
     """A Llama model's CUDA path (norm ops, fused RoPE, residual adds in the norms, the Triton attention) run on the
     CPU with the kernels interpreted, prefill then a decode step: with the KV write inside the RoPE kernel the
     hidden states and the caches equal the path where the attention op writes them."""
     import draftgraph.ops.rope.triton_rope as tr
     from draftgraph.models.llama import CausalLM
+    from draftgraph.ops.choices import OpChoices
     from tests.helpers import PagedRunner, tiny_hf_model
 
-    monkeypatch.setenv("DRAFTGRAPH_GEMV_KERNEL", "0")  # F.linear (and no norm in the GEMV): the RoPE write under test
     calls = []
     real = tr.rope_qkv_write_triton
     monkeypatch.setattr(tr, "rope_qkv_write_triton", lambda *a: calls.append(1) or real(*a))
-    model = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96, head_dim=32), attn_impl="triton")
+    hf = tiny_hf_model("llama", vocab_size=96, head_dim=32)
     ids = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(4))
     results = {}
-    for write in ("0", fused_write):
-        monkeypatch.setenv("DRAFTGRAPH_ROPE_KV_WRITE", write)
+    for write in (False, fused_write):
+        # F.linear (and no norm in the GEMV): the RoPE write under test
+        model = CausalLM.from_hf(hf, attn_impl="triton", ops=OpChoices(gemv=False, rope_kv_write=write))
         runner = PagedRunner(model.cfg)
         with torch.no_grad(), monkeypatch.context() as m:
             m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -132,9 +133,9 @@ def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fus
             meta, pos = runner.batch([(0, 1)])
             hidden, _ = model(ids[8:], pos, meta, runner.cache.layers)
         results[write] = (hidden, [t.clone() for layer in runner.cache.layers for t in layer])
-    (h0, c0), (h1, c1) = results["0"], results[fused_write]
+    (h0, c0), (h1, c1) = results[False], results[fused_write]
     assert torch.equal(h0, h1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
-    assert len(calls) == (2 * model.cfg.num_layers if fused_write == "1" else 0)  # the fused write ran per layer
+    assert len(calls) == (2 * model.cfg.num_layers if fused_write else 0)  # the fused write ran per layer
     assert any(c.abs().sum() > 0 for c in c1)
 
 

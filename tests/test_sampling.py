@@ -81,7 +81,7 @@ def test_noise_extremes_stay_inside_the_open_interval():
 def test_exponential_race_draws_from_p():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 100_000
-    draws = sample_from_probs(p.expand(n, 4), torch.arange(n), torch.zeros(n, dtype=torch.long), salt=3)
+    draws = sample_from_probs(p.expand(n, 4), torch.arange(n), torch.zeros(n, dtype=torch.long), 3, True)
     counts = torch.bincount(draws, minlength=4).double()
     assert chi_p(counts, p) > 1e-3
 
@@ -94,10 +94,10 @@ def test_rejection_sampler_unit_distribution():
     q = torch.randn(2, vocab, generator=g).softmax(-1)
     st = st_for([1.0] * n, seeds=list(range(n)))
     drafts = torch.stack(
-        [sample_from_probs(q[i].expand(n, vocab), st.seeds, torch.full((n,), i), 9) for i in range(2)], 1
+        [sample_from_probs(q[i].expand(n, vocab), st.seeds, torch.full((n,), i), 9, True) for i in range(2)], 1
     )
     pos = torch.arange(1, 4).expand(n, 3)
-    tokens, accepted = rejection_sample(target_logits, drafts, q.expand(n, 2, vocab), st, pos)
+    tokens, accepted = rejection_sample(target_logits, drafts, q.expand(n, 2, vocab), st, pos, True)
     first = tokens[:, 0]
     p0 = target_logits[0, 0].softmax(-1).double()
     counts = torch.bincount(first, minlength=vocab).double()

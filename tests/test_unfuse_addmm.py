@@ -4,7 +4,9 @@ addmm, whose residual copy is a kernel of its own), leaving broadcast biases and
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from draftgraph.compiler.inductor_options import inductor_patch
+from draftgraph.compiler.config import CompileConfig, resolve
+from draftgraph.compiler.inductor_options import inductor_patch, resolve_inductor_options
+from draftgraph.ops.choices import OpChoices
 from draftgraph.passes.unfuse_addmm import UnfuseResidualAddmm, unfuse_residual_addmm
 
 aten = torch.ops.aten
@@ -61,7 +63,7 @@ def test_cpu_graph_is_left_alone():
     assert unfuse_residual_addmm(gm.graph) == 0 and count(gm, aten.addmm.default) == 2
 
 
-def test_installed_for_every_compile_unless_a_pass_is_given(monkeypatch):
+def test_installed_for_every_compile_unless_a_pass_is_given():
     import torch._inductor.config as inductor_config
 
     with inductor_patch(()):
@@ -70,6 +72,13 @@ def test_installed_for_every_compile_unless_a_pass_is_given(monkeypatch):
     mine = UnfuseResidualAddmm()
     with inductor_patch((("post_grad_custom_post_pass", mine),)):
         assert inductor_config.post_grad_custom_post_pass is mine
-    monkeypatch.setenv("DRAFTGRAPH_UNFUSE_ADDMM", "0")
-    with inductor_patch(()):
+    # OpChoices(unfuse_addmm=False): resolve() pins the slot empty, so no pass is installed; a user's pass stays
+    off = resolve_inductor_options(None, unfuse_addmm=False)
+    assert off == (("post_grad_custom_post_pass", None),)
+    with inductor_patch(off):
         assert inductor_config.post_grad_custom_post_pass is None
+    assert resolve_inductor_options((("post_grad_custom_post_pass", mine),), unfuse_addmm=False) == (
+        ("post_grad_custom_post_pass", mine),
+    )
+    rc = resolve(CompileConfig(ops=OpChoices(unfuse_addmm=False)), None, False)
+    assert rc.inductor_options == off and not rc.ops.unfuse_addmm

@@ -41,6 +41,7 @@ def _config(args, **over):
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
+        ops=_ops(getattr(args, "ops", "")),
         compile_workers=getattr(args, "compile_workers", None),
         tensor_parallel_size=getattr(args, "tp", 1),
         draft_tensor_parallel_size=getattr(args, "draft_tp", None),
@@ -56,6 +57,13 @@ def _config(args, **over):
 
 
 _FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
+
+
+def _ops(spec: str):
+    """--ops NAME=0|1,... -> an OpChoices, or None (every kernel) when empty."""
+    from draftgraph.ops.choices import OpChoices
+
+    return OpChoices.parse(spec) if spec else None
 
 
 def _inductor_options(given: list[str] | None):
@@ -81,6 +89,7 @@ def _inductor_options(given: list[str] | None):
 def _models(args):
     """(target, drafter) from --target / --drafter, or the built-in pair."""
     from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, builtin_pair
+    from draftgraph.ops.choices import DEFAULT_OPS
 
     if args.target:
         target, drafter = args.target, None if args.no_drafter else args.drafter
@@ -94,7 +103,8 @@ def _models(args):
         )
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
-        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec)
+        ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
+        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
 
@@ -314,11 +324,7 @@ def _prestart_workers(args) -> None:
     this one imports torch, so that both import it side by side; the engine build takes the pool when its
     settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
     driver's device node exists; where torch then finds none, the build closes the pool."""
-    from draftgraph import envs
-
     if args.command not in ("generate", "run") or args.mode == "NONE" or args.artifacts:
-        return
-    if not envs.prestart_workers():
         return
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
         return

@@ -82,6 +82,14 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         help="inductor (default), or eager: split pieces run as plain FX, for debugging",
     )
     p.add_argument(
+        "--ops",
+        default="",
+        metavar="NAME=0|1,...",
+        help="draftgraph's kernels on CUDA (CompileConfig.ops, ops/choices.py): turn one off to run the torch ops, "
+        "e.g. gemv=0,rope_kv_write=0; names: gemv, norm_kernel, rope_kernel, norm_in_projection, rope_kv_write, "
+        "race_sampler, unfuse_addmm (default: all on)",
+    )
+    p.add_argument(
         "--inductor-option",
         action="append",
         default=None,

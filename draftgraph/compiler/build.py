@@ -11,7 +11,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from draftgraph import envs
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
 from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
@@ -106,8 +105,8 @@ def build_compiled(
 
 def kernels_ahead(rc: ResolvedConfig) -> KernelsAhead | None:
     """Our Triton kernels compiled ahead in threads (compiler/pool/kernels_ahead.py): on CUDA with Triton's
-    AsyncCompileMode, unless DRAFTGRAPH_KERNELS_AHEAD=0."""
-    if rc.device.type != "cuda" or not envs.kernels_ahead():
+    AsyncCompileMode."""
+    if rc.device.type != "cuda":
         return None
     if async_compile_mode() is None:
         return None

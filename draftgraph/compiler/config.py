@@ -16,6 +16,7 @@ from draftgraph.ops.backends import (
     get_backend,
     require_graph_support,
 )
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 
 log = logging.getLogger("draftgraph")
 
@@ -115,8 +116,23 @@ class CompileConfig:
     # Processes that compile unique pieces in parallel while tracing goes on (compiler/pool/compile_pool.py):
     # None = auto (on CUDA half the cores, at most 8; on the CPU none), 0 = compile in this process.
     compile_workers: int | None = None
+    # Which of draftgraph's kernels the models and the runtime use on CUDA (ops/choices.py: GEMV, the norm and
+    # RoPE kernels, the norm inside the projection, the RoPE kernel's KV write, the race sampler, Inductor's
+    # unfused residual addmm). None = every one (the measured defaults); off = the torch ops, for comparisons.
+    ops: OpChoices | None = None
+    # CUDA with gpu_memory_utilization: the probe's KV cache grows in place under its graphs (runtime/growable.py,
+    # where the driver can), so every graph is captured once. False: the cache is allocated again at its final
+    # size and every graph captured again, as on devices without virtual memory management (for comparisons).
+    kv_grow_in_place: bool = True
 
     def __post_init__(self):
+        if self.ops is not None and not isinstance(self.ops, OpChoices):
+            raise TypeError(
+                f"ops={self.ops!r} must be an OpChoices or None (every draftgraph kernel); e.g. "
+                "CompileConfig(ops=OpChoices(gemv=False)), or OpChoices.parse('gemv=0,rope_kv_write=0')"
+            )
+        if not isinstance(self.kv_grow_in_place, bool):
+            raise TypeError(f"kv_grow_in_place={self.kv_grow_in_place!r} must be True (default) or False")
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
         if self.mode in FOLDED_MODES:
             ours, why = FOLDED_MODES[self.mode]
@@ -206,6 +222,8 @@ class ResolvedConfig:
     data_parallel_size: int = 1
     expert_parallel: bool = False
     compile_workers: int = 0  # processes compiling pieces in parallel (0: in this process)
+    ops: OpChoices = DEFAULT_OPS  # the kernels models and runtime use on CUDA (recorded in artifacts)
+    kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
 
     @property
     def lookahead(self) -> int:
@@ -318,12 +336,14 @@ def resolve(
         compile_sizes=tuple(sorted(set(config.compile_sizes))) if mode != CUDAGraphMode.NONE else (),
         gpu_memory_utilization=util,
         mode_reason=reason,
-        inductor_options=resolve_inductor_options(config.inductor_options),
+        inductor_options=resolve_inductor_options(config.inductor_options, (config.ops or DEFAULT_OPS).unfuse_addmm),
         tensor_parallel_size=config.tensor_parallel_size,
         draft_tensor_parallel_size=config.draft_tensor_parallel_size or config.tensor_parallel_size,
         data_parallel_size=config.data_parallel_size,
         expert_parallel=config.expert_parallel,
         compile_workers=_compile_workers(config, mode, device),
+        ops=config.ops or DEFAULT_OPS,
+        kv_grow_in_place=config.kv_grow_in_place,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -341,6 +361,7 @@ def resolve(
         list(full_sizes) or "none",
         "on" if graphs else "off",
     )
+    log.info("kernels: %s (%s)", rc.ops.describe(), ", ".join(f"{k}={int(v)}" for k, v in rc.ops.fields().items()))
     return rc
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
-from draftgraph import envs
-
 DEFAULT_INDUCTOR_OPTIONS: tuple[tuple[str, object], ...] = ()
+_POST_GRAD = "post_grad_custom_post_pass"
 
 
 def _has(key: str) -> bool:
@@ -32,10 +31,20 @@ def _has(key: str) -> bool:
     return True
 
 
-def resolve_inductor_options(given) -> tuple[tuple[str, object], ...]:
-    """None -> the defaults this torch knows; a tuple of (key, value) pairs -> checked, as given."""
+def resolve_inductor_options(given, unfuse_addmm: bool = True) -> tuple[tuple[str, object], ...]:
+    """None -> the defaults this torch knows; a tuple of (key, value) pairs -> checked, as given. With
+    `unfuse_addmm` off (OpChoices.unfuse_addmm), Inductor's post-grad pass slot is pinned empty, so
+    `inductor_patch` installs no pass (a user's own pass in `given` stays)."""
     if given is None:
-        return tuple((k, v) for k, v in DEFAULT_INDUCTOR_OPTIONS if _has(k))
+        pairs = tuple((k, v) for k, v in DEFAULT_INDUCTOR_OPTIONS if _has(k))
+    else:
+        pairs = _checked(given)
+    if not unfuse_addmm and all(k != _POST_GRAD for k, _ in pairs):
+        pairs += ((_POST_GRAD, None),)
+    return pairs
+
+
+def _checked(given) -> tuple[tuple[str, object], ...]:
     pairs = tuple(tuple(p) for p in given)
     bad = [p for p in pairs if len(p) != 2 or not isinstance(p[0], str)]
     if bad:
@@ -54,9 +63,10 @@ def resolve_inductor_options(given) -> tuple[tuple[str, object], ...]:
 
 def inductor_patch(options: tuple[tuple[str, object], ...]):
     """A context under which Inductor compiles with `options`, and with draftgraph's post-grad pass
-    (passes/unfuse_addmm.py) unless the options name a post-grad pass of their own or DRAFTGRAPH_UNFUSE_ADDMM=0."""
+    (passes/unfuse_addmm.py) unless the options name the post-grad pass slot (a user's own pass, or None where
+    OpChoices.unfuse_addmm is off: resolve_inductor_options)."""
     patch = dict(options)
-    if "post_grad_custom_post_pass" not in patch and envs.unfuse_addmm():
+    if _POST_GRAD not in patch:
         from draftgraph.passes.unfuse_addmm import UnfuseResidualAddmm
 
         patch["post_grad_custom_post_pass"] = UnfuseResidualAddmm()

@@ -19,6 +19,7 @@ import transformers
 
 from draftgraph.models.drafters.loader import truncated_draft_model
 from draftgraph.models.llama import CausalLM
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 
 HF_CONFIGS = {
     "llama": transformers.LlamaConfig,
@@ -110,9 +111,11 @@ def builtin_hf_pair(spec: BuiltinSpec = BuiltinSpec()):
     return target, draft
 
 
-def builtin_pair(spec: BuiltinSpec = BuiltinSpec(), dtype=None, device="cpu", attn_impl="reference"):
-    """(target CausalLM, drafter) for the built-in pair."""
-    target = CausalLM.from_hf(builtin_hf_target(spec), dtype=dtype, device=device, attn_impl=attn_impl)
+def builtin_pair(
+    spec: BuiltinSpec = BuiltinSpec(), dtype=None, device="cpu", attn_impl="reference", ops: OpChoices = DEFAULT_OPS
+):
+    """(target CausalLM, drafter) for the built-in pair, their layers using the kernels `ops` names."""
+    target = CausalLM.from_hf(builtin_hf_target(spec), dtype=dtype, device=device, attn_impl=attn_impl, ops=ops)
     return target, truncated_draft_model(target, spec.draft_layers)
 
 

@@ -24,26 +24,27 @@ from draftgraph.models.moe import MoE
 from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope, apply_rope_interleaved
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 from draftgraph.ops.mla.forms import check_form
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         a = cfg.mla
         self.a, self.num_heads = a, cfg.num_heads
         bias = cfg.qkv_bias
         if a.q_lora_rank:
             self.q_a = nn.Linear(cfg.hidden_size, a.q_lora_rank, bias=bias)
-            self.q_a_norm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_a_norm = RMSNorm(a.q_lora_rank, 1e-6, ops=ops)
             self.q_b = nn.Linear(a.q_lora_rank, cfg.num_heads * a.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * a.qk_head_dim, bias=False)
         self.kv_a = nn.Linear(cfg.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=bias)
-        self.kv_a_norm = RMSNorm(a.kv_lora_rank, 1e-6)
+        self.kv_a_norm = RMSNorm(a.kv_lora_rank, 1e-6, ops=ops)
         self.kv_b = nn.Linear(a.kv_lora_rank, cfg.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
-        self.o = row_linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias, tp)  # local heads' values
+        self.o = row_linear(cfg.num_heads * a.v_head_dim, cfg.hidden_size, bias, tp, ops)  # local heads' values
         self.rope = apply_rope_interleaved if a.rope_interleave else apply_rope
         self.attn_impl = attn_impl
         self.form = "auto"  # which MLA form runs for which rows (ops/mla/forms.py); set_mla_form
@@ -103,12 +104,13 @@ class DeepseekLayer(nn.Module):
         attn_impl: str,
         attention: type[nn.Module] = MLAttention,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = attention(cfg, attn_impl, tp)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, attn_impl, tp) if cfg.is_moe_layer(layer) else MLP(cfg, tp=tp)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.attn = attention(cfg, attn_impl, tp, ops)  # MLAttention, or V3.2's sparse MLA (deepseek_v32.py)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.mlp = MoE(cfg, attn_impl, tp, ops) if cfg.is_moe_layer(layer) else MLP(cfg, tp=tp, ops=ops)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x), cos, sin, meta, kv)

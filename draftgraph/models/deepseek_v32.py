@@ -23,6 +23,7 @@ from draftgraph.models.config import ModelConfig
 from draftgraph.models.deepseek import DeepseekLayer, MLAttention, convert_deepseek_layer
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -68,8 +69,8 @@ class Indexer(nn.Module):
 class SparseMLAttention(MLAttention):
     """V3's MLA projections (same weights, same names) plus the indexer; attention over its picks only."""
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
-        super().__init__(cfg, attn_impl, tp)
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
+        super().__init__(cfg, attn_impl, tp, ops)
         self.indexer = Indexer(cfg, attn_impl)  # replicated under tensor parallelism
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, ...]):
@@ -95,9 +96,11 @@ class SparseMLAttention(MLAttention):
         return self.o(out.reshape(t, h * a.v_head_dim))
 
 
-def make_v32_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> DeepseekLayer:
+def make_v32_layer(
+    cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
+) -> DeepseekLayer:
     """A V3.2 layer: sparse MLA, then a MoE or a dense MLP as cfg.is_moe_layer(layer) says."""
-    return DeepseekLayer(cfg, layer, attn_impl, attention=SparseMLAttention, tp=tp)
+    return DeepseekLayer(cfg, layer, attn_impl, attention=SparseMLAttention, tp=tp, ops=ops)
 
 
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")

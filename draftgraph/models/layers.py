@@ -9,28 +9,29 @@ from torch import nn
 import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
 import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms_norm and add_rms_norm)
 import draftgraph.ops.rope.op as rope_op  # registers torch.ops.draftgraph.rope_qkv
-from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.linear import Linear
 from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w, the product in x's dtype (Llama; on CUDA `draftgraph::rms_norm`, one Triton kernel, unless
-    DRAFTGRAPH_NORM_KERNEL=0); `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is
+    `ops.norm_kernel` is off); `zero_centered`: x / rms(x) * (1 + w) in float32, then cast (Qwen3.5, whose w is
     stored around 0)."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, *, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps = eps
         self.zero_centered = zero_centered
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.zero_centered and x.is_cuda and envs.norm_kernel():
+        if not self.zero_centered and x.is_cuda and self.ops.norm_kernel:
             return torch.ops.draftgraph.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -40,8 +41,8 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, the norm of it); on CUDA the add and the norm are one op (`draftgraph::add_rms_norm`: one
-        kernel) unless DRAFTGRAPH_NORM_KERNEL=0."""
-        if not self.zero_centered and x.is_cuda and envs.norm_kernel():
+        kernel) unless `ops.norm_kernel` is off."""
+        if not self.zero_centered and x.is_cuda and self.ops.norm_kernel:
             return torch.ops.draftgraph.add_rms_norm(x, residual, self.weight, self.eps)
         s = x + residual
         return s, self(s)
@@ -60,17 +61,19 @@ class Attention(nn.Module):
         attn_impl: str,
         in_features: int | None = None,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv = Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv = Linear(in_features or cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, ops=ops)
+        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, ops)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops=ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops=ops) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.window(layer)
         self.attn_impl = attn_impl
+        self.ops = ops
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
         return self.attend(self.qkv(x), cos, sin, meta, kv)
@@ -82,8 +85,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        fused_rope = self.q_norm is None and qkv.is_cuda and envs.rope_kernel() and rope_op.kernel_takes(self.head_dim)
-        if fused_rope and envs.rope_kv_write() and self.attn_impl == "triton":
+        ops = self.ops
+        fused_rope = self.q_norm is None and qkv.is_cuda and ops.rope_kernel and rope_op.kernel_takes(self.head_dim)
+        if fused_rope and ops.rope_kv_write and self.attn_impl == "triton":
             # RoPE, and k and v written into the caches, in one kernel: the attention op gets no rows to write
             q = torch.ops.draftgraph.rope_qkv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
             k = v = q.new_empty((0, self.num_kv_heads, self.head_dim))
@@ -114,18 +118,25 @@ class MLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul (under tensor parallelism: this rank's
     gate and up columns, `down` row-parallel over `tp`)."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, tp: ParallelGroup = SINGLE):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        intermediate_size: int | None = None,
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
+    ):
         super().__init__()
         self.inter = intermediate_size or cfg.intermediate_size  # DeepSeek's shared experts pass their own
-        self.gate_up = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
-        self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.gate_up = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, ops=ops)
+        self.down = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp, ops)
+        self.ops = ops
 
     def forward(self, x):
         return self.finish(self.gate_up(x))
 
     def finish(self, gate_up):
         """The activation and the down projection, from the gate | up output."""
-        if gate_up.is_cuda and envs.gemv_kernel() and type(self.down) is Linear:  # one process: one op for both
+        if gate_up.is_cuda and self.ops.gemv and type(self.down) is Linear:  # one process: one op for both
             return torch.ops.draftgraph.silu_mul_linear(gate_up, self.down.weight, self.down.bias)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down(F.silu(gate) * up)
@@ -138,13 +149,20 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, cfg: ModelConfig, layer: int, attn_impl: str, input_norm: bool = True, tp: ParallelGroup = SINGLE
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        attn_impl: str,
+        input_norm: bool = True,
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
-        self.attn = Attention(cfg, layer, attn_impl, tp=tp)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp=tp)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops) if input_norm else None
+        self.attn = Attention(cfg, layer, attn_impl, tp=tp, ops=ops)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.mlp = MLP(cfg, tp=tp, ops=ops)
+        self.ops = ops
 
     def forward(self, x, cos, sin, meta, kv):
         a = self.attn(self.input_norm(x) if self.input_norm is not None else x, cos, sin, meta, kv)
@@ -175,12 +193,12 @@ class DecoderLayer(nn.Module):
     def norms_in_projections(self, residual: torch.Tensor) -> bool:
         """Whether `forward_unsummed` makes each add, norm and the projection after it one op
         (draftgraph::add_rms_norm_linear: the norm inside the one-row GEMV): on CUDA with the norm and GEMV ops,
-        for unsharded projections; DRAFTGRAPH_NORM_LINEAR=0 turns it off."""
+        for unsharded projections; `ops.norm_in_projection` off turns it off."""
         return (
             residual.is_cuda
-            and envs.norm_kernel()
-            and envs.gemv_kernel()
-            and envs.norm_linear_kernel()
+            and self.ops.norm_kernel
+            and self.ops.gemv
+            and self.ops.norm_in_projection
             and type(self.attn.qkv) is Linear
             and type(self.mlp.gate_up) is Linear
         )

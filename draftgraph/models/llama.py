@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftgraph import envs
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
@@ -31,27 +30,30 @@ from draftgraph.models.weights import (
     read_target_config,
 )
 from draftgraph.ops.attention.metadata import AttentionMetadata
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def make_layer(cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE) -> nn.Module:
+def make_layer(
+    cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
+) -> nn.Module:
     """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, Qwen3.5's hybrid layer or the
-    Llama-family layer, each this rank's share under a tensor-parallel `tp`."""
+    Llama-family layer, each this rank's share under a tensor-parallel `tp`, using the kernels `ops` names."""
     if cfg.indexer is not None:
         from draftgraph.models.deepseek_v32 import make_v32_layer
 
-        return make_v32_layer(cfg, layer, attn_impl, tp)
+        return make_v32_layer(cfg, layer, attn_impl, tp, ops)
     if cfg.mla is not None:
         from draftgraph.models.deepseek import DeepseekLayer
 
-        return DeepseekLayer(cfg, layer, attn_impl, tp=tp)
+        return DeepseekLayer(cfg, layer, attn_impl, tp=tp, ops=ops)
     if cfg.hybrid is not None:
         from draftgraph.models.qwen3_5 import Qwen3_5Layer
 
-        return Qwen3_5Layer(cfg, layer, attn_impl, tp)
-    return DecoderLayer(cfg, layer, attn_impl, tp=tp)
+        return Qwen3_5Layer(cfg, layer, attn_impl, tp, ops)
+    return DecoderLayer(cfg, layer, attn_impl, tp=tp, ops=ops)
 
 
 def layer_converter(cfg: ModelConfig):
@@ -71,18 +73,21 @@ def layer_converter(cfg: ModelConfig):
     return convert_layer
 
 
-def final_norm(cfg: ModelConfig) -> nn.Module:
+def final_norm(cfg: ModelConfig, ops: OpChoices = DEFAULT_OPS) -> nn.Module:
     """The final RMSNorm: Qwen3.5's is zero-centred (x * (1 + w))."""
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.hybrid is not None)
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.hybrid is not None, ops=ops)
 
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured).
 
     With a tensor-parallel `tp`, `cfg` is this rank's share (parallel.shard_config) and the embedding and LM
-    head hold this rank's vocabulary rows."""
+    head hold this rank's vocabulary rows. `ops`: which of draftgraph's kernels its layers use on CUDA
+    (ops/choices.py; `ResolvedConfig.ops` when an engine builds it)."""
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str = "reference", tp: ParallelGroup = SINGLE):
+    def __init__(
+        self, cfg: ModelConfig, attn_impl: str = "reference", tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
+    ):
         super().__init__()
         if cfg.tp_size != tp.world_size:
             raise ValueError(
@@ -91,9 +96,10 @@ class CausalLM(nn.Module):
             )
         self.cfg = cfg
         self.tp = tp
+        self.ops = ops
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl, tp) for i in range(cfg.num_layers))
-        self.norm = final_norm(cfg)
+        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl, tp, ops) for i in range(cfg.num_layers))
+        self.norm = final_norm(cfg, ops)
         local_vocab = cfg.vocab_size // tp.world_size
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, local_vocab, bias=False)
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.rotary_dim), persistent=False)
@@ -132,7 +138,7 @@ class CausalLM(nn.Module):
         final norm): on CUDA with the norm ops, for Llama-family layers that all have an input norm."""
         return (
             h.is_cuda
-            and envs.norm_kernel()
+            and self.ops.norm_kernel
             and len(self.layers) > 0
             and not self.norm.zero_centered
             and all(type(layer) is DecoderLayer and layer.input_norm is not None for layer in self.layers)
@@ -143,7 +149,7 @@ class CausalLM(nn.Module):
         tensor-parallel rank (local rows' logits, then all_gather_last)."""
         if indices is not None:
             hidden = hidden[indices]
-        return self.tp.all_gather_last(head_logits(hidden, self.head_weight))
+        return self.tp.all_gather_last(head_logits(hidden, self.head_weight, self.ops))
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -156,6 +162,7 @@ class CausalLM(nn.Module):
         attn_impl: str = "reference",
         tp: ParallelGroup = SINGLE,
         sharded: bool = False,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> CausalLM:
         """Build from a transformers-named state dict (`model.layers.N...`, `lm_head.weight`) and the full
         model's `cfg`; with a tensor-parallel `tp`, this rank's share (each tensor sliced, then copied), or
@@ -185,32 +192,44 @@ class CausalLM(nn.Module):
             ours.pop("lm_head.weight", None)
         ours.update(state)  # anything left over is reported as unexpected by assign_weights
         with torch.device("meta"):
-            model = cls(cfg, attn_impl, tp)
+            model = cls(cfg, attn_impl, tp, ops)
         assign_weights(model, ours, f"{cfg.model_type} target", cfg.dtype)
         return materialize(model, cfg, device)
 
     @classmethod
     def from_pretrained(
-        cls, path: str, dtype=None, device="cpu", attn_impl="reference", tp: ParallelGroup = SINGLE
+        cls,
+        path: str,
+        dtype=None,
+        device="cpu",
+        attn_impl="reference",
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> CausalLM:
         """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its share of the
         split tensors (models/parallel/sharded_read.py, every family)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
         if tp.is_single:
-            return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp)
+            return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp, ops=ops)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
         from draftgraph.models.parallel.sharded_read import read_target_share
 
-        return cls.from_state_dict(cfg, read_target_share(path, cfg, tp), device, attn_impl, tp, sharded=True)
+        return cls.from_state_dict(cfg, read_target_share(path, cfg, tp), device, attn_impl, tp, sharded=True, ops=ops)
 
     @classmethod
     def from_hf(
-        cls, hf_model: Any, dtype=None, device=None, attn_impl="reference", tp: ParallelGroup = SINGLE
+        cls,
+        hf_model: Any,
+        dtype=None,
+        device=None,
+        attn_impl="reference",
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> CausalLM:
         """From a transformers *ForCausalLM object in memory (weights copied by reference when possible; with
         a tensor-parallel `tp`, copies of this rank's slices)."""
         param = next(hf_model.parameters())
         cfg = ModelConfig.from_hf(hf_model.config, dtype=dtype or param.dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, model_generation_eos(hf_model)))
-        return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl, tp)
+        return cls.from_state_dict(cfg, hf_model.state_dict(), device or param.device, attn_impl, tp, ops=ops)

@@ -21,6 +21,7 @@ from torch import nn
 import draftgraph.ops.moe.op  # noqa: F401  (registers draftgraph::moe_experts)
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.layers import MLP
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -56,7 +57,7 @@ def route_tokens(x, gate, e_score_correction_bias, m) -> tuple[torch.Tensor, tor
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         assert tp.is_single or not cfg.mlp_bias, "a split MoE sums partial outputs: no biases to add twice"
         m = cfg.moe
@@ -66,7 +67,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
         shared = m.moe_intermediate_size * m.n_shared_experts
-        self.shared = MLP(cfg, shared) if shared else None  # this rank's slice, summed with the routed partial
+        self.shared = MLP(cfg, shared, ops=ops) if shared else None  # this rank's slice, summed with the routed partial
         self.tp = tp
         self.attn_impl = attn_impl  # the kernels' implementation: "triton", else the reference (as attention's)
 

@@ -30,6 +30,7 @@ from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.backends import linear_attention_impl
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -48,7 +49,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         la = cfg.hybrid.linear
         self.la = la
@@ -57,7 +58,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(la.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = GatedRMSNorm(la.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = row_linear(la.value_dim, cfg.hidden_size, False, tp)
+        self.out_proj = row_linear(la.value_dim, cfg.hidden_size, False, tp, ops)
         self.attn_impl = attn_impl  # the attention setting (api.set_kernel_impl may change it)
 
     @property
@@ -90,16 +91,16 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size, self.rotary_dim = cfg.q_size, cfg.kv_size, cfg.rotary_dim
         self.gated = cfg.hybrid.attn_output_gate
         q_out = cfg.q_size * (2 if self.gated else 1)
         self.qkv = nn.Linear(cfg.hidden_size, q_out + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True)
+        self.o = row_linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, tp, ops)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True, ops=ops)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, zero_centered=True, ops=ops)
         self.scale = cfg.head_dim**-0.5
         self.attn_impl = attn_impl
 
@@ -138,7 +139,7 @@ def qwen_route(x, gate, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 class QwenMoE(nn.Module):
     """Softmax router, top-k renormalised, routed experts (the moe_experts op) + sigmoid-gated shared expert."""
 
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
         assert tp.is_single or not cfg.mlp_bias, "a split MoE sums partial outputs: no biases to add twice"
         m = cfg.hybrid.moe
@@ -146,7 +147,7 @@ class QwenMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
         self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.moe_intermediate_size, cfg.hidden_size))
         self.down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.moe_intermediate_size))
-        self.shared = MLP(cfg, m.shared_expert_intermediate_size)  # this rank's slice under tensor parallelism
+        self.shared = MLP(cfg, m.shared_expert_intermediate_size, ops=ops)  # this rank's slice under tensor parallelism
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.attn_impl = attn_impl
         self.tp = tp
@@ -162,13 +163,16 @@ class Qwen3_5Layer(nn.Module):
     """Pre-norm block: h = x + mixer(norm(x)); out = h + ffn(norm(h)); the mixer (`attn`) a Gated DeltaNet or
     gated attention by the layer's type, the ffn a dense MLP or a Qwen MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(
+        self, cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
+    ):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, ops=ops)
         self.linear = cfg.hybrid.is_linear(layer)
-        self.attn = GatedDeltaNet(cfg, attn_impl, tp) if self.linear else GatedAttention(cfg, attn_impl, tp)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        self.mlp = QwenMoE(cfg, attn_impl, tp) if cfg.hybrid.moe is not None else MLP(cfg, tp=tp)
+        mixer = GatedDeltaNet if self.linear else GatedAttention
+        self.attn = mixer(cfg, attn_impl, tp, ops)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True, ops=ops)
+        self.mlp = QwenMoE(cfg, attn_impl, tp, ops) if cfg.hybrid.moe is not None else MLP(cfg, tp=tp, ops=ops)
 
     def forward(self, x, cos, sin, meta, kv):
         h = x + self.attn(self.input_norm(x), cos, sin, meta, kv)

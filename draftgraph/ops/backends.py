@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -152,7 +151,13 @@ def device_sm_count(device: torch.device) -> int | None:
 
 
 def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs kernels in its interpreter: Triton's own setting (`triton.knobs`, Triton >= 3.4, which
+    reads TRITON_INTERPRET), False where Triton is absent."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def triton_dot_settings(dtype) -> tuple[bool, str]:

@@ -14,8 +14,7 @@ call. Traced graphs name `torch.ops.draftgraph.<name>` exactly as before (the sa
 these ops.
 
 Registering is the defining module's one import-time action (once per process, before any graph naming the
-op is traced or loaded); DRAFTGRAPH_TORCH_CUSTOM_OP=1 defines them through torch.library.custom_op instead, for
-comparisons (draftgraph/envs.py). `DEFINED_IN` records which module defines each op, for compile workers that
+op is traced or loaded). `DEFINED_IN` records which module defines each op, for compile workers that
 must import exactly those (compiler/pool/compile_pool.py).
 """
 
@@ -24,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-
-from draftgraph import envs
 
 DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 DEFINED_IN: dict[str, str] = {}  # "namespace::name" -> the module that defines it
@@ -79,9 +76,6 @@ def custom_op(qualname: str, mutates_args: Iterable[str] = (), device_types: str
         device_types = (device_types,)
 
     def define(fn: Callable) -> CustomOp:
-        if envs.torch_custom_op():  # for comparisons: torch's own wrapper (its Python layers on every call)
-            DEFINED_IN[qualname] = fn.__module__
-            return torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args), device_types=device_types)
         return CustomOp(qualname, fn, mutates_args, device_types)
 
     return define

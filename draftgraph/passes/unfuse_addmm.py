@@ -14,7 +14,7 @@ spread. Kernel by kernel (plain, batch 1): 281 kernels with it against 266 witho
 Only full-size addends on CUDA tensors with alpha = beta = 1 are unfused: a broadcast bias (a [N] row) keeps
 cuBLAS's fused epilogue, and CPU code keeps Inductor's choice. Installed for every piece by
 `compiler.inductor_options.inductor_patch` as Inductor's `post_grad_custom_post_pass` (a `CustomGraphPass`, so
-its uuid, a hash of this file, enters Inductor's cache keys); `DRAFTGRAPH_UNFUSE_ADDMM=0` leaves it out, for
+its uuid, a hash of this file, enters Inductor's cache keys); `OpChoices(unfuse_addmm=False)` leaves it out, for
 comparisons.
 """
 

@@ -67,8 +67,9 @@ class Chooser:
     """The token choice of one draft step: argmax, or a draw with per-(seed, position) noise whose
     probabilities are kept (at `draft_probs[slots, step]`) for the next verify's rejection sampling."""
 
-    def __init__(self, drafter: Drafter, target_vocab: int):
+    def __init__(self, drafter: Drafter, target_vocab: int, race_kernel: bool):
         self.drafter, self.target_vocab = drafter, target_vocab
+        self.race_kernel = race_kernel  # OpChoices.race_sampler (sampler.sample_from_probs)
 
     def __call__(self, logit_h, rows, pred_pos, step, sampling: dict | None, slots, draft_probs):
         """`step`: the draft step's index, a 0-dim tensor when sampling (its column of draft_probs; draft_loop
@@ -80,7 +81,7 @@ class Chooser:
             return drafter.to_target_ids(greedy_ids)
         st = SamplingTensors(**sampling, greedy_rows=())
         q = probabilities(logits, st)
-        drawn = sample_from_probs(q, st.seeds, pred_pos, SALT_DRAFT)
+        drawn = sample_from_probs(q, st.seeds, pred_pos, SALT_DRAFT, self.race_kernel)
         col = step.reshape(1)  # [1], broadcast against slots (a 0-dim index would be read as an int)
         draft_probs[slots, col] = drafter.draft_probs_to_target(q, self.target_vocab)
         return drafter.to_target_ids(torch.where(st.temperature <= 0, greedy_ids, drawn))

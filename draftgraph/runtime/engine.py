@@ -51,7 +51,8 @@ class Engine:
             rc.block_size,
             rc.capture_sizes,
             rc.one_graph_step,
-            kv_grows_in_place,
+            kv_grows_in_place and rc.kv_grow_in_place,
+            rc.ops.race_sampler,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
         dispatcher = Dispatcher(

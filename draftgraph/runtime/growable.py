@@ -13,7 +13,8 @@ memory is not the caching allocator's: `torch.cuda.memory_reserved()` leaves it 
 unmapped and released when the buffer and every tensor viewing it are gone.
 
 `available(device)` says whether this process can use it (libcuda loads, the device supports virtual memory
-management, `DRAFTGRAPH_KV_VMM` is not 0); callers fall back to plain allocations otherwise.
+management); callers fall back to plain allocations otherwise (and where `CompileConfig.kv_grow_in_place` is
+off, runtime/engine.py).
 """
 
 from __future__ import annotations
@@ -118,10 +119,8 @@ def _granularity(index: int) -> int:
 
 def available(device) -> bool:
     """This process can grow buffers in place on `device` (a CUDA device whose driver supports virtual memory
-    management), and DRAFTGRAPH_KV_VMM is not "0" (envs.py)."""
-    from draftgraph import envs
-
-    if not envs.kv_vmm() or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+    management)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
     try:
         torch.cuda.init()

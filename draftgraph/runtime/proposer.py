@@ -68,6 +68,7 @@ class Proposer:
         device,
         shapes: StepShapes,
         loops=None,
+        race_kernel: bool = True,  # OpChoices.race_sampler
     ):
         self.drafter, self.target_cfg, self.k, self.block_size = drafter, target_cfg, k, block_size
         self.target_meta, self.draft_meta, self.forwards, self.dispatcher = (
@@ -91,7 +92,7 @@ class Proposer:
         self.max_num_seqs = max_num_seqs
         # q of the pending drafts per request slot; the last row is the padding rows' scratch.
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
-        self.choose = Chooser(drafter, target_cfg.vocab_size)
+        self.choose = Chooser(drafter, target_cfg.vocab_size, race_kernel)
         self.loops = loops  # (greedy, sampled) compiled fused loops (FULL modes), else None
 
     # ---- one proposal ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,  # [B, K, V] processed draft distribution q (None when all greedy)
     st: SamplingTensors,  # per request
     positions: torch.Tensor,  # [B, K+1] position of each token the verify rows predict
+    race_kernel: bool,  # OpChoices.race_sampler: the recovered draw's kernel (sampler.sample_from_probs)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B, K+1], num_accepted [B]); row b emits tokens[b, : num_accepted[b] + 1]."""
     b, k1, vocab = target_logits.shape
@@ -51,7 +52,7 @@ def rejection_sample(
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
         p_row = torch.where((accepted == k)[:, None], p_row, residual)  # row K: the bonus draw from p
     row_pos = positions.gather(1, accepted[:, None])[:, 0]
-    recovered = sample_from_probs(p_row, st.seeds, row_pos, SALT_TARGET)  # [B]
+    recovered = sample_from_probs(p_row, st.seeds, row_pos, SALT_TARGET, race_kernel)  # [B]
     idx = torch.arange(k1, device=target_logits.device)[None, :]
     padded_drafts = torch.cat([draft_ids, draft_ids[:, :1]], dim=1)
     sampled_tokens = torch.where(idx < accepted[:, None], padded_drafts, recovered[:, None])

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from draftgraph import envs
 from draftgraph.ops.sampling.noise import race_reference
 from draftgraph.ops.sampling.op import greedy_argmax
 from draftgraph.ops.sampling.probs import probabilities_op
@@ -64,22 +63,27 @@ def probabilities(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probabilities_op(logits, st.temperature, st.top_k, st.top_p)
 
 
-def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:
+def sample_from_probs(
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, salt: int, race_kernel: bool
+) -> torch.Tensor:
     """One token per row from probs [N, V] by the exponential race with hashed noise (ops/sampling/noise.py).
     Traced code keeps the torch ops (Inductor fuses the noise into the reduction). Eager code on CUDA (mode NONE,
     the one-graph step's acceptance, captured as it runs) may take the Triton race (`draftgraph::race_sample`,
     the noise in registers instead of [N, V] temporaries: on an H100 6.5-21x faster at 1-128 rows of a 128k
     vocabulary, the sampled one-graph step 5 % faster at B = 1 and 31 % at B = 32, its graph memory 404 -> 304 MiB,
-    docs/history/benchmarks-2026-11.md, 2026-11-26); DRAFTGRAPH_RACE_KERNEL=0 keeps the torch ops."""
-    if probs.is_cuda and not torch.compiler.is_compiling() and envs.race_kernel():
+    docs/performance.md); `race_kernel` (OpChoices.race_sampler) off keeps the torch ops."""
+    if probs.is_cuda and not torch.compiler.is_compiling() and race_kernel:
         return torch.ops.draftgraph.race_sample(probs, seeds.long(), positions.long(), salt)
     return race_reference(probs, seeds, positions, salt)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, salt: int = SALT_TARGET):
-    """Token ids [N] for logits [N, V]: argmax for greedy rows, a draw from the processed distribution else."""
+def sample(
+    logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor, race_kernel: bool, salt: int = SALT_TARGET
+):
+    """Token ids [N] for logits [N, V]: argmax for greedy rows, a draw from the processed distribution else
+    (`race_kernel`: sample_from_probs's)."""
     greedy_ids = greedy_argmax(logits)  # on CUDA the split Triton argmax (ops/sampling)
     if st.all_greedy:
         return greedy_ids
-    sampled = sample_from_probs(probabilities(logits, st), st.seeds, positions, salt)
+    sampled = sample_from_probs(probabilities(logits, st), st.seeds, positions, salt, race_kernel)
     return torch.where(st.temperature <= 0, greedy_ids, sampled)

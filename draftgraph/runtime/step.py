@@ -48,6 +48,7 @@ class RunnerShape:
     # The KV caches may grow in place up to what the device could hold (runtime/growable.py), so that the cache
     # sized after capture (runtime/memory.py) keeps the probe's addresses and graphs; where CUDA cannot, ignored.
     kv_grows_in_place: bool = False
+    race_kernel: bool = True  # OpChoices.race_sampler: eager draws on CUDA take the Triton race (sampler.py)
 
 
 def _reserve_blocks(device: torch.device, target: KVCacheSpec, draft: KVCacheSpec | None) -> int:
@@ -143,6 +144,7 @@ class StepRunner:
                 self.device,
                 shapes,
                 compiled.loops if compiled and self.k else None,
+                race_kernel=shape.race_kernel,
             )
         self.host = HostCopy(shape.max_num_seqs * (2 * self.k + 2), self.device)  # the step's one wait
         self.uniform = UniformStep(self) if shape.one_graph_step else None
@@ -197,12 +199,12 @@ class StepRunner:
             q = None
             if not st_dec.all_greedy:
                 q = self.proposer.probs_for([r.slot for r in decodes])
-            dec_tokens, accepted = rejection_sample(dec_logits, draft_ids, q, st_dec, dec_pos)
+            dec_tokens, accepted = rejection_sample(dec_logits, draft_ids, q, st_dec, dec_pos, self.shape.race_kernel)
         else:
-            dec_tokens = sample(dec_logits[:, 0], st_dec, dec_pos[:, 0])[:, None]
+            dec_tokens = sample(dec_logits[:, 0], st_dec, dec_pos[:, 0], self.shape.race_kernel)[:, None]
             accepted = torch.zeros(nd, dtype=torch.long, device=dev)
         pre_pos = positions[torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)] + 1
-        pre_tokens = sample(logits[nd * (k + 1) :], st_pre, pre_pos)
+        pre_tokens = sample(logits[nd * (k + 1) :], st_pre, pre_pos, self.shape.race_kernel)
         y = torch.cat([dec_tokens.gather(1, accepted[:, None])[:, 0], pre_tokens])  # [Bs] each request's new token
 
         parts = [dec_tokens.flatten(), accepted, pre_tokens]

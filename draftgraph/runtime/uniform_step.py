@@ -156,13 +156,13 @@ class UniformStep:
             predicts = pos.view(b, k + 1) + 1  # the positions the verify rows predict
             st = SamplingTensors(*(x[f] for f in SAMPLING_FIELDS), greedy_rows=(False,)) if sampled else _GREEDY
             if not k:
-                tokens = sample(logits[:, 0], st, predicts[:, 0])
+                tokens = sample(logits[:, 0], st, predicts[:, 0], r.shape.race_kernel)
                 accepted = torch.zeros_like(tokens)
                 self._advance(x, accepted, tokens)
                 return torch.cat([accepted, tokens])
             draft_ids = ids.view(b, k + 1)[:, 1:]
             q = r.proposer.draft_probs[slots] if sampled else None
-            tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts)
+            tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts, r.shape.race_kernel)
             y = tokens.gather(1, accepted[:, None])[:, 0]
             drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
             packed = torch.cat([accepted, tokens.flatten(), drafts.flatten()])

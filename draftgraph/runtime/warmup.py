@@ -17,7 +17,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from draftgraph import envs
 from draftgraph.ops.kernel_variants import compiled_variants
 
 log = logging.getLogger("draftgraph")
@@ -84,7 +83,7 @@ def step_sampling_calls(engine) -> list[dict]:
         calls.append(op_call("draftgraph::argmax_rows", logits))
         params = [tensor_arg((rows,), d) for d in (torch.float32, torch.int64, torch.float32)]
         calls.append(op_call("draftgraph::sampling_probs", logits, *params))  # temperature, top_k, top_p
-    if envs.race_kernel():  # the draws (the Triton race on CUDA unless DRAFTGRAPH_RACE_KERNEL=0): one row per request
+    if rc.ops.race_sampler:  # the draws (the Triton race on CUDA unless OpChoices.race_sampler is off): a row a request
         vocabs = {target.cfg.vocab_size} | ({engine.drafter.draft_vocab_size} if unfused else set())
         for b, vocab in sorted((b, v) for b in rc.full_capture_sizes for v in vocabs):
             ints = tensor_arg((b,), torch.int64)

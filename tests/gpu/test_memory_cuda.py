@@ -1,7 +1,7 @@
 """GPU tier: the KV cache sized after measuring weights, activations and CUDA graphs
 (gpu_memory_utilization): the probe's caches grow in place under its graphs (every graph captured once), or,
-with DRAFTGRAPH_KV_VMM=0, the probe's graphs are released and captured again; either way the final engine
-re-uses the compiled code (no trace, no Inductor compile), gives NONE's tokens with blocks past the probe's
+with CompileConfig(kv_grow_in_place=False), the probe's graphs are released and captured again; either way the
+final engine re-uses the compiled code (no trace, no Inductor compile), gives NONE's tokens with blocks past the probe's
 in use, and stays inside its share of device memory."""
 
 import gc
@@ -36,9 +36,7 @@ def pair_and_reference():
 
 
 @pytest.mark.parametrize("grow", [True, False], ids=["grown_in_place", "captured_twice"])
-def test_kv_cache_sized_after_graph_memory(grow, monkeypatch, pair_and_reference, settled_device):
-    if not grow:
-        monkeypatch.setenv("DRAFTGRAPH_KV_VMM", "0")
+def test_kv_cache_sized_after_graph_memory(grow, pair_and_reference, settled_device):
     target, drafter, ref = pair_and_reference
     prompts, params, arrivals = ragged(16)
     gc.collect()
@@ -48,7 +46,7 @@ def test_kv_cache_sized_after_graph_memory(grow, monkeypatch, pair_and_reference
     # What the device holds now plus 2% of it: room for the engine's weights, activations and graphs, and a
     # KV cache of a few GB beside them.
     util = (total - free) / total + 0.02
-    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", gpu_memory_utilization=util, **BASE)
+    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", gpu_memory_utilization=util, kv_grow_in_place=grow, **BASE)
     eng = dg.compile_model(target, drafter, config)
     plan = eng.memory_plan
     print(eng.warm_up_report)

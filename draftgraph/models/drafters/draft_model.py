@@ -13,6 +13,7 @@ class DraftModelDrafter(Drafter):
         super().__init__()
         self.model = model
         self.cfg = model.cfg
+        self.ops = model.ops
 
     @property
     def target_hidden(self) -> str:

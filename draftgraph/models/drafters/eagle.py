@@ -22,6 +22,7 @@ from draftgraph.models.linear import Linear, head_logits
 from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import embedding
 from draftgraph.models.weights import assign_weights, convert_layer, layer_indices
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -37,19 +38,21 @@ class EagleDrafter(Drafter):
         attn_impl: str,
         own_head: bool = False,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.ops = ops
         # Own embedding when the checkpoint has one, else the target's (held outside our parameters); own LM
         # head only as the replicated copy of a split target's (vocab-parallel when `tp` splits).
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
         local_vocab = cfg.vocab_size // tp.world_size
         self.lm_head = nn.Linear(cfg.hidden_size, local_vocab, bias=False) if own_head else None
         assert (own_embedding and own_head) or target.tp == tp, "borrowed rows must be split like the head"
-        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias, ops=ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, attn_impl, input_norm=i != 0, tp=tp) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, attn_impl, input_norm=i != 0, tp=tp, ops=ops) for i in range(cfg.num_layers)
         )
         self._target = [target]  # a list keeps the target out of this module's parameters
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.head_dim), persistent=False)
@@ -66,11 +69,18 @@ class EagleDrafter(Drafter):
         if indices is not None:
             hidden = hidden[indices]
         weight = self.lm_head.weight if self.lm_head is not None else self._target[0].head_weight
-        return self.tp.all_gather_last(head_logits(hidden, weight))  # local vocabulary rows -> all of them
+        return self.tp.all_gather_last(head_logits(hidden, weight, self.ops))  # local vocabulary rows -> all of them
 
     @classmethod
     def from_state_dict(
-        cls, cfg: ModelConfig, state: dict, target: CausalLM, device, attn_impl, tp: ParallelGroup = SINGLE
+        cls,
+        cfg: ModelConfig,
+        state: dict,
+        target: CausalLM,
+        device,
+        attn_impl,
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> EagleDrafter:
         """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -85,7 +95,7 @@ class EagleDrafter(Drafter):
         ours.update(state)
         with torch.device("meta"):
             model = cls(cfg, target, "fc.bias" in ours, "embed_tokens.weight" in ours, attn_impl,
-                        "lm_head.weight" in ours, tp)  # fmt: skip
+                        "lm_head.weight" in ours, tp, ops)  # fmt: skip
         assign_weights(model, ours, "EAGLE drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

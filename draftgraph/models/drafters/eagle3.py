@@ -24,6 +24,7 @@ from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import embedding
 from draftgraph.models.parallel.shard_cut import take
 from draftgraph.models.weights import assign_weights, convert_layer
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -34,13 +35,13 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE):
+    def __init__(self, cfg: ModelConfig, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS):
         super().__init__()
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, 0, attn_impl, in_features=2 * cfg.hidden_size, tp=tp)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp=tp)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.attn = Attention(cfg, 0, attn_impl, in_features=2 * cfg.hidden_size, tp=tp, ops=ops)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.mlp = MLP(cfg, tp=tp, ops=ops)
 
     def forward(self, emb, hidden, cos, sin, meta, kv):
         x = torch.cat([self.input_norm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
@@ -60,18 +61,20 @@ class Eagle3Drafter(Drafter):
         own_embedding: bool,
         attn_impl: str,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.ops = ops
         self._aux_layers = aux_layers
         self._draft_vocab = draft_vocab
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
         assert own_embedding or target.tp == tp, "a borrowed embedding must be split like the head"
-        self.fc = Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(cfg, attn_impl, tp)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, draft_vocab // tp.world_size, bias=False)  # local draft rows
+        self.fc = Linear(3 * target.cfg.hidden_size, cfg.hidden_size, bias=False, ops=ops)
+        self.midlayer = Eagle3Layer(cfg, attn_impl, tp, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.lm_head = Linear(cfg.hidden_size, draft_vocab // tp.world_size, bias=False, ops=ops)  # local draft rows
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target.cfg.vocab_size, dtype=torch.bool))
         self._target = [target]
@@ -124,6 +127,7 @@ class Eagle3Drafter(Drafter):
         attn_impl,
         aux_layers: tuple[int, ...] | None = None,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> Eagle3Drafter:
         """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -137,7 +141,7 @@ class Eagle3Drafter(Drafter):
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         aux = aux_layers or default_aux_layers(target.cfg.num_layers)
         with torch.device("meta"):
-            model = cls(cfg, target, draft_vocab, aux, "embed_tokens.weight" in ours, attn_impl, tp)
+            model = cls(cfg, target, draft_vocab, aux, "embed_tokens.weight" in ours, attn_impl, tp, ops)
         assign_weights(model, ours, "EAGLE-3 drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

@@ -19,6 +19,7 @@ from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import full_config, shard_config
 from draftgraph.models.parallel.sharded_read import model_share, open_checkpoint
 from draftgraph.models.weights import read_config, read_target_config
+from draftgraph.ops.choices import OpChoices, check_op_choices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -50,6 +51,7 @@ def load_drafter(
     dtype: torch.dtype | None = None,
     aux_layers: tuple[int, ...] | None = None,
     tp: ParallelGroup = SINGLE,
+    ops: OpChoices | None = None,
 ) -> Drafter:
     """`source`: a checkpoint dir, a Drafter, a draftgraph CausalLM, a transformers model object, or any
     module whose state_dict uses the upstream key names (EAGLE, EAGLE-3, DeepSeek MTP layer).
@@ -58,12 +60,18 @@ def load_drafter(
     load their share (from a checkpoint dir or a transformers object) or the whole model replicated. Heads
     (EAGLE, EAGLE-3, MTP) over a split target are split like it, or replicated with the target's embedding
     and LM head gathered once (drafters/parallel_heads.py). From a safetensors checkpoint each rank reads
-    only its share of the tensors the drafter keeps (models/parallel/sharded_read.py)."""
+    only its share of the tensors the drafter keeps (models/parallel/sharded_read.py).
+
+    `ops`: the kernels the drafter's layers use (ops/choices.py); None = the target's. A drafter passed in
+    built must have been built with them."""
     device = device if device is not None else target.embed_tokens.weight.device
     attn_impl = attn_impl or target.layers[0].attn.attn_impl
     dtype = dtype or target.cfg.dtype
+    ops = ops or target.ops
     if kind is not None and kind not in KINDS:
         raise ValueError(f"drafter kind {kind!r} is unknown; choose one of {list(KINDS)}")
+    if isinstance(source, (Drafter, CausalLM)):
+        check_op_choices(source, ops, "the drafter")
     if isinstance(source, Drafter):
         return source
     if isinstance(source, CausalLM):
@@ -77,14 +85,16 @@ def load_drafter(
     if isinstance(source, str):  # stored tensors: each read (as this rank's share) only where it is kept
         with open_checkpoint(source, tp, "drafter") as state:
             return _from_state(source, read_config(source), state, target, kind, device, attn_impl, dtype,
-                               aux_layers, tp)  # fmt: skip
+                               aux_layers, tp, ops)  # fmt: skip
     if not isinstance(source, nn.Module):
         raise TypeError(f"drafter source of type {type(source).__name__} is not a path, a module or a Drafter")
     config = _config_dict(getattr(source, "config", None))
-    return _from_state(source, config, source.state_dict(), target, kind, device, attn_impl, dtype, aux_layers, tp)
+    return _from_state(source, config, source.state_dict(), target, kind, device, attn_impl, dtype, aux_layers, tp, ops)
 
 
-def _from_state(source, config: dict, state: dict, target, kind, device, attn_impl, dtype, aux_layers, tp) -> Drafter:
+def _from_state(
+    source, config: dict, state: dict, target, kind, device, attn_impl, dtype, aux_layers, tp, ops: OpChoices
+) -> Drafter:
     """A drafter of upstream-named `state` (tensors, or sharded_read.StoredTensors of an open checkpoint)."""
     kind = kind or detect_kind(config, state.keys())
     if kind != "draft_model":
@@ -95,22 +105,22 @@ def _from_state(source, config: dict, state: dict, target, kind, device, attn_im
         cfg = ModelConfig.from_hf(config, dtype=dtype)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
         share = model_share(state, cfg, tp)  # this rank's share (read now when stored)
-        draft = CausalLM.from_state_dict(cfg, share, device, attn_impl, tp, sharded=True)
+        draft = CausalLM.from_state_dict(cfg, share, device, attn_impl, tp, sharded=True, ops=ops)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
     if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
         from draftgraph.models.drafters.qwen3_5_mtp import Qwen3_5MTPDrafter
 
-        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype, tp)
+        return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype, tp, ops)
     full = full_config(target.cfg)  # a split target's whole shape: heads take their share of it
     if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
-        return MTPDrafter.from_state_dict(full.replace(dtype=dtype), state, target, device, attn_impl, tp=tp)
+        return MTPDrafter.from_state_dict(full.replace(dtype=dtype), state, target, device, attn_impl, tp=tp, ops=ops)
     cfg = drafter_config(config, full, dtype)
     if kind == "eagle":
-        return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp)
+        return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp, ops)
     if kind == "eagle3":
-        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers, tp)
-    return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp=tp)
+        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers, tp, ops)
+    return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp=tp, ops=ops)
 
 
 def drafter_config(config: dict, target: ModelConfig, dtype) -> ModelConfig:
@@ -142,7 +152,7 @@ def truncated_draft_model(target: CausalLM, num_layers: int) -> DraftModelDrafte
         raise ValueError(f"num_layers={num_layers} must lie in [1, {target.cfg.num_layers}] for this target")
     cfg = target.cfg.first_layers(num_layers)
     with torch.device("meta"):
-        draft = CausalLM(cfg, target.layers[0].attn.attn_impl)
+        draft = CausalLM(cfg, target.layers[0].attn.attn_impl, ops=target.ops)
     draft.embed_tokens = target.embed_tokens
     draft.layers = nn.ModuleList(list(target.layers[:num_layers]))
     draft.norm = target.norm

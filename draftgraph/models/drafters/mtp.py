@@ -24,6 +24,7 @@ from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
 from draftgraph.models.llama import CausalLM, layer_converter, make_layer
 from draftgraph.models.parallel.dense import embedding, full_config
 from draftgraph.models.weights import assign_weights, layer_indices
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -39,15 +40,19 @@ class MTPDrafter(Drafter):
         attn_impl: str,
         layer: int = 0,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ops = ops
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = make_layer(cfg, layer, attn_impl, tp)  # DeepSeek: MLA + MoE (the layer index past the dense ones)
-        self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.block = make_layer(
+            cfg, layer, attn_impl, tp, ops
+        )  # DeepSeek: MLA + MoE (the layer index past the dense ones)
+        self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
         local_vocab = cfg.vocab_size // tp.world_size
         self.head = nn.Linear(cfg.hidden_size, local_vocab, bias=False) if own_head else None
@@ -82,6 +87,7 @@ class MTPDrafter(Drafter):
         attn_impl,
         layer: int | None = None,
         tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> MTPDrafter:
         """`state` is a whole checkpoint (the MTP layer is picked out) or just the layer's weights. `cfg`: the
         whole block's config (a split target's full shape); `tp`: the target's group or one process."""
@@ -115,7 +121,7 @@ class MTPDrafter(Drafter):
         index = cfg.num_layers if cfg.mla is not None else 0  # past first_k_dense_replace: a MoE block
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         with torch.device("meta"):
-            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index, tp)
+            model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index, tp, ops)
         assign_weights(model, ours, "MTP drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

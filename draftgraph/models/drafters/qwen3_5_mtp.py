@@ -32,6 +32,7 @@ from draftgraph.models.parallel.dense import full_config
 from draftgraph.models.qwen3_5 import Qwen3_5Layer
 from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer
 from draftgraph.models.weights import assign_weights
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 
@@ -45,16 +46,23 @@ class Qwen3_5MTPDrafter(Drafter):
     kind = "mtp"
 
     def __init__(
-        self, cfg: ModelConfig, target: CausalLM, attn_impl: str, tp: ParallelGroup = SINGLE, replicated: bool = False
+        self,
+        cfg: ModelConfig,
+        target: CausalLM,
+        attn_impl: str,
+        tp: ParallelGroup = SINGLE,
+        replicated: bool = False,
+        ops: OpChoices = DEFAULT_OPS,
     ):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = RMSNorm(h, eps, zero_centered=True)
-        self.pre_fc_norm_hidden = RMSNorm(h, eps, zero_centered=True)
-        self.block = Qwen3_5Layer(cfg, 0, attn_impl, tp)
-        self.norm = RMSNorm(h, eps, zero_centered=True)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, zero_centered=True, ops=ops)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, zero_centered=True, ops=ops)
+        self.block = Qwen3_5Layer(cfg, 0, attn_impl, tp, ops)
+        self.norm = RMSNorm(h, eps, zero_centered=True, ops=ops)
         self._target = [target]  # not a submodule: its weights stay the target's
         # `replicated`: whole on every rank over a split target, with the target's gathered embedding and head
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if replicated else None
@@ -81,7 +89,14 @@ class Qwen3_5MTPDrafter(Drafter):
 
     @classmethod
     def from_state_dict(
-        cls, state: dict, target: CausalLM, device, attn_impl, dtype=None, tp: ParallelGroup = SINGLE
+        cls,
+        state: dict,
+        target: CausalLM,
+        device,
+        attn_impl,
+        dtype=None,
+        tp: ParallelGroup = SINGLE,
+        ops: OpChoices = DEFAULT_OPS,
     ) -> Qwen3_5MTPDrafter:
         """`state`: a whole Qwen3.5 checkpoint (its `mtp.*` keys are read) or the head's keys alone; `tp`: the
         target's group (split alike) or one process (replicated)."""
@@ -100,7 +115,7 @@ class Qwen3_5MTPDrafter(Drafter):
         ours = convert_qwen3_5_layer(mine, "layers.0.", "block.")
         ours.update(mine)
         with torch.device("meta"):
-            model = cls(cfg, target, attn_impl, tp, replicated="lm_head.weight" in ours)
+            model = cls(cfg, target, attn_impl, tp, replicated="lm_head.weight" in ours, ops=ops)
         assign_weights(model, ours, "Qwen3.5 MTP drafter", cfg.dtype)
         return materialize(model, cfg, device)
 

@@ -29,6 +29,7 @@ from draftgraph.models.linear import Linear, project
 from draftgraph.models.parallel.hybrid import hybrid_cut, hybrid_sizes, scale_hybrid_config
 from draftgraph.models.parallel.mla import deepseek_cut, mla_sizes, scale_mla_config
 from draftgraph.models.parallel.shard_cut import Cut, split_cut, take
+from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import ParallelGroup
 
 
@@ -96,20 +97,25 @@ def full_config(cfg: ModelConfig) -> ModelConfig:
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_local @ W_local^T) + b: input features split over ranks, the bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup, ops: OpChoices = DEFAULT_OPS
+    ):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(project(x, self.weight))
+        y = self.tp.all_reduce(project(x, self.weight, None, self.ops))
         return y if self.bias is None else y + self.bias
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, tp: ParallelGroup) -> nn.Linear:
+def row_linear(
+    in_features: int, out_features: int, bias: bool, tp: ParallelGroup, ops: OpChoices = DEFAULT_OPS
+) -> nn.Linear:
     """A row-parallel linear over `in_features` local inputs (nn.Linear itself for one process)."""
     if tp.is_single:
-        return Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, bias, tp)
+        return Linear(in_features, out_features, bias=bias, ops=ops)
+    return RowParallelLinear(in_features, out_features, bias, tp, ops)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -131,8 +131,8 @@ def add_rms_norm_linear(
     """(s, y): s = x + residual (a residual stream) and y = rms_norm(s) @ weight.T + bias (the projection after a
     pre-norm), as ops/norm's add_rms_norm then F.linear compute them. On CUDA one row is one launch (the GEMV makes
     the norm as it loads the row: no normalised row in memory); more rows are add_rms_norm's kernel then F.linear.
-    The Llama layers' default on CUDA (DRAFTGRAPH_NORM_LINEAR=0 turns it off): 1.3 % off plain decode at batch 1
-    on an H100, even at 8 and 32 (docs/history/benchmarks-2026-11.md, 2026-11-26)."""
+    The Llama layers' default on CUDA (OpChoices.norm_in_projection off turns it off): 1.3 % off plain decode at batch 1
+    on an H100, even at 8 and 32 (docs/history/benchmarks-2026-11.md)."""
     from draftgraph.ops.norm.op import rms_norm_reference
 
     k = x.shape[-1]

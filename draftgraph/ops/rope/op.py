@@ -77,8 +77,8 @@ def rope_qkv_write(
     """`rope_qkv` whose rotated keys and the values go straight into the paged caches at `slot_mapping` (slot -1:
     skipped), as the attention op's KV write would put them; returns the rotated queries. The attention op then
     gets no rows to write: the KV write's kernel goes. The Llama attention's default on CUDA with the Triton
-    attention (DRAFTGRAPH_ROPE_KV_WRITE=0 turns it off): 1.0-1.3 % off plain decode at batch 1, 8 and 32 on an
-    H100 (docs/history/benchmarks-2026-11.md, 2026-11-26)."""
+    attention (OpChoices.rope_kv_write off turns it off): 1.0-1.3 % off plain decode at batch 1, 8 and 32 on an
+    H100 (docs/history/benchmarks-2026-11.md)."""
     if q.is_cuda:
         from draftgraph.ops.rope.triton_rope import rope_qkv_write_triton
 
