@@ -16,9 +16,9 @@ import torch
 from draftgraph.artifacts.store import ArtifactError, check_artifacts, load_functions
 from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices, check_op_choices
 from draftgraph.ops.collectives.op import SINGLE, ExpertGroups, ParallelGroup
 from draftgraph.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config

@@ -26,7 +26,7 @@ import transformers
 import triton
 
 from draftgraph.models.builtin import builtin_drafter
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.moe import MoE, route
 from scripts.bench_full import compile_engines, timed, verify_batch, verify_fn
 from scripts.bench_piecewise import Bench, copy_bandwidth

@@ -166,7 +166,7 @@ def gpu_ms(fn, iters: int = 5) -> float:
 def bench_model():
     import transformers
 
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from scripts.bench_deepseek import SHAPE
 
     torch.manual_seed(0)

@@ -26,8 +26,8 @@ import triton
 
 import draftgraph as dg
 from draftgraph.models.builtin import module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import load_drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.runtime.attn_metadata import RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor

@@ -31,7 +31,7 @@ import triton
 
 import draftgraph as dg
 from draftgraph.models.builtin import builtin_drafter
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.linear_attention import chunked
 from draftgraph.ops.linear_attention.reference import gated_delta_net_reference
 from draftgraph.ops.linear_attention.triton_gdn import conv_forward, gated_delta_net_triton

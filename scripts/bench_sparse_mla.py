@@ -28,7 +28,7 @@ import torch
 import transformers
 import triton
 
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.mla.reference import mla_latent_reference
 from draftgraph.ops.mla.triton_latent import mla_latent_triton
 from draftgraph.ops.sparse_mla.reference import indexer_topk_reference, sparse_mla_latent_reference

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import load_drafter
-from draftgraph.models.llama import CausalLM
 from tests import dense_ref
 from tests.test_drafters import module_from_state
 

@@ -44,12 +44,12 @@ def inspect_case(family: str, kind: str, mode: str, out_dir: str) -> dict:
 
     if family == "deepseek_v32":
         from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
-        from draftgraph.models.llama import CausalLM
+        from draftgraph.models.causal_lm import CausalLM
 
         target = CausalLM.from_hf(builtin_deepseek_v32_hf())
     elif family == "qwen3_5":
         from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
-        from draftgraph.models.llama import CausalLM
+        from draftgraph.models.causal_lm import CausalLM
 
         target = CausalLM.from_hf(builtin_qwen3_5_hf())
     else:

@@ -12,7 +12,7 @@ import pytest
 
 import draftgraph as dg
 from draftgraph.artifacts.store import MANIFEST, ArtifactError, build_artifacts
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 from tests.test_engine import ragged

@@ -16,7 +16,7 @@ from draftgraph.artifacts.input_paths import InputPathError, describe, parse_sou
 from draftgraph.artifacts.store import MANIFEST, ArtifactError, build_artifacts
 from draftgraph.compiler.fx_allowlist import TargetNotAllowed
 from draftgraph.compiler.fx_serialize import decode_target
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 from tests.test_artifacts import cfg

@@ -14,7 +14,7 @@ from draftgraph.compiler.piece_inputs import NotPortable, encode_inputs, rebuild
 from draftgraph.compiler.pool import pool_lifetime
 from draftgraph.compiler.pool.compile_pool import CompilePool, wait_stopped
 from draftgraph.compiler.pool.pool_lifetime import auto_workers, prestart, shared_workers, start_pool
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 from tests.test_engine import ragged

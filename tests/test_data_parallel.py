@@ -103,7 +103,7 @@ def deepseek_dir(tmp_path_factory):
     from safetensors.torch import save_file
 
     from draftgraph.models.builtin import deepseek_layer_weights
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from tests.helpers import tiny_deepseek_model
 
     path = tmp_path_factory.mktemp("deepseek")
@@ -184,7 +184,7 @@ def test_expert_parallel_compiled_ranks_run_the_same_graph_keys(deepseek_dir, de
 def _check_expert_parallel_layer(ep):
     """Each rank: the row collectives, then its ExpertParallelMoE share over its own tokens (same count on every
     rank) = the whole MoE layer over the same tokens, eager and inside torch.compile (one node per collective)."""
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from draftgraph.models.parallel.experts import ExpertParallelMoE
     from draftgraph.ops.collectives.op import ExpertGroups
     from tests.helpers import tiny_deepseek_model
@@ -230,7 +230,7 @@ def test_expert_parallel_layer_equals_the_whole_layer(tmp_path):
 
 def _check_qwen_expert_parallel_layer(ep):
     """Each rank: its share of a Qwen3.5-MoE layer over its own tokens = the whole layer over them."""
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from draftgraph.models.parallel.experts import ExpertParallelMoE
     from draftgraph.ops.collectives.op import ExpertGroups
     from tests.test_qwen3_5 import tiny_qwen3_5

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import draftgraph.ops.splitting  # noqa: F401  (registers the attention ops)
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.moe import route
 from draftgraph.ops.mla.forms import MLACost, mla_forward, plan_mla
 from draftgraph.ops.moe.op import moe_experts_reference

@@ -17,8 +17,8 @@ import transformers
 
 import draftgraph as dg
 from draftgraph.models.builtin import deepseek_layer_weights, module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import load_drafter
-from draftgraph.models.llama import CausalLM
 from tests.helpers import PagedRunner, tiny_deepseek_config
 from tests.test_engine import ragged
 

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from draftgraph.models.builtin import module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import load_drafter
 from draftgraph.models.drafters.loader import truncated_draft_model
-from draftgraph.models.llama import CausalLM
 from tests import dense_ref
 from tests.helpers import PagedRunner, tiny_hf_model
 

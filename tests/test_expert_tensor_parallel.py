@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup
 from tests.helpers import tiny_deepseek_model
 from tests.test_data_parallel import PARAMS, PROMPTS, config, deepseek_dir  # noqa: F401  (a fixture)

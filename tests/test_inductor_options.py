@@ -6,7 +6,7 @@ import draftgraph as dg
 from draftgraph.cli.commands import _inductor_options
 from draftgraph.compiler.config import resolve
 from draftgraph.compiler.inductor_options import DEFAULT_INDUCTOR_OPTIONS, resolve_inductor_options
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.helpers import tiny_hf_model
 
 

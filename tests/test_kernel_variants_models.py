@@ -23,7 +23,7 @@ import torch
 
 import draftgraph.ops
 import draftgraph.ops.launch as launch_module
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.helpers import PagedRunner, tiny_deepseek_model, tiny_hf_model
 from tests.test_kernel_variants import _spec
 

@@ -20,7 +20,7 @@ from draftgraph.compiler.pool.kernels_ahead import (
     op_calls,
     run_op_call,
 )
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.launch import compiling_ahead, launch
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

@@ -54,7 +54,7 @@ def test_a_resized_cache_reuses_every_trace():
     from dataclasses import replace
 
     from draftgraph.compiler.build import build_compiled
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from draftgraph.runtime.drafting import Chooser, fused_loop_fn
     from draftgraph.runtime.engine import Engine
     from tests.copy_drafters import make_drafter

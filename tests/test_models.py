@@ -7,8 +7,8 @@ summation order (fused QKV / gate-up matmuls, attention through the paged cache)
 import pytest
 import torch
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import CausalLM
 from tests.helpers import PagedRunner, tiny_hf_model
 
 ATOL = 1e-4

@@ -14,10 +14,10 @@ import draftgraph as dg
 from draftgraph.api import load_target
 from draftgraph.artifacts.store import ArtifactError, build_artifacts, config_fields
 from draftgraph.compiler.config import CompileConfig, resolve
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.layers import RMSNorm
 from draftgraph.models.linear import Linear
-from draftgraph.models.llama import CausalLM
 from draftgraph.ops.choices import MODEL_FIELDS, OpChoices
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_deepseek_model, tiny_hf_model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 

@@ -9,7 +9,7 @@ import torch
 
 import draftgraph as dg
 import draftgraph.runtime.drafting as drafting
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.step_writes import StepWrites
 from tests.copy_drafters import make_drafter

@@ -11,7 +11,7 @@ import torch
 
 import draftgraph as dg
 from draftgraph.compiler.config import CUDAGraphMode, resolve
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.weights import CheckpointError
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
@@ -43,7 +43,7 @@ def no_weights_loaded(monkeypatch):
     def refuse(path):
         raise AssertionError(f"weights of {path} were loaded before the check")
 
-    monkeypatch.setattr("draftgraph.models.llama.read_checkpoint", refuse)
+    monkeypatch.setattr("draftgraph.models.causal_lm.read_checkpoint", refuse)
 
 
 def test_auto_is_none_on_the_cpu_and_says_why(caplog):

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 import draftgraph as dg
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.loader import truncated_draft_model
-from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.state_cache import StateCache, StateCacheSpec

@@ -113,8 +113,8 @@ def test_sums_left_to_the_next_norm_give_the_same_values(monkeypatch, norm_linea
     streams equal the layer-by-layer forward exactly; with the norms in the projections (CUDA's default) each add,
     norm and projection is one op (its CPU form here: the same torch ops). Off CUDA the layer-by-layer forward
     runs, with neither."""
+    from draftgraph.models.causal_lm import CausalLM
     from draftgraph.models.layers import DecoderLayer
-    from draftgraph.models.llama import CausalLM
     from tests.helpers import PagedRunner, tiny_hf_model
 
     assert not DecoderLayer.norms_in_projections(None, torch.zeros(1))  # not on the CPU

@@ -112,7 +112,7 @@ def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch, fus
     CPU with the kernels interpreted, prefill then a decode step: with the KV write inside the RoPE kernel the
     hidden states and the caches equal the path where the attention op writes them."""
     import draftgraph.ops.rope.triton_rope as tr
-    from draftgraph.models.llama import CausalLM
+    from draftgraph.models.causal_lm import CausalLM
     from draftgraph.ops.choices import OpChoices
     from tests.helpers import PagedRunner, tiny_hf_model
 

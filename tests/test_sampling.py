@@ -13,8 +13,8 @@ import torch
 from scipy.stats import chisquare
 
 import draftgraph as dg
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import truncated_draft_model
-from draftgraph.models.llama import CausalLM
 from draftgraph.ops.sampling.noise import uniform_noise
 from draftgraph.ops.sampling.probs import _ordered_keys, _probabilities, _threshold_key
 from draftgraph.runtime.rejection import rejection_sample

@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 
 import draftgraph as dg
 from draftgraph.models.builtin import module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.weights import read_checkpoint, read_target_config
 from draftgraph.ops.collectives.op import ParallelGroup
 from tests.helpers import tiny_deepseek_model, tiny_hf_model

@@ -14,8 +14,8 @@ import torch
 
 import draftgraph as dg
 import draftgraph.models.parallel.sharded_read as sharded_read
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import shard_dim
 from draftgraph.models.weights import read_checkpoint, read_target_config, weight_files
 from draftgraph.ops.collectives.op import ParallelGroup

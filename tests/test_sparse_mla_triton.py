@@ -18,7 +18,7 @@ import torch
 
 import draftgraph.ops.sparse_mla.triton_indexer as triton_indexer
 import draftgraph.ops.splitting  # noqa: F401  (registers the ops)
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.backends import GraphSupport, family_backend
 from draftgraph.ops.mla.reference import mla_latent_reference
 from draftgraph.ops.mla.triton_latent import mla_latent_triton

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import draftgraph as dg
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
 from tests.helpers import PagedRunner, tiny_hf_model

@@ -15,8 +15,8 @@ import transformers
 
 import draftgraph as dg
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target, builtin_pair
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import truncated_draft_model
-from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.text import IncrementalDetokenizer
 
 NONE = dict(mode="NONE", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)

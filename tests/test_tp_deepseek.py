@@ -15,9 +15,9 @@ import torch
 
 import draftgraph as dg
 from draftgraph.models.builtin import deepseek_layer_weights, module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.deepseek import set_mla_form
 from draftgraph.models.drafters.loader import load_drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import full_config, shard_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests.helpers import PagedRunner, tiny_deepseek_config, tiny_deepseek_model

@@ -17,8 +17,8 @@ import torch
 
 import draftgraph as dg
 from draftgraph.models.builtin import module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import load_drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import RowParallelLinear, VocabParallelEmbedding
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests import dense_ref

@@ -11,9 +11,9 @@ engine's tokens = transformers' with the one-process engine's accepted drafts.
 import torch
 
 from draftgraph.models.builtin import module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import load_drafter
 from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import full_config
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup, get_group, register_group, unregister_group
 from tests.test_qwen3_5 import hf_generate, run, tiny_qwen3_5

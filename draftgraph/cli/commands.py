@@ -290,13 +290,13 @@ def cmd_inspect(args) -> int:
         target, drafter = args.target, args.drafter
     elif args.family == "deepseek_v32":
         from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
-        from draftgraph.models.llama import CausalLM
+        from draftgraph.models.causal_lm import CausalLM
 
         target = CausalLM.from_hf(builtin_deepseek_v32_hf(args.seed))
         drafter = builtin_drafter(args.drafter_kind or "mtp", target)
     elif args.family == "qwen3_5":
         from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
-        from draftgraph.models.llama import CausalLM
+        from draftgraph.models.causal_lm import CausalLM
 
         target = CausalLM.from_hf(builtin_qwen3_5_hf(args.seed))
         drafter = builtin_drafter(args.drafter_kind or "mtp", target)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 import transformers
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import truncated_draft_model
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.families import AttentionForm, MTPHead, family_of
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 
 HF_CONFIGS = {
@@ -228,13 +229,14 @@ def builtin_drafter(kind: str, target: CausalLM, seed: int = 0, draft_layers: in
         w["lm_head.weight"] = torch.randn(draft_vocab, h, generator=gen) * 0.05
         w["d2t"] = torch.arange(draft_vocab) * 2 - torch.arange(draft_vocab)  # draft id i -> target id 2i
         w["t2d"] = torch.arange(vocab) % 2 == 0
-    elif kind == "mtp" and cfg.hybrid is not None:  # Qwen3.5's head in its checkpoint layout
+    elif kind == "mtp" and family_of(cfg).mtp is MTPHead.QWEN3_5:  # Qwen3.5's head in its checkpoint layout
         from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
 
         w = random_mtp_weights(cfg, gen)
     elif kind == "mtp":
         p = f"model.layers.{cfg.num_layers}."
-        w = deepseek_layer_weights(p, cfg, gen) if cfg.mla is not None else _random_layer(p, cfg, gen)
+        own_shape = family_of(cfg).mtp is MTPHead.TARGET_LAYER  # DeepSeek: a layer of the target's shape
+        w = deepseek_layer_weights(p, cfg, gen) if own_shape else _random_layer(p, cfg, gen)
         w.update(
             {
                 p + "enorm.weight": torch.ones(h),
@@ -274,7 +276,7 @@ def deepseek_layer_weights(prefix: str, cfg, gen, quiet: bool = False, std: floa
         w[sa + "q_b_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, a.q_lora_rank)
     else:
         w[sa + "q_proj.weight"] = r(cfg.num_heads * a.qk_head_dim, h)
-    if cfg.indexer is not None:  # DeepSeek-V3.2: the lightning indexer (models/deepseek_v32.py)
+    if family_of(cfg).attention is AttentionForm.SPARSE_MLA:  # V3.2: the lightning indexer (models/deepseek_v32.py)
         i, ix = cfg.indexer, sa + "indexer."
         w[ix + "wq_b.weight"] = r(i.num_heads * i.head_dim, a.q_lora_rank)
         w[ix + "wk.weight"] = r(i.head_dim, h)

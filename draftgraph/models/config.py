@@ -17,8 +17,9 @@ import torch
 
 from draftgraph.models.hybrid_config import HYBRID_TYPES, WRAPPER_TYPES, HybridConfig, hybrid_from_hf
 
-# model_type -> the behaviour switches that family implies (transformers' own defaults).
-FAMILIES = {
+# model_type -> the behaviour switches it implies (transformers' own defaults); each is claimed by one family in
+# models/families/ (tests/test_families.py checks they agree).
+MODEL_TYPES = {
     "llama": {"qk_norm": False, "qkv_bias": None},
     "qwen2": {"qk_norm": False, "qkv_bias": True},
     "qwen3": {"qk_norm": True, "qkv_bias": None},
@@ -165,8 +166,8 @@ class ModelConfig:
     tp_size: int = 1
 
     def __post_init__(self):
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type={self.model_type!r} is not supported; supported: {sorted(FAMILIES)}.")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -229,12 +230,12 @@ class ModelConfig:
             if dtype is None:
                 dtype = _parse_dtype(get("torch_dtype", None) or get("dtype", None))
             return cls.from_hf(text, dtype=dtype)
-        if model_type not in FAMILIES:
+        if model_type not in MODEL_TYPES:
             raise ValueError(
-                f"model_type={model_type!r} is not supported; supported: {sorted(FAMILIES)}. "
+                f"model_type={model_type!r} is not supported; supported: {sorted(MODEL_TYPES)}. "
                 "draftgraph builds Llama-family targets from their transformers config."
             )
-        family = FAMILIES[model_type]
+        family = MODEL_TYPES[model_type]
         num_heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // num_heads

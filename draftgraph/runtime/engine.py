@@ -10,8 +10,8 @@ from dataclasses import replace
 from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams

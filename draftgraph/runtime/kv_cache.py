@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from draftgraph.models.families import family_of
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -42,7 +44,7 @@ class KVCacheSpec:
     @classmethod
     def for_model(cls, cfg, num_layers: int, num_blocks: int, block_size: int) -> KVCacheSpec:
         """The cache of a model with ModelConfig `cfg` and `num_layers` layers that hold KV."""
-        linear = tuple(i for i in cfg.hybrid.linear_layers if i < num_layers) if cfg.hybrid is not None else ()
+        linear = tuple(i for i in family_of(cfg).state_layers(cfg) if i < num_layers)
         return cls(
             num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, cfg.kv_entry_shapes, linear
         )

@@ -17,8 +17,8 @@ import torch
 from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import CUDAGraphMode
 from draftgraph.compiler.cuda_graphs import StepShapes
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
-from draftgraph.models.llama import CausalLM
 from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatcher
 from draftgraph.runtime.drafting import advance

@@ -9,7 +9,7 @@ from triton.runtime.cache import get_cache_manager
 
 import draftgraph as dg
 from draftgraph.artifacts.store import CACHE, build_artifacts
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.kernel_variants import compiled_variants
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model

@@ -10,8 +10,8 @@ Inductor's and eager rounding; the bf16 kernels are checked in tests/test_deepse
 import pytest
 import torch
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.deepseek import set_mla_form
-from draftgraph.models.llama import CausalLM
 from tests.copy_drafters import copy_deepseek_mtp
 from tests.helpers import PagedRunner, tiny_deepseek_model
 from tests.test_deepseek import MLAShape, check_chunked_logits, generate

@@ -22,7 +22,7 @@ import torch
 
 import draftgraph as dg
 import draftgraph.ops.sparse_mla.op  # noqa: F401  (registers the indexer and sparse MLA ops when run alone)
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.helpers import PagedRunner
 from tests.test_deepseek_v32 import copy_v32_mtp, tiny_v32_model
 from tests.test_engine import ragged

@@ -8,7 +8,7 @@ bf16: compared against our own float32 run of the same weights, 0.15 absolute on
 import pytest
 import torch
 
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from tests.helpers import PagedRunner, tiny_hf_model
 
 pytestmark = pytest.mark.gpu

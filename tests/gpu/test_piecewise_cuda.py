@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.runtime.attn_metadata import RequestSlice
 from tests.copy_drafters import make_drafter
 from tests.helpers import PagedRunner, tiny_hf_model

@@ -25,7 +25,7 @@ import torch
 import draftgraph as dg
 import draftgraph.ops.linear_attention.op  # noqa: F401  (registers torch.ops.draftgraph.gated_delta_net)
 from draftgraph.models.builtin import builtin_drafter
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops.linear_attention.chunked import fla_chunk_fn
 from draftgraph.ops.linear_attention.reference import gated_delta_net_reference
 from draftgraph.ops.linear_attention.triton_gdn import gated_delta_net_triton

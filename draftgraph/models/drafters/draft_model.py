@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter, mismatch
-from draftgraph.models.llama import CausalLM
 
 
 class DraftModelDrafter(Drafter):

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import MLP, Attention, RMSNorm, materialize, rope_lookup
 from draftgraph.models.linear import Linear
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import embedding
 from draftgraph.models.parallel.shard_cut import take
 from draftgraph.models.weights import assign_weights, convert_layer

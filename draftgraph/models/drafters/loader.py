@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import KINDS, Drafter
 from draftgraph.models.drafters.draft_model import DraftModelDrafter
@@ -15,7 +16,7 @@ from draftgraph.models.drafters.eagle import EagleDrafter
 from draftgraph.models.drafters.eagle3 import Eagle3Drafter
 from draftgraph.models.drafters.mtp import MTPDrafter
 from draftgraph.models.drafters.parallel_heads import check_draft_group
-from draftgraph.models.llama import CausalLM
+from draftgraph.models.families import MTPHead, family_of
 from draftgraph.models.parallel.dense import full_config, shard_config
 from draftgraph.models.parallel.sharded_read import model_share, open_checkpoint
 from draftgraph.models.weights import read_config, read_target_config
@@ -108,12 +109,13 @@ def _from_state(
         draft = CausalLM.from_state_dict(cfg, share, device, attn_impl, tp, sharded=True, ops=ops)
         check_draft_pair(draft, target)
         return DraftModelDrafter(draft)
-    if kind == "mtp" and target.cfg.hybrid is not None:  # Qwen3.5: its `mtp.*` head
+    mtp = family_of(target.cfg).mtp
+    if kind == "mtp" and mtp is MTPHead.QWEN3_5:  # Qwen3.5: its `mtp.*` head
         from draftgraph.models.drafters.qwen3_5_mtp import Qwen3_5MTPDrafter
 
         return Qwen3_5MTPDrafter.from_state_dict(state, target, device, attn_impl, dtype, tp, ops)
     full = full_config(target.cfg)  # a split target's whole shape: heads take their share of it
-    if kind == "mtp" and target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer has the target's shape
+    if kind == "mtp" and mtp is MTPHead.TARGET_LAYER:  # DeepSeek-V3: the MTP layer has the target's shape
         return MTPDrafter.from_state_dict(full.replace(dtype=dtype), state, target, device, attn_impl, tp=tp, ops=ops)
     cfg = drafter_config(config, full, dtype)
     if kind == "eagle":

@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
+from draftgraph.models.families import MTPHead, family_of
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
-from draftgraph.models.llama import CausalLM, layer_converter, make_layer
 from draftgraph.models.parallel.dense import embedding, full_config
 from draftgraph.models.weights import assign_weights, layer_indices
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
@@ -49,9 +50,8 @@ class MTPDrafter(Drafter):
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = make_layer(
-            cfg, layer, attn_impl, tp, ops
-        )  # DeepSeek: MLA + MoE (the layer index past the dense ones)
+        # DeepSeek: MLA + MoE (the layer index past the dense ones)
+        self.block = family_of(cfg).make_layer(cfg, layer, attn_impl, tp, ops)
         self.head_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ops)
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if own_embedding else None
         local_vocab = cfg.vocab_size // tp.world_size
@@ -101,12 +101,13 @@ class MTPDrafter(Drafter):
             layer = present[0] if present else None
         prefix = f"model.layers.{layer}." if layer is not None else ""
         mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        if target.cfg.mla is not None:  # DeepSeek-V3: the MTP layer is a layer of the target's own shape
+        target_layer = family_of(target.cfg).mtp is MTPHead.TARGET_LAYER
+        if target_layer:  # DeepSeek-V3: the MTP layer is a layer of the target's own shape
             cfg = full_config(target.cfg).replace(dtype=cfg.dtype)
         check_pair(cfg, mine, target.cfg)
         cfg, mine = head_share("mtp", cfg, mine, target, tp, ("embed_tokens.weight", "shared_head.head.weight"),
                                ("embed_tokens.weight", "shared_head.head.weight"))  # fmt: skip
-        ours = layer_converter(cfg)(mine, "", "block.")
+        ours = family_of(cfg).convert_layer(mine, "", "block.")
         for theirs, name in (
             ("enorm.weight", "enorm.weight"),
             ("hnorm.weight", "hnorm.weight"),
@@ -118,7 +119,7 @@ class MTPDrafter(Drafter):
             if theirs in mine:
                 ours[name] = mine.pop(theirs)
         ours.update(mine)
-        index = cfg.num_layers if cfg.mla is not None else 0  # past first_k_dense_replace: a MoE block
+        index = cfg.num_layers if target_layer else 0  # past first_k_dense_replace: a MoE block
         cfg = cfg.replace(num_layers=1, sliding_windows=())
         with torch.device("meta"):
             model = cls(cfg, target, "embed_tokens.weight" in ours, "head.weight" in ours, attn_impl, index, tp, ops)

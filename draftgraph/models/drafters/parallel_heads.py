@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import shard_config, tensor_cut
 from draftgraph.models.parallel.shard_cut import Cut, split_cut, take
 from draftgraph.ops.collectives.op import ParallelGroup

@@ -23,11 +23,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters.base import Drafter, mismatch
 from draftgraph.models.drafters.parallel_heads import head_share
 from draftgraph.models.layers import RMSNorm, materialize, rope_lookup
-from draftgraph.models.llama import CausalLM
 from draftgraph.models.parallel.dense import full_config
 from draftgraph.models.qwen3_5 import Qwen3_5Layer
 from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.families import family_of
 from draftgraph.models.linear import Linear, project
-from draftgraph.models.parallel.hybrid import hybrid_cut, hybrid_sizes, scale_hybrid_config
-from draftgraph.models.parallel.mla import deepseek_cut, mla_sizes, scale_mla_config
+from draftgraph.models.parallel.mla import deepseek_cut
 from draftgraph.models.parallel.shard_cut import Cut, split_cut, take
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import ParallelGroup
@@ -39,16 +39,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: ParallelGroup) -> None:
         return
     if cfg.tp_size != 1:
         raise ValueError(f"this ModelConfig is already one rank's share (tp_size={cfg.tp_size}); pass the full one")
-    sizes = (
-        ("num_attention_heads", cfg.num_heads),
-        ("num_key_value_heads", cfg.num_kv_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    )
-    if cfg.mla is not None:
-        sizes = mla_sizes(cfg)
-    elif cfg.hybrid is not None:
-        sizes = hybrid_sizes(cfg)
+    sizes = family_of(cfg).share.sizes(cfg)
     bad = [f"{name}={n}" for name, n in sizes if n % tp.world_size]
     if bad:
         fits = [w for w in range(1, cfg.num_kv_heads + 1) if all(n % w == 0 for _, n in sizes)]
@@ -63,34 +54,38 @@ def shard_config(cfg: ModelConfig, tp: ParallelGroup) -> ModelConfig:
     check_tensor_parallel(cfg, tp)
     if tp.is_single:
         return cfg
-    w = tp.world_size
-    if cfg.mla is not None:
-        return scale_mla_config(cfg, w, up=False)
-    if cfg.hybrid is not None:
-        return scale_hybrid_config(cfg, w, up=False)
-    return cfg.replace(
-        num_heads=cfg.num_heads // w,
-        num_kv_heads=cfg.num_kv_heads // w,
-        intermediate_size=cfg.intermediate_size // w,
-        tp_size=w,
-    )
+    return family_of(cfg).share.scale(cfg, tp.world_size, False)
 
 
 def full_config(cfg: ModelConfig) -> ModelConfig:
     """The whole model's config from one rank's share (`shard_config`'s inverse; `cfg` itself for one process).
     Drafters that read the target's shape (EAGLE's defaults) start from it, then take their own share."""
-    w = cfg.tp_size
-    if w == 1:
+    if cfg.tp_size == 1:
         return cfg
-    if cfg.mla is not None:
-        return scale_mla_config(cfg, w, up=True)
-    if cfg.hybrid is not None:
-        return scale_hybrid_config(cfg, w, up=True)
+    return family_of(cfg).share.scale(cfg, cfg.tp_size, True)
+
+
+def dense_sizes(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """The sizes a Llama-family tensor-parallel size must divide."""
+    return (
+        ("num_attention_heads", cfg.num_heads),
+        ("num_key_value_heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+        ("vocab_size", cfg.vocab_size),
+    )
+
+
+def scale_dense_config(cfg: ModelConfig, w: int, up: bool) -> ModelConfig:
+    """Heads, KV heads and intermediate size divided by `w` (one rank's share) or multiplied back."""
+
+    def f(n: int) -> int:
+        return n * w if up else n // w
+
     return cfg.replace(
-        num_heads=cfg.num_heads * w,
-        num_kv_heads=cfg.num_kv_heads * w,
-        intermediate_size=cfg.intermediate_size * w,
-        tp_size=1,
+        num_heads=f(cfg.num_heads),
+        num_kv_heads=f(cfg.num_kv_heads),
+        intermediate_size=f(cfg.intermediate_size),
+        tp_size=1 if up else w,
     )
 
 
@@ -158,13 +153,16 @@ def shard_dim(name: str) -> int | None:
 
 def tensor_cut(name: str, shape: tuple[int, ...], tp: ParallelGroup, cfg: ModelConfig | None = None) -> Cut | None:
     """How rank `tp.rank` cuts the transformers-named tensor of (whole) `shape`, None when it holds all of it:
-    DeepSeek's MLA and expert names by parallel_mla's rules, Qwen3.5's by parallel_hybrid's (which need the
-    whole model's `cfg`), the rest by the Llama family's (`shard_dim`)."""
+    the names only the family of the whole model's `cfg` has by its own rule (`Family.share.cut`: DeepSeek's MLA
+    and experts in parallel/mla.py, Qwen3.5's in parallel/hybrid.py), the rest by the Llama family's (`shard_dim`).
+    Without a `cfg`, the rules that go by name alone: DeepSeek's, then the Llama family's."""
     if tp.is_single:
         return None
-    cut = deepseek_cut(name, shape, tp.rank, tp.world_size)
-    if cut is None and cfg is not None and cfg.hybrid is not None:
-        cut = hybrid_cut(name, shape, tp.rank, tp.world_size, cfg.hybrid.linear)
+    if cfg is None:  # the family unknown: the rules that go by name alone
+        cut = deepseek_cut(name, shape, tp.rank, tp.world_size)
+    else:
+        own = family_of(cfg).share.cut
+        cut = None if own is None else own(name, shape, tp.rank, tp.world_size, cfg)
     if cut is not None:
         return cut
     dim = shard_dim(name)

@@ -42,6 +42,7 @@ from torch import nn
 import draftgraph.ops.collectives.rows  # noqa: F401  (registers all_gather_rows / reduce_scatter_rows)
 import draftgraph.ops.moe.op  # noqa: F401  (registers draftgraph::moe_experts)
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.families import family_of
 from draftgraph.models.moe import MoE, route_tokens
 from draftgraph.models.qwen3_5 import QwenMoE, qwen_route
 from draftgraph.ops.collectives.op import ExpertGroups
@@ -64,7 +65,7 @@ def check_expert_config(cfg: ModelConfig | None, ep: ExpertGroups) -> None:
     whose config is unknown here, checked when its layers are split)."""
     if cfg is None:
         return
-    moe = cfg.moe if cfg.moe is not None else (cfg.hybrid.moe if cfg.hybrid is not None else None)
+    moe = family_of(cfg).experts(cfg)
     if moe is None:
         _no_moe(cfg.model_type)
     check_expert_parallel(moe.num_experts, ep, cfg.model_type)

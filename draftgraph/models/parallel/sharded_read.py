@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.families import family_of
 from draftgraph.models.parallel.dense import tensor_cut
 from draftgraph.models.parallel.shard_cut import Cut, take
-from draftgraph.models.qwen3_5_weights import NOT_TEXT_MODEL
 from draftgraph.models.weights import CheckpointError, check_weight_files, read_checkpoint
 from draftgraph.ops.collectives.op import ParallelGroup
 
@@ -118,7 +118,7 @@ _LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
 def target_keeps(name: str, cfg: ModelConfig) -> bool:
     """Whether a stored tensor is part of the model `cfg` (CausalLM.from_state_dict drops the others: layers
     past the decoder, DeepSeek's MTP layer; Qwen3.5's MTP head and vision tower)."""
-    if cfg.hybrid is not None and name.startswith(NOT_TEXT_MODEL):
+    if name.startswith(family_of(cfg).foreign_prefixes):
         return False
     m = _LAYER.match(name)
     return m is None or int(m.group(1)) < cfg.num_layers

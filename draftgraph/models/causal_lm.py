@@ -1,5 +1,6 @@
-"""Causal LM over the flat token layout: the Llama family (Llama 2/3, Qwen2, Qwen3, Mistral), DeepSeek-V3
-(MLA + MoE layers, models/deepseek.py) and DeepSeek-V3.2 (sparse MLA with its indexer, models/deepseek_v32.py).
+"""The one causal LM over the flat token layout, for every family (models/families/: Llama 2/3, Qwen2, Qwen3,
+Mistral; DeepSeek-V3 and V3.2; Qwen3.5 hybrids): the family of the config gives its decoder layers, final norm
+and checkpoint names.
 
 forward(input_ids[T], positions[T], meta, kv_caches) returns the final normed hidden states [T, H]
 plus the residual stream after each layer in `aux_layers` (EAGLE-3 reads three of them). Logits are a
@@ -18,64 +19,17 @@ import torch
 from torch import nn
 
 from draftgraph.models.config import ModelConfig
+from draftgraph.models.families import family_of
 from draftgraph.models.generation_config import checkpoint_generation_eos, merge_eos, model_generation_eos
 from draftgraph.models.layers import DecoderLayer, RMSNorm, materialize, rope_lookup
 from draftgraph.models.linear import head_logits
 from draftgraph.models.parallel.dense import embedding, shard_config, shard_state
-from draftgraph.models.weights import (
-    assign_weights,
-    convert_layer,
-    layer_indices,
-    read_checkpoint,
-    read_target_config,
-)
+from draftgraph.models.weights import assign_weights, layer_indices, read_checkpoint, read_target_config
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 from draftgraph.ops.collectives.op import SINGLE, ParallelGroup
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def make_layer(
-    cfg: ModelConfig, layer: int, attn_impl: str, tp: ParallelGroup = SINGLE, ops: OpChoices = DEFAULT_OPS
-) -> nn.Module:
-    """A decoder layer of this config's family: DeepSeek's MLA + MoE layer, Qwen3.5's hybrid layer or the
-    Llama-family layer, each this rank's share under a tensor-parallel `tp`, using the kernels `ops` names."""
-    if cfg.indexer is not None:
-        from draftgraph.models.deepseek_v32 import make_v32_layer
-
-        return make_v32_layer(cfg, layer, attn_impl, tp, ops)
-    if cfg.mla is not None:
-        from draftgraph.models.deepseek import DeepseekLayer
-
-        return DeepseekLayer(cfg, layer, attn_impl, tp=tp, ops=ops)
-    if cfg.hybrid is not None:
-        from draftgraph.models.qwen3_5 import Qwen3_5Layer
-
-        return Qwen3_5Layer(cfg, layer, attn_impl, tp, ops)
-    return DecoderLayer(cfg, layer, attn_impl, tp=tp, ops=ops)
-
-
-def layer_converter(cfg: ModelConfig):
-    """transformers layer names -> ours, for this config's family."""
-    if cfg.indexer is not None:
-        from draftgraph.models.deepseek_v32 import convert_deepseek_v32_layer
-
-        return convert_deepseek_v32_layer
-    if cfg.mla is not None:
-        from draftgraph.models.deepseek import convert_deepseek_layer
-
-        return convert_deepseek_layer
-    if cfg.hybrid is not None:
-        from draftgraph.models.qwen3_5_weights import convert_qwen3_5_layer
-
-        return convert_qwen3_5_layer
-    return convert_layer
-
-
-def final_norm(cfg: ModelConfig, ops: OpChoices = DEFAULT_OPS) -> nn.Module:
-    """The final RMSNorm: Qwen3.5's is zero-centred (x * (1 + w))."""
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.hybrid is not None, ops=ops)
 
 
 class CausalLM(nn.Module):
@@ -98,8 +52,10 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.ops = ops
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(make_layer(cfg, i, attn_impl, tp, ops) for i in range(cfg.num_layers))
-        self.norm = final_norm(cfg, ops)
+        family = family_of(cfg)
+        self.layers = nn.ModuleList(family.make_layer(cfg, i, attn_impl, tp, ops) for i in range(cfg.num_layers))
+        # The final RMSNorm: Qwen3.5's is zero-centred (x * (1 + w)).
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=family.zero_centered_norm, ops=ops)
         local_vocab = cfg.vocab_size // tp.world_size
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, local_vocab, bias=False)
         self.register_buffer("rope_table", torch.empty(cfg.max_position_embeddings, cfg.rotary_dim), persistent=False)
@@ -170,17 +126,16 @@ class CausalLM(nn.Module):
         local_cfg = shard_config(cfg, tp)  # refuses families and sizes tp cannot split
         state = dict(state) if sharded else shard_state(dict(state), tp, cfg)
         cfg = local_cfg
-        if cfg.hybrid is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
-            from draftgraph.models.qwen3_5_weights import normalize_keys
-
-            state = normalize_keys(state)
+        family = family_of(cfg)
+        if family.normalize_keys is not None:  # Qwen3.5: the multimodal layout's text part; no MTP or vision weights
+            state = family.normalize_keys(state)
         ours: dict[str, torch.Tensor] = {}
         for i in layer_indices(state, "model.layers."):
             if i >= cfg.num_layers:  # an MTP layer stored after the decoder (DeepSeek layout): not ours
                 for k in [k for k in state if k.startswith(f"model.layers.{i}.")]:
                     state.pop(k)
                 continue
-            ours.update(layer_converter(cfg)(state, f"model.layers.{i}.", f"layers.{i}."))
+            ours.update(family.convert_layer(state, f"model.layers.{i}.", f"layers.{i}."))
         for theirs, mine in (
             ("model.embed_tokens.weight", "embed_tokens.weight"),
             ("model.norm.weight", "norm.weight"),
