@@ -53,7 +53,7 @@ def test_a_resized_cache_reuses_every_trace():
     then the final one) traces nothing again and gives the same tokens."""
     from dataclasses import replace
 
-    from draftgraph.compiler.build import build_compiled
+    from draftgraph.compiler.build import CompileSettings, build_compiled
     from draftgraph.models.causal_lm import CausalLM
     from draftgraph.runtime.drafting import Chooser, fused_loop_fn
     from draftgraph.runtime.engine import Engine
@@ -74,7 +74,7 @@ def test_a_resized_cache_reuses_every_trace():
     )
     rc = resolve(config, 256, True)
     loops = fused_loop_fn(drafter, Chooser(drafter, target.cfg.vocab_size, rc.ops.race_sampler), 3, rc.block_size)
-    compiled = build_compiled(target, drafter, rc, loops, "eager", "", False, "", False)
+    compiled = build_compiled(target, drafter, rc, loops, CompileSettings(compile_backend="eager", progress=False))
     prompts, params, arrivals = ragged(16)
     eng = Engine(target, drafter, replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1), compiled)
     outs = []

@@ -1,5 +1,5 @@
 """Defaults and the checks that run before any weights load or anything compiles (compiler/config.py's
-resolve, preflight.py, models/weights.py): mode "auto", gpu_memory_utilization's default, the KV
+resolve, build/preflight.py, models/weights.py): mode "auto", gpu_memory_utilization's default, the KV
 cache against memory, a missing CUDA, corrupt checkpoint files, sampling values, K only with a drafter.
 Nothing here compiles; the tiny llama is 3 layers x 2 KV heads x head_dim 16 in float32."""
 
@@ -78,7 +78,7 @@ def test_cuda_without_cuda_is_refused(monkeypatch):
 def test_a_huge_max_model_len_fails_before_loading_naming_the_bytes(copy_of, no_weights_loaded, monkeypatch):
     cfg_file = copy_of / "config.json"
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "max_position_embeddings": 2**30}))
-    monkeypatch.setattr("draftgraph.preflight.available_ram", lambda: 8 * 2**30)
+    monkeypatch.setattr("draftgraph.build.preflight.available_ram", lambda: 8 * 2**30)
     # no drafter: K = 0, lookahead 2 -> 16 requests x ceil((2^30 + 2) / 16) blocks
     need = 16 * (2**26 + 1) * TARGET_BLOCK_BYTES
     with pytest.raises(ValueError, match=rf"the KV cache needs 12288.0 GiB \({need} bytes: .* for max_num_seqs=16 "
@@ -96,12 +96,12 @@ def test_the_drafter_counts_and_nothing_compiles_first(monkeypatch):
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
     blocks = 1000
     # Room for the target's cache alone, not for the drafter's beside it
-    monkeypatch.setattr("draftgraph.preflight.available_ram", lambda: blocks * TARGET_BLOCK_BYTES + 1)
+    monkeypatch.setattr("draftgraph.build.preflight.available_ram", lambda: blocks * TARGET_BLOCK_BYTES + 1)
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled before the memory check")
 
-    monkeypatch.setattr("draftgraph.api.build_compiled", refuse)
+    monkeypatch.setattr("draftgraph.build.engine.build_compiled", refuse)
     config = dg.CompileConfig(mode="PIECEWISE", compile_backend="eager", num_kv_blocks=blocks)
     # EAGLE's one layer adds 16 x (2 x 2 x 16) x 4 = 4096 bytes per block
     with pytest.raises(ValueError, match=r"16384000 bytes: 1000 blocks x 16384 bytes per block of 16 tokens, target "
@@ -160,7 +160,7 @@ def test_k_is_checked_only_with_a_drafter():
 
 
 def test_auto_takes_the_mode_of_the_artifacts(tmp_path):
-    from draftgraph.preflight import artifact_mode
+    from draftgraph.build.preflight import artifact_mode
 
     (tmp_path / "manifest.json").write_text(json.dumps({"mode": "PIECEWISE"}))
     assert artifact_mode(str(tmp_path)) == "PIECEWISE"

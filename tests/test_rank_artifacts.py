@@ -11,6 +11,7 @@ import pytest
 import draftgraph as dg
 from draftgraph.artifacts.ranks import ONE_PROCESS, layout_problem, mismatch
 from draftgraph.artifacts.store import MANIFEST, ArtifactError
+from draftgraph.build.request import BuildRequest
 from draftgraph.models.builtin import builtin_hf_target
 from draftgraph.workers.build import build_ranks
 from tests.test_workers import PARAMS, PROMPTS, SPEC
@@ -28,7 +29,7 @@ def test_tensor_parallel_artifacts_are_per_rank(tmp_path):
     target, drafter = builtin_hf_target(SPEC), builtin_hf_target(replace(SPEC, num_layers=1, seed=1))
     want = [o.token_ids for o in dg.compile_model(target, drafter, config(mode="NONE")).generate(PROMPTS, PARAMS)]
     out = str(tmp_path / "art")
-    manifests = build_ranks(target, drafter, config(tensor_parallel_size=2), out)
+    manifests = build_ranks(BuildRequest(target, drafter, config(tensor_parallel_size=2)), out)
     assert sorted(os.listdir(out)) == ["rank-0", "rank-1"]  # no one-process manifest beside them
     for rank, m in enumerate(manifests):
         assert os.path.isfile(os.path.join(out, f"rank-{rank}", MANIFEST))

@@ -199,7 +199,7 @@ def test_refuses_sizes_it_cannot_split():
 
 def test_what_cannot_be_split_is_refused_by_name():
     """No process group is needed: the checks run while loading, before any collective."""
-    from draftgraph.api import load_target
+    from draftgraph.build.engine import load_target
     from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_hf_target, module_from_state_dict
     from draftgraph.models.drafters.loader import load_drafter
     from draftgraph.ops.collectives.op import ParallelGroup

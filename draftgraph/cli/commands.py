@@ -246,9 +246,10 @@ def cmd_build(args) -> int:
         target, drafter = _models(args)
         t0 = time.perf_counter()
         if config.tensor_parallel_size * config.data_parallel_size > 1:  # one artifact set per rank: OUT/rank-R
+            from draftgraph.build.request import BuildRequest
             from draftgraph.workers.build import build_ranks
 
-            manifests = build_ranks(target, drafter, config, args.out)
+            manifests = build_ranks(BuildRequest(target, drafter, config), args.out)
         else:
             manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out)]
     print(summary_text(manifests[0]), end="")

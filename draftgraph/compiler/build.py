@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftgraph.compiler.compiled_forward import CompiledDrafter, CompiledLoop, CompiledTarget
-from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, ResolvedConfig
+from draftgraph.compiler.config import FULL_MODES, PIECEWISE_MODES, CompileConfig, ResolvedConfig
 from draftgraph.compiler.counters import CompileCounters
 from draftgraph.compiler.cuda_graphs import CudaGraphs
 from draftgraph.compiler.piecewise import PieceCache, PiecewiseBackend
@@ -22,6 +22,23 @@ from draftgraph.compiler.pool.pool_lifetime import release, shared_pieces
 from draftgraph.passes.manager import PassManager
 
 LOOP_VARIANTS = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How build_compiled works, beside the resolved config: CompileConfig's fields of the same names, none
+    of which changes what a graph computes (an artifact records each function's backend itself)."""
+
+    compile_backend: str = "inductor"  # "inductor", or "eager" (split pieces run as plain FX, for debugging)
+    cache_dir: str = ""  # Inductor's cache directory; "" = Inductor's default
+    check_addresses: bool = False  # debug: verify static input addresses at every graph replay
+    dump_graphs_dir: str = ""  # write each pass's before/after graph here ("" = none)
+    progress: bool = True  # progress bars for compile and capture
+
+    @classmethod
+    def of(cls, config: CompileConfig) -> CompileSettings:
+        return cls(config.compile_backend, config.cache_dir, config.check_addresses, config.dump_graphs_dir,
+                   config.progress)  # fmt: skip
 
 
 @dataclass
@@ -67,18 +84,17 @@ def build_compiled(
     drafter,
     rc: ResolvedConfig,
     loop_fns: tuple[Callable, ...] | None,
-    compile_backend: str,
-    cache_dir: str,
-    check_addresses: bool,
-    dump_dir: str,
-    progress: bool,
+    settings: CompileSettings = CompileSettings(),
     pool: CompilePool | None = None,
 ) -> CompiledModels:
     """`loop_fns`: the fused draft loop's functions (one per LOOP_VARIANTS entry) when rc fuses the loop."""
+    compile_backend, cache_dir = settings.compile_backend, settings.cache_dir
     counters = CompileCounters()
     piece_graphs = rc.graphs_enabled and rc.mode in PIECEWISE_MODES
-    ctx = CudaGraphs(counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, check_addresses, progress)
-    passes = PassManager(dump_dir=dump_dir or None)
+    ctx = CudaGraphs(
+        counters, rc.graphs_enabled, piece_graphs, rc.capture_sizes, settings.check_addresses, settings.progress
+    )
+    passes = PassManager(dump_dir=settings.dump_graphs_dir or None)
     # compiled code depends on the graph (the piece key) and on these; a shared pool keeps pieces per scope
     scope = (compile_backend, rc.inductor_options, rc.compile_sizes, str(rc.device))
     shared = PieceCache(earlier=shared_pieces(pool, scope))

@@ -59,7 +59,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads))
         self.norm = GatedRMSNorm(la.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = row_linear(la.value_dim, cfg.hidden_size, False, tp, ops)
-        self.attn_impl = attn_impl  # the attention setting (api.set_kernel_impl may change it)
+        self.attn_impl = attn_impl  # the attention setting (build/engine.py set_kernel_impl may change it)
 
     @property
     def impl(self) -> str:

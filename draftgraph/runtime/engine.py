@@ -14,6 +14,8 @@ from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
+from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
+from draftgraph.runtime.memory import MemoryPlan, measure_and_plan
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
@@ -26,7 +28,14 @@ from draftgraph.runtime.uniform_step import Launched
 
 class Engine:
     """Continuous batching around a StepRunner. Use `generate` for a list of prompts, `stream` to see their
-    tokens and text step by step, or `add_request` + `step` to drive it yourself."""
+    tokens and text step by step, or `add_request` + `step` to drive it yourself.
+
+    Everything an engine holds is given or made here, at construction (build/engine.py builds the parts);
+    nothing outside this module assigns its attributes afterwards. With `prepare` the engine is ready to
+    serve when constructed: its KV cache sized from measured memory when `rc.gpu_memory_utilization` is set
+    (runtime/memory.py: it starts with a probe cache), every piece compiled and (on CUDA) every graph
+    captured, and `warm_up_report` saying how, after the build's `notes`. Without it (tests that drive the
+    parts), `warm_up()` and `resize_kv_cache()` are theirs to call."""
 
     def __init__(
         self,
@@ -35,11 +44,23 @@ class Engine:
         rc: ResolvedConfig,
         compiled: CompiledModels | None = None,
         kv_grows_in_place: bool = False,  # caches reserve the device's size, grow at their addresses (growable.py)
+        *,
+        tokenizer=None,  # runtime/text.py: with one, prompts may be text and outputs carry .text
+        build_started: float | None = None,  # time.time() when the build began (artifacts/store.py)
+        lockstep_group: str = "",  # runtime/lockstep.py: steps agree with the ranks of this CPU group
+        prepare: bool = False,  # size the KV cache, compile and capture now (the class docstring)
+        notes: Sequence[str] = (),  # the build's report lines (experts, artifacts), before the warm-up's
     ):
+        sized = prepare and bool(rc.gpu_memory_utilization)
+        if sized:  # a probe cache (room for one request of max_model_len) until memory is measured
+            rc = replace(rc, num_kv_blocks=rc.max_blocks_per_req + 1)
+            kv_grows_in_place = True  # where CUDA can (growable.py): the probe's graphs then stay
         self.target, self.drafter, self.config = target, drafter, rc
         self.compiled = compiled  # compiled forwards, graph owner and counters (None in mode NONE)
+        self.tokenizer = tokenizer
+        self.build_started = build_started
         self.warm_up_report = ""
-        self.memory_plan = None  # runtime/memory.py's MemoryPlan when the KV cache was sized from measurements
+        self.memory_plan: MemoryPlan | None = None  # set when the KV cache was sized from measurements
         self.k = rc.num_speculative_tokens
         self.allocator = BlockAllocator(rc.num_kv_blocks)
         shape = RunnerShape(
@@ -58,22 +79,39 @@ class Engine:
         dispatcher = Dispatcher(
             rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens, graphs=rc.graphs_enabled
         )
-        self.runner = StepRunner(target, drafter, shape, rc.device, dispatcher, self.shapes, compiled)
+        # With a lock-step the target's batches dispatch at the shape the ranks agree on; the drafter's on its own.
+        target_dispatcher = LockstepDispatcher(dispatcher, self.shapes.verify) if lockstep_group else dispatcher
+        self.runner = StepRunner(
+            target, drafter, shape, rc.device, target_dispatcher, self.shapes, compiled, draft_dispatcher=dispatcher
+        )
         # Linear-attention layers (Qwen3.5): their per-request state rings; admitted requests get their rows.
         self.states = attach_state_caches(self.runner, rc.max_num_seqs, self.k)
         self.scheduler = Scheduler(
             rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
-        self.tokenizer = None  # set by compile_model when the target has one (runtime/text.py)
-        self.build_started: float | None = None  # time.time() when compile_model began (artifacts.py)
         self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
         self._next_id = 0
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
-        self.lockstep = None  # runtime/lockstep.py: steps agreed with other data-parallel ranks (expert parallel)
+        # Steps agreed with other data-parallel ranks (expert parallel), or None.
+        self.lockstep = Lockstep(self, lockstep_group, target_dispatcher) if lockstep_group else None
         self._pending: tuple[ScheduledBatch, Launched] | None = None  # a launched step not read yet (overlap_steps)
         self.reset_stats()
+        if prepare:
+            self._prepare(sized, notes)
+
+    def _prepare(self, sized: bool, notes: Sequence[str]) -> None:
+        """The constructor's last part with `prepare`: size the KV cache (`sized`), warm up, report."""
+        report, plan = "", None
+        if sized:  # measure weights, activations and graphs first, then size the KV cache
+            plan, report = measure_and_plan(self, self.config.gpu_memory_utilization)
+            self.memory_plan = plan
+        if self.compiled is not None and not (plan is not None and plan.kept_graphs):
+            report = self.warm_up()
+        if self.memory_plan is not None:
+            report = "; ".join(x for x in (report, self.memory_plan.describe()) if x)
+        self.warm_up_report = "; ".join(x for x in (*notes, report) if x)
 
     def warm_up(self, lazy: bool | None = None) -> str:
         """Compile every piece and (on CUDA) capture every graph, largest size first, or leave capture to the

@@ -7,8 +7,8 @@ one step shape with one small all-reduce (MAX) of their counts over a CPU (gloo)
     [target tokens, requests, mixed batch?, some request samples?, has a batch?, has unfinished requests?]
 
 - The agreed `StepPlan` pads every rank's target forward to the same shape: `LockstepDispatcher` (the runner's
-  dispatcher while a lock-step is attached) turns a target batch descriptor into (max tokens, max requests,
-  the uniform query length only when every busy rank's batch is uniform), so the ranks dispatch the same
+  target dispatcher in an engine with a lock-step) turns a target batch descriptor into (max tokens, max
+  requests, the uniform query length only when every busy rank's batch is uniform), so the ranks dispatch the same
   runtime (FULL / PIECEWISE / NONE), pad to the same sizes and replay the same graph keys; the all-gathers
   inside the experts then see equal token counts everywhere.
 - A rank with nothing to schedule while another has work runs a dummy step of that shape on padding rows only
@@ -71,16 +71,13 @@ class LockstepDispatcher:
 
 
 class Lockstep:
-    """Attach to `engine` (sets `engine.lockstep`, wraps its runner's dispatcher): its steps then agree with
-    the other ranks of the process group registered as `group_name` (a CPU / gloo group)."""
+    """An engine's lock-step, made by the Engine at construction (`Engine(..., lockstep_group=...)`, which
+    gives its runner `dispatcher` for the target): its steps then agree with the other ranks of the process
+    group registered as `group_name` (a CPU / gloo group)."""
 
-    def __init__(self, engine, group_name: str):
-        self.engine, self.group_name = engine, group_name
-        runner = engine.runner
-        self.verify_q = runner.shapes.verify
-        self.dispatcher = LockstepDispatcher(runner.dispatcher, self.verify_q)
-        runner.dispatcher = self.dispatcher
-        engine.lockstep = self
+    def __init__(self, engine, group_name: str, dispatcher: LockstepDispatcher):
+        self.engine, self.group_name, self.dispatcher = engine, group_name, dispatcher
+        self.verify_q = dispatcher.verify_q
         self.plan: StepPlan | None = None
         self.dummy_steps = 0
 

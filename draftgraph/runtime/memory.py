@@ -83,10 +83,11 @@ def plan_blocks(
     return plan
 
 
-def measure_and_plan(engine, utilization: float) -> MemoryPlan:
-    """Steps 1 to 3 of the module docstring on `engine` (built with the probe cache): returns the plan; the
-    engine then holds the sized cache and its graphs (`plan.kept_graphs`: the probe's, and
-    `engine.warm_up_report` says how they were made), or none (warm it up again)."""
+def measure_and_plan(engine, utilization: float) -> tuple[MemoryPlan, str]:
+    """Steps 1 to 3 of the module docstring on `engine` (built with the probe cache; the Engine calls it while
+    it is constructed): returns the plan and the probe's warm-up report. The engine then holds the sized
+    cache and its graphs (`plan.kept_graphs`: the probe's, which the report describes), or none (warm it up
+    again; the report is then "")."""
     from draftgraph.runtime.growable import granularity
     from draftgraph.runtime.warmup import reset_runtime_counters
 
@@ -122,14 +123,14 @@ def measure_and_plan(engine, utilization: float) -> MemoryPlan:
             reset_runtime_counters(engine)  # the sizing run above is not a serving step
             # capture="lazy" keeps its promise: a graph the probe did not capture is captured when first needed
             engine.compiled.ctx.allow_capture = rc.graphs_enabled and rc.lazy_capture
-        engine.warm_up_report = report
     else:
+        report = ""
         if engine.compiled is not None:
             engine.compiled.ctx.release()
         engine.resize_kv_cache(plan.num_blocks)  # the probe cache goes first, then the sized one is allocated
     free_cuda()
     log.info(plan.describe())
-    return plan
+    return plan, report
 
 
 def kv_bytes_per_block(runner) -> int:

@@ -95,6 +95,7 @@ class StepRunner:
         dispatcher: Dispatcher,
         shapes: StepShapes,
         compiled: CompiledModels | None = None,
+        draft_dispatcher: Dispatcher | None = None,  # the proposer's, when not `dispatcher` (runtime/lockstep.py)
     ):
         self.target, self.drafter, self.shape, self.shapes = target, drafter, shape, shapes
         self.device = torch.device(device)
@@ -140,7 +141,7 @@ class StepRunner:
                 self.target_meta,
                 getattr(self, "draft_meta", None),
                 self.forwards,
-                dispatcher,
+                draft_dispatcher if draft_dispatcher is not None else dispatcher,
                 self.device,
                 shapes,
                 compiled.loops if compiled and self.k else None,

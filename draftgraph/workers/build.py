@@ -4,22 +4,20 @@ OUT/rank-R (artifacts/ranks.py), whether draftgraph starts the ranks (driver.py)
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
-from draftgraph.compiler.config import CompileConfig
+from draftgraph.build.request import BuildRequest
 
 
-def build_ranks(target: Any, drafter: Any, config: CompileConfig, out: str) -> list[dict]:
-    """Build tensor_parallel_size x data_parallel_size ranks' engines, each writing out/rank-R; every rank's
-    manifest, by rank. The ranks are stopped before it returns."""
+def build_ranks(request: BuildRequest, out: str) -> list[dict]:
+    """Build tensor_parallel_size x data_parallel_size ranks' engines from `request`, each writing out/rank-R;
+    every rank's manifest, by rank. The ranks are stopped before it returns."""
     from draftgraph.workers.driver import start_workers
     from draftgraph.workers.launched import join_launch, uses_launch
 
-    launch = uses_launch(config)
-    if launch is not None:
-        engine = join_launch(launch, target, drafter, config, tokenizer=False, build_dir=out)
-    else:
-        engine = start_workers(target, drafter, config, tokenizer=False, build_dir=out)
+    request = replace(request, tokenizer=False, build_dir=out)
+    launch = uses_launch(request.config)
+    engine = join_launch(launch, request) if launch is not None else start_workers(request)
     try:
         return [info["manifest"] for info in engine.rank_info]
     finally:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import weakref
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 
+from draftgraph.build.preflight import check_checkpoints
+from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
-from draftgraph.preflight import check_checkpoints
 from draftgraph.runtime.text import resolve_tokenizer
 from draftgraph.workers.ranked import RankedEngine, WorkerError
 from draftgraph.workers.sources import portable_sources
@@ -39,37 +41,21 @@ def _device_type(config: CompileConfig, world_size: int) -> str:
     return "cuda"
 
 
-def start_workers(
-    target: Any,
-    drafter: Any,
-    config: CompileConfig,
-    artifacts: str | None = None,
-    strict_artifacts: bool = False,
-    tokenizer: Any = None,
-    build_dir: str | None = None,
-) -> ParallelEngine:
+def start_workers(request: BuildRequest) -> ParallelEngine:
     """Start tensor_parallel_size x data_parallel_size ranks (torch.multiprocessing spawn), each building its
     engine; return once all are ready (or raise WorkerError naming the first rank that failed). With
-    `build_dir`, each rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
+    `request.build_dir`, each rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
     import torch.multiprocessing as mp
 
+    config = request.config
     world = config.tensor_parallel_size * config.data_parallel_size
     device_type = _device_type(config, world)
-    tok = resolve_tokenizer(tokenizer, target)  # the driver encodes and decodes text; ranks see ids only
-    check_checkpoints(target, drafter)
+    tok = resolve_tokenizer(request.tokenizer, request.target)  # the driver encodes and decodes text; ranks see ids
+    check_checkpoints(request.target, request.drafter)
     tmp = tempfile.TemporaryDirectory(prefix="draftgraph-workers-")
-    target_ref, drafter_ref = portable_sources(target, drafter, tmp.name)
-    spec = RankSpec(
-        world,
-        f"file://{tmp.name}/init",
-        device_type,
-        target_ref,
-        drafter_ref,
-        config,
-        artifacts,
-        strict_artifacts,
-        build_dir=build_dir,
-    )
+    target_ref, drafter_ref = portable_sources(request.target, request.drafter, tmp.name)
+    portable = replace(request, target=target_ref, drafter=drafter_ref, tokenizer=False)
+    spec = RankSpec(world, f"file://{tmp.name}/init", device_type, portable)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     for rank in range(world):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.runtime.text import resolve_tokenizer
 from draftgraph.workers.ranked import RankedEngine, WorkerError
@@ -110,21 +111,14 @@ def _join_process_group(env: LaunchEnv, cuda: bool) -> bool:
     return True
 
 
-def join_launch(
-    env: LaunchEnv,
-    target: Any,
-    drafter: Any,
-    config: CompileConfig,
-    artifacts: str | None = None,
-    strict_artifacts: bool = False,
-    tokenizer: Any = None,
-    build_dir: str | None = None,
-) -> LaunchedEngine:
+def join_launch(env: LaunchEnv, request: BuildRequest) -> LaunchedEngine:
     """Make this process rank `env.rank` (compile_model under torchrun): join the process group, build this
     rank's engine, and return once every rank is ready (or raise WorkerError naming the first that failed).
-    With `build_dir`, this rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
+    With `request.build_dir`, this rank writes its artifacts into build_dir/rank-R once built
+    (worker.setup_rank)."""
     import torch.distributed as dist
 
+    config = request.config
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if cuda:
         found = torch.cuda.device_count()
@@ -136,12 +130,10 @@ def join_launch(
         torch.cuda.set_device(env.local_rank)
     owned = _join_process_group(env, cuda)
     answers = dist.new_group(list(range(env.world_size)), backend="gloo")  # every rank, before any other group
-    tok = resolve_tokenizer(tokenizer, target)  # each rank encodes and decodes alike; its engine sees ids
+    tok = resolve_tokenizer(request.tokenizer, request.target)  # each rank encodes and decodes alike; engines see ids
     engine = None
     try:
-        engine, info = setup_rank(
-            env.rank, env.world_size, config, target, drafter, artifacts, strict_artifacts, build_dir
-        )
+        engine, info = setup_rank(env.rank, env.world_size, request)
         mine = ("ok", info)
     except Exception as e:  # noqa: BLE001 - every rank hears of it, named
         mine = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

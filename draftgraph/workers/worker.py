@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from draftgraph.build.engine import build_engine
+from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup, register_group
-from draftgraph.workers.sources import SourceRef, open_sources
+from draftgraph.workers.sources import open_sources
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,9 @@ class RankSpec:
     world_size: int  # data_parallel_size x tensor_parallel_size
     init_method: str  # "file://..." (a file in the driver's temporary directory)
     device_type: str  # "cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo)
-    target: SourceRef
-    drafter: SourceRef | None
-    config: CompileConfig
-    artifacts: str | None
-    strict_artifacts: bool
+    # The build request, its target and drafter as SourceRefs (sources.py) and no tokenizer (the driver's)
+    request: BuildRequest
     timeout_s: float = 600.0  # a collective waiting longer than this raises (a peer died or hung)
-    build_dir: str | None = None  # each rank writes its artifacts into build_dir/rank-R (setup_rank)
 
 
 @dataclass(frozen=True)
@@ -77,30 +75,16 @@ def make_groups(rank: int, world_size: int, config: CompileConfig) -> RankGroups
     return RankGroups(tp, ExpertGroups(replicas, tp), lockstep)
 
 
-def build_rank_engine(
-    target: Any,
-    drafter: Any,
-    config: CompileConfig,
-    groups: RankGroups,
-    artifacts: str | None = None,
-    strict_artifacts: bool = False,
-):
-    """This rank's engine: compile_model's one-device path with this rank's groups, so each rank loads its
-    share of the target (and of the drafter when draft_tensor_parallel_size > 1) and of its experts; with
-    expert parallelism, a lock-step attached (runtime/lockstep.py)."""
-    from draftgraph.api import build_engine
-    from draftgraph.runtime.lockstep import Lockstep
-
-    engine = build_engine(target, drafter, config, artifacts, strict_artifacts, tokenizer=False, tp=groups.tp,
-                          ep=groups.ep)  # fmt: skip
-    if groups.lockstep:
-        Lockstep(engine, groups.lockstep)
-    return engine
+def build_rank_engine(request: BuildRequest, groups: RankGroups):
+    """This rank's engine: the one-device build (build/engine.py) with this rank's groups, so each rank loads
+    its share of the target (and of the drafter when draft_tensor_parallel_size > 1) and of its experts; with
+    expert parallelism across replicas, its steps in lock-step with theirs (runtime/lockstep.py). Ranks see
+    token ids only: the driver, or each launched rank's LaunchedEngine, holds the tokenizer."""
+    return build_engine(replace(request, tokenizer=False), groups.tp, groups.ep, groups.lockstep)
 
 
 def _step(engine) -> tuple[list, list]:
-    engine.last_step_tokens = []  # a step with nothing scheduled here emits nothing
-    done = engine.step()
+    done = engine.step()  # a step with nothing scheduled here emits nothing: last_step_tokens starts empty
     return done, list(engine.last_step_tokens)
 
 
@@ -163,28 +147,22 @@ def _build_config(config: CompileConfig, out: str, rank: int) -> CompileConfig:
     return replace(config, cache_dir=os.path.join(config.cache_dir, f"rank-{rank}") if config.cache_dir else "")
 
 
-def setup_rank(
-    rank: int,
-    world_size: int,
-    config: CompileConfig,
-    target: Any,
-    drafter: Any,
-    artifacts: str | None = None,
-    strict_artifacts: bool = False,
-    build_dir: str | None = None,
-):
+def setup_rank(rank: int, world_size: int, request: BuildRequest):
     """In a rank whose default process group is up: its groups and its engine, and what it reports once ready
     (the driver's `rank_info`). Artifacts of several ranks are per rank (artifacts/ranks.py): rank r
-    loads artifacts/rank-r and, given `build_dir`, writes build_dir/rank-r (its manifest in the report)."""
+    loads request.artifacts/rank-r and, given `request.build_dir`, writes build_dir/rank-r (its manifest in
+    the report)."""
     from draftgraph.artifacts.ranks import rank_dir
 
+    artifacts, build_dir, config = request.artifacts, request.build_dir, request.config
     if artifacts is not None and world_size > 1:
         artifacts = rank_dir(artifacts, rank)
     if build_dir is not None:
         build_dir = rank_dir(build_dir, rank) if world_size > 1 else build_dir
         config = _build_config(config, build_dir, rank)
+    request = replace(request, config=config, artifacts=artifacts, build_dir=build_dir)
     groups = make_groups(rank, world_size, config)
-    engine = build_rank_engine(target, drafter, config, groups, artifacts, strict_artifacts)
+    engine = build_rank_engine(request, groups)
     info = {
         "rank": rank,
         "config": engine.config,
@@ -226,10 +204,8 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
-        target, drafter = open_sources(spec.target, spec.drafter)
-        engine, info = setup_rank(
-            rank, spec.world_size, spec.config, target, drafter, spec.artifacts, spec.strict_artifacts, spec.build_dir
-        )
+        target, drafter = open_sources(spec.request.target, spec.request.drafter)
+        engine, info = setup_rank(rank, spec.world_size, replace(spec.request, target=target, drafter=drafter))
         conn.send(("ok", info))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver, named
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
