@@ -8,11 +8,11 @@ import inspect
 from pathlib import Path
 
 import pytest
-from draftgraph.models.llama import CausalLM
 
 import draftgraph
 import draftgraph as dg
 from draftgraph.build.request import BuildRequest
+from draftgraph.models.causal_lm import CausalLM
 from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.api import load_target
 from draftgraph.artifacts.store import ArtifactError, build_artifacts, config_fields
+from draftgraph.build.engine import load_target
 from draftgraph.compiler.config import CompileConfig, resolve
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import load_drafter
