@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from draftgraph.artifacts.signing import SignatureError, read_key
 from draftgraph.artifacts.store import ArtifactError, check_artifacts, load_functions
 from draftgraph.compiler.build import build_compiled
 from draftgraph.compiler.config import DTYPES, CompileConfig, CUDAGraphMode, resolve
@@ -67,6 +69,7 @@ def compile_model(
     artifacts: str | None = None,
     strict_artifacts: bool = False,
     tokenizer: Any = None,
+    verify_key: Any = None,
 ) -> Engine:
     """Build a speculative decoding engine for `target` (and `drafter`, any supported form, or None).
 
@@ -74,6 +77,14 @@ def compile_model(
     loaded without tracing or compiling; only CUDA graph capture remains. When it was built for something
     else (a version, the GPU, the config, a model, draftgraph's sources) or a file fails its checksum, the
     reason is logged and the engine compiles as usual, or raises `ArtifactError` with `strict_artifacts`.
+    An artifact holds compiled code (Python, shared objects, pickles): load only directories you trust like a
+    pickle checkpoint. Every check runs before anything is loaded, only the files its manifest lists (with
+    matching checksums) are loaded, from a private copy, and loading writes nothing outside that copy. Files it
+    does not list are ignored (logged), or refused with `strict_artifacts`. Checksums detect corruption only.
+
+    `verify_key`: a key file's path (or the key's bytes) that the artifacts were signed with (`draftgraph
+    build --sign-key FILE`, artifacts/signing.py): an unsigned or mis-signed directory is refused before
+    anything but its manifest is read. A signature detects tampering when its key is kept apart.
 
     `tokenizer`: a transformers tokenizer, a directory holding one, False for none, or None (default): the
     one saved beside a target checkpoint, if any. With one, `generate` takes text prompts and outputs carry
@@ -84,6 +95,23 @@ def compile_model(
     Called on every rank of a torchrun launch (RANK / WORLD_SIZE / LOCAL_RANK set), it makes this process one
     rank of N = WORLD_SIZE instead and returns a `LaunchedEngine` (workers/launched.py)."""
     config = config or CompileConfig()
+    if verify_key is not None:
+        if artifacts is None:
+            raise ValueError("verify_key checks artifacts' signatures: pass artifacts=DIR with it, or drop it")
+        if config.tensor_parallel_size * config.data_parallel_size > 1:
+            raise ValueError(
+                "verify_key is supported for one-process engines only (tensor_parallel_size x data_parallel_size "
+                "= 1); load several ranks' artifacts without it"
+            )
+        verify_key = read_verify_key(verify_key)
+    token = _VERIFY_KEY.set(verify_key)
+    try:
+        return _dispatch(target, drafter, config, artifacts, strict_artifacts, tokenizer)
+    finally:
+        _VERIFY_KEY.reset(token)
+
+
+def _dispatch(target, drafter, config: CompileConfig, artifacts, strict_artifacts, tokenizer):
     from draftgraph.workers.launched import join_launch, uses_launch
 
     launch = uses_launch(config)  # a launch whose size is not tp x dp is refused here, naming both
@@ -196,8 +224,20 @@ def _assemble(target, drafter, config: CompileConfig, rc, artifacts, strict_arti
     return engine
 
 
+# compile_model's verify_key (its bytes) while it builds the engine: read where the artifacts are checked
+_VERIFY_KEY: ContextVar[bytes | None] = ContextVar("draftgraph_verify_key", default=None)
+
+
+def read_verify_key(key) -> bytes:
+    try:
+        return read_key(key)
+    except SignatureError as e:
+        raise ArtifactError(str(e)) from e
+
+
 def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
-    """Load the artifacts into `compiled`, or say why not (and raise when strict)."""
+    """Load the artifacts into `compiled`, or say why not (and raise when strict). Every check (signature
+    with compile_model's verify_key, manifest, checksums, graphs) runs before anything is copied or loaded."""
     t0 = time.perf_counter()
     fns = {"target": model.forward}
     if draft is not None:
@@ -205,8 +245,8 @@ def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
     if compiled.loops is not None:
         fns["draft_loop"] = tuple(loop.loop_fn for loop in compiled.loops)
     try:
-        manifest = check_artifacts(path, rc, model, draft, needs=fns)
-        load_functions(path, manifest, compiled, fns)
+        checked = check_artifacts(path, rc, model, draft, needs=fns, strict=strict, verify_key=_VERIFY_KEY.get())
+        load_functions(checked, compiled, fns)
     except ArtifactError as e:
         if strict:
             raise
