@@ -8,15 +8,21 @@ pieces that compute no tensor); a JSON manifest; a readable summary.
 
 The manifest records what the code was built for: draftgraph, torch, triton, CUDA and Python versions, the
 GPU architecture, the resolved config's fields and their hash, hashes of both model configs and of
-draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file.
-Loading checks every file's checksum before anything is read (a truncated or altered file is never run),
-compares each field with the running setup, then the functions and pieces against what the engine needs
-(manifest_check.py): a difference is named, and the engine compiles from scratch, or stops when strict.
+draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file;
+`draftgraph build --sign-key FILE` adds an HMAC-SHA256 of the manifest (signing.py).
 
-Trust: the directory holds compiled code (Inductor's artifacts are pickles and shared libraries), so it
-must come from a source trusted like a checkpoint that contains pickles. What draftgraph itself reads is
-not evaluated: input paths are declared steps (input_paths.py) and graph call targets come from an
-allowlist (fx_allowlist.py).
+Loading (check_artifacts, then load_functions) runs every check before anything is copied, restored or
+loaded: the signature when a verify key is given, the manifest's shape and every path in it, the fields
+against the running setup, the functions and pieces against what the engine needs (manifest_check.py),
+each listed file read once against its checksum (private_cache.py; unlisted files ignored, or refused when
+strict), Triton's index (triton_bundle.py) and every graph (call targets from the allowlist). Only then are
+the checked bytes copied into a private Inductor + Triton cache, which torch and Triton load from; nothing
+is written outside it. A difference is named, and the engine compiles from scratch, or stops when strict.
+
+Trust: the directory holds compiled code (Python, shared objects, pickles: Inductor's artifacts), so it must
+come from a source trusted like a checkpoint that contains pickles. Checksums detect corruption; only a
+signature whose key is kept apart detects tampering. What draftgraph itself reads is not evaluated: input
+paths are declared steps (input_paths.py) and graph call targets come from an allowlist (fx_allowlist.py).
 """
 
 from __future__ import annotations
