@@ -158,8 +158,10 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
     common = ["--mode", "FULL_AND_PIECEWISE", "--compile-backend", "eager", "--capture-sizes", "1,4,16"]
     common += ["--fuse-draft-loop", "on"]  # the fused loop's traces travel too (the flag reaches the config)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))  # `head -c 32 /dev/urandom > key`
     b = subprocess.run(
-        [sys.executable, "-m", "draftgraph", "build", "--out", out, *common],
+        [sys.executable, "-m", "draftgraph", "build", "--out", out, "--sign-key", str(key), *common],
         capture_output=True,
         text=True,
         env=env,
@@ -167,8 +169,12 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
     )
     assert b.returncode == 0, b.stderr[-2000:]
     assert "draft_loop: 2 trace(s)" in b.stdout and "SHA-256" in b.stdout
+    assert f"signed {out}/manifest.sig" in b.stdout
     runs = {}
-    for name, extra in (("compiled", []), ("loaded", ["--artifacts", out, "--strict-artifacts"])):
+    for name, extra in (
+        ("compiled", []),
+        ("loaded", ["--artifacts", out, "--strict-artifacts", "--verify-key", str(key)]),
+    ):
         r = subprocess.run(
             [sys.executable, "-m", "draftgraph", "generate", *common, "--max-tokens", "16", *extra],
             capture_output=True,

@@ -1,5 +1,6 @@
 """draftgraph's compiled Triton kernels in artifacts (artifacts/triton_bundle.py), on the CPU: what a build
-copies out of Triton's cache is what a load puts back where Triton's JIT looks, once. The GPU half (real
+copies out of Triton's cache is what a load puts back where Triton's JIT looks, once; an index naming a path
+outside (`../`), or a file the manifest does not list, is refused before anything is written. The GPU half (real
 kernels, a fresh cache, a warm start without JIT compiles) is tests/gpu/test_artifacts_cuda.py."""
 
 import hashlib
@@ -63,21 +64,25 @@ def test_kernels_and_launchers_round_trip(tmp_path, monkeypatch):
 
     fresh = tmp_path / "triton_fresh"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
-    assert triton_bundle.restore_kernels(out) == 3  # two kernels and one launcher
+    files = {f.relative_to(out).as_posix(): f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    triton_bundle.check_index(index, files)
+    assert triton_bundle.restore_kernels(index, files, str(fresh)) == 3  # two kernels and one launcher
     for k, name in ((a, "_paged_attention_kernel"), (b, "_write")):
         group = get_cache_manager(k.hash).get_group(f"{name}.json")  # where the JIT looks
         assert group is not None and set(group) == set(k.metadata_group)
         for filename, path in group.items():
             assert Path(path).read_bytes() == Path(k.metadata_group[filename]).read_bytes()
     assert (fresh / "NEWLAUNCHER" / "__triton_launcher.so").read_bytes() == b"\x7fELF launcher"
-    assert triton_bundle.restore_kernels(out) == 0  # already there: nothing rewritten
+    assert triton_bundle.restore_kernels(index, files, str(fresh)) == 0  # already there: nothing rewritten
+    with pytest.raises(RuntimeError, match="not the private"):  # only ever into the cache Triton reads
+        triton_bundle.restore_kernels(index, files, str(tmp_path / "elsewhere"))
 
 
 def test_no_kernels_no_bundle(tmp_path, monkeypatch):
     monkeypatch.setattr(triton_bundle, "jit_functions", dict)
     assert triton_bundle.save_kernels(tmp_path, None) == {"kernels": {}, "launchers": {}}
     assert not (tmp_path / "triton").exists()  # a CPU artifact has no triton/ directory
-    assert triton_bundle.restore_kernels(tmp_path) == 0
+    assert triton_bundle.restore_kernels({"kernels": {}, "launchers": {}}, {}, str(tmp_path)) == 0
     # Triton is not a runtime dependency: without it there is no cache directory, and a bundle is still empty
     monkeypatch.setitem(sys.modules, "triton", None)
     assert triton_bundle._cache_root() is None
@@ -89,3 +94,22 @@ def test_compiled_variants_counts_every_device(monkeypatch):
     idle = types.SimpleNamespace(device_caches={})
     monkeypatch.setattr(kernel_variants, "jit_functions", lambda: {"m.k": fn, "m.helper": idle})
     assert kernel_variants.compiled_variants() == {"m.k": 3}
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        {"launchers": {"../../.local/lib/python3.11/site-packages": "__triton_launcher.so"}},
+        {"launchers": {"k": "../evil.pth"}},
+        {"launchers": {"/abs": "__triton_launcher.so"}},
+        {"launchers": {"k": "evil.pth"}},  # not a launcher module
+        {"kernels": {"..": {"metadata": "a.json", "files": ["a.json"]}}},
+        {"kernels": {"h": {"metadata": "a.json", "files": ["a.json", "../../x"]}}},
+        {"kernels": {"h": {"metadata": "b.json", "files": ["a.json"]}}},
+        {"kernels": {"h": {"metadata": "a.json", "files": ["a.json"]}}},  # triton/h/a.json is not listed
+        {"kernels": []},
+    ],
+)
+def test_an_index_naming_anything_but_listed_plain_names_is_refused(index):
+    with pytest.raises(ValueError, match="triton/index.json"):
+        triton_bundle.check_index(index, {"triton/k/__triton_launcher.so": b""})

@@ -1,12 +1,12 @@
 """What an artifact manifest must hold before anything in its directory is read: a refusal names the entry.
 
-- The directory: every file the manifest lists is a plain relative path inside it; no file is there that
-  the manifest does not list (Inductor's own cache folder aside: Inductor adds files to it while loading).
+- The directory: every file the manifest lists is a plain relative path inside it, with a SHA-256 (the
+  files themselves are read and matched once, by private_cache.py; unlisted ones are named there).
 - The functions: exactly those the engine needs (target; drafter and draft_loop when it has them), each
   with its traces and unique pieces; every trace names its graph file, one declared input path per graph
-  input (input_paths.py), its output layout, and pieces whose keys the function holds; every piece lists
-  its compiled code per size and / or for any size (each a listed file), so an entry written either way
-  passes.
+  input (input_paths.py), its output layout (a treespec that decodes), and pieces whose keys the function
+  holds; every piece lists its compiled code per size and / or for any size (each a listed file), so an
+  entry written either way passes.
 - The fields: each of `expected_fields` compared; the resolved config field by field (`config:
   num_speculative_tokens 3 != 4`), its hash only when the fields are absent or all agree.
 """
@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from draftgraph.artifacts.input_paths import InputPathError, validate
 from draftgraph.compiler.build import LOOP_VARIANTS
@@ -24,6 +23,7 @@ TRACE_FIELDS = ("graph", "inputs", "static_shapes", "leaf_map", "treespec", "pie
 PIECE_FIELDS = ("multi_output", "host_only", "per_size", "dynamic")
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ManifestError(ValueError):
@@ -36,18 +36,18 @@ def piece_file(fn_name: str, key: str, size) -> str:
     return f"pieces/{key}/{size}.bin"
 
 
-def check_directory(root: Path, manifest: dict, skip: tuple[str, ...]) -> None:
+def check_directory(manifest: dict) -> None:
+    """Every `files` entry is a plain relative path (parts of letters, digits, `_.-`; no `..`, no absolute
+    path) with a SHA-256 in hex: a path taken from it stays inside the directory it is joined to."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ManifestError("the manifest has no 'files' table of checksums")
-    for rel in files:
+    for rel, digest in files.items():
         parts = rel.split("/") if isinstance(rel, str) else [""]
         if not all(_SAFE.match(p) and p not in (".", "..") for p in parts):
             raise ManifestError(f"files entry {rel!r} is not a plain relative path inside the directory")
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root).as_posix()
-        if f.is_file() and rel not in files and rel not in skip[1:] and not rel.startswith(skip[0] + "/"):
-            raise ManifestError(f"file {rel} is in the directory but not in the manifest (an unknown file)")
+        if not isinstance(digest, str) or not _HEX64.match(digest):
+            raise ManifestError(f"files entry {rel!r}: checksum {digest!r} is not a SHA-256 in hex")
 
 
 def check_functions(manifest: dict, needs: set[str]) -> None:
@@ -115,8 +115,7 @@ def _check_trace(where: str, trace, pieces: dict, files: dict) -> None:
             raise ManifestError(f"{where} input {j}: static shape {shape!r} is not a list of ints / nulls")
     if not isinstance(trace["leaf_map"], list) or not all(type(j) is int and j >= 0 for j in trace["leaf_map"]):
         raise ManifestError(f"{where}: leaf_map {trace['leaf_map']!r} is not a list of output indices")
-    if not isinstance(trace["treespec"], str):
-        raise ManifestError(f"{where}: treespec is not a string")
+    _check_treespec(where, trace["treespec"], len(trace["leaf_map"]))
     if not isinstance(trace["pieces"], list):
         raise ManifestError(f"{where}: pieces is not a list")
     for p in trace["pieces"]:
@@ -128,6 +127,21 @@ def _check_trace(where: str, trace, pieces: dict, files: dict) -> None:
         ok = isinstance(size_at, list) and len(size_at) == 2 and size_at[0] in ("int", "shape", "none")
         if not ok or type(size_at[1]) is not int:
             raise ManifestError(f"{where} piece {p['name']}: size_at {size_at!r} is not [int|shape|none, index]")
+
+
+def _check_treespec(where: str, text, n_leaves: int) -> None:
+    """The output layout decodes (pytree raises many kinds of error on corrupt text) and has one leaf per
+    leaf_map entry."""
+    from torch.utils import _pytree as pytree
+
+    if not isinstance(text, str):
+        raise ManifestError(f"{where}: treespec is not a string")
+    try:
+        spec = pytree.treespec_loads(text)
+    except Exception as e:  # noqa: BLE001 - any failure to decode stored data is a corrupt manifest
+        raise ManifestError(f"{where}: treespec cannot be decoded ({type(e).__name__}: {str(e)[:120]})") from e
+    if spec.num_leaves != n_leaves:
+        raise ManifestError(f"{where}: treespec has {spec.num_leaves} leaves but leaf_map {n_leaves}")
 
 
 def field_mismatches(manifest: dict, now: dict, config_now: dict) -> list[str]:
@@ -151,9 +165,7 @@ def field_mismatches(manifest: dict, now: dict, config_now: dict) -> list[str]:
 
 def check_trace_graph(module, trace: dict) -> None:
     """A loaded trace graph agrees with its manifest entry: one placeholder per input path, output indices
-    within its outputs, each piece a submodule whose size argument exists, a treespec of the leaves kept."""
-    from torch.utils import _pytree as pytree
-
+    within its outputs, each piece a submodule whose size argument exists (the treespec: _check_trace)."""
     nodes = list(module.graph.nodes)
     n_in = sum(n.op == "placeholder" for n in nodes)
     if n_in != len(trace["inputs"]):
@@ -172,6 +184,3 @@ def check_trace_graph(module, trace: dict) -> None:
         n_args = sum(n.op == "placeholder" for n in sub.graph.nodes)
         if kind != "none" and not 0 <= i < n_args:
             raise ManifestError(f"piece {p['name']}: size_at index {i} is outside its {n_args} inputs")
-    spec = pytree.treespec_loads(trace["treespec"])
-    if spec.num_leaves != len(trace["leaf_map"]):
-        raise ManifestError(f"treespec has {spec.num_leaves} leaves but leaf_map {len(trace['leaf_map'])}")

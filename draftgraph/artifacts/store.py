@@ -8,15 +8,21 @@ pieces that compute no tensor); a JSON manifest; a readable summary.
 
 The manifest records what the code was built for: draftgraph, torch, triton, CUDA and Python versions, the
 GPU architecture, the resolved config's fields and their hash, hashes of both model configs and of
-draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file.
-Loading checks every file's checksum before anything is read (a truncated or altered file is never run),
-compares each field with the running setup, then the functions and pieces against what the engine needs
-(manifest_check.py): a difference is named, and the engine compiles from scratch, or stops when strict.
+draftgraph's compiler, pass, model and runtime sources, the capture sizes and mode, and a SHA-256 per file;
+`draftgraph build --sign-key FILE` adds an HMAC-SHA256 of the manifest (signing.py).
 
-Trust: the directory holds compiled code (Inductor's artifacts are pickles and shared libraries), so it
-must come from a source trusted like a checkpoint that contains pickles. What draftgraph itself reads is
-not evaluated: input paths are declared steps (input_paths.py) and graph call targets come from an
-allowlist (fx_allowlist.py).
+Loading (check_artifacts, then load_functions) runs every check before anything is copied, restored or
+loaded: the signature when a verify key is given, the manifest's shape and every path in it, the fields
+against the running setup, the functions and pieces against what the engine needs (manifest_check.py),
+each listed file read once against its checksum (private_cache.py; unlisted files ignored, or refused when
+strict), Triton's index (triton_bundle.py) and every graph (call targets from the allowlist). Only then are
+the checked bytes copied into a private Inductor + Triton cache, which torch and Triton load from; nothing
+is written outside it. A difference is named, and the engine compiles from scratch, or stops when strict.
+
+Trust: the directory holds compiled code (Python, shared objects, pickles: Inductor's artifacts), so it must
+come from a source trusted like a checkpoint that contains pickles. Checksums detect corruption; only a
+signature whose key is kept apart detects tampering. What draftgraph itself reads is not evaluated: input
+paths are declared steps (input_paths.py) and graph call targets come from an allowlist (fx_allowlist.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +49,7 @@ from draftgraph.artifacts.manifest_check import (
     field_mismatches,
     piece_file,
 )
+from draftgraph.artifacts.private_cache import CACHE, SUMMARY, PrivateCache, read_listed
 from draftgraph.artifacts.ranks import (
     MANIFEST,
     ONE_PROCESS,
@@ -50,18 +58,17 @@ from draftgraph.artifacts.ranks import (
     parallel_fields,
     this_rank,
 )
-from draftgraph.artifacts.triton_bundle import restore_kernels, save_kernels
+from draftgraph.artifacts.signing import SignatureError, verify
+from draftgraph.artifacts.triton_bundle import INDEX, TRITON_DIR, check_index, restore_kernels, save_kernels
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.fx_serialize import decode_module, encode_module
 
 log = logging.getLogger("draftgraph")
 
 FORMAT = 2  # 2: input paths as declared steps (not expressions), the config's fields
-# Inductor's cache of a CPU build: the built .so files, which a CPU artifact does not bundle (without them
-# every load would re-run the C++ compiler). `draftgraph build` points Inductor here on the CPU only; a CUDA
-# artifact bundles its Triton kernels.
-CACHE = "inductor_cache"
-SUMMARY = "summary.txt"
+# CACHE (private_cache.py): Inductor's cache of a CPU build, the built .so files a CPU artifact does not bundle
+# (without them every load would re-run the C++ compiler). `draftgraph build` points Inductor there on the CPU
+# only; a CUDA artifact bundles its Triton kernels. Its files are listed in the manifest like every other.
 _SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
 _FUNCTIONS = ("target", "drafter", "draft_loop")
 
@@ -330,44 +337,59 @@ def summary_text(m: dict) -> str:
 # ---- load -------------------------------------------------------------------------------------------
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest, after checking every file it lists against its checksum."""
+@dataclasses.dataclass
+class CheckedArtifact:
+    """An artifact directory after every check (check_artifacts), before anything was copied or loaded: its
+    manifest, every listed file's checked bytes, and its graphs decoded from those bytes."""
+
+    path: str
+    manifest: dict
+    files: dict[str, bytes]
+    graphs: dict[str, torch.fx.GraphModule]  # trace graphs and FX pieces, by file
+    kernels: dict  # triton/index.json, checked ({} without one)
+
+
+def read_manifest(path: str, verify_key: bytes | None = None) -> dict:
+    """The manifest of `path`, its signature checked first when a `verify_key` is given (signing.py), then its
+    shape: the `files` table of plain relative paths and SHA-256s. Nothing else in the directory is read."""
     root = Path(path)
     if not (root / MANIFEST).is_file():
         raise ArtifactError(
             f"{path} holds no {MANIFEST}: not an artifact directory (build one with `draftgraph build`)"
         )
+    raw = (root / MANIFEST).read_bytes()
+    if verify_key is not None:
+        try:
+            verify(path, raw, verify_key)
+        except SignatureError as e:
+            raise ArtifactError(str(e)) from e
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(raw)
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ArtifactError(f"{path}/{MANIFEST} is not valid JSON ({e}); rebuild the artifacts") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{path}/{MANIFEST} is not a JSON object; rebuild the artifacts")
     try:
-        check_directory(root, manifest, skip=(CACHE, MANIFEST, SUMMARY))
+        check_directory(manifest)
     except ManifestError as e:
         raise ArtifactError(f"artifacts in {path}: {e}; rebuild the artifacts") from e
-    for rel, digest in manifest["files"].items():
-        f = root / rel
-        if not f.is_file():
-            raise ArtifactError(f"artifact file {rel} is missing from {path}; rebuild the artifacts")
-        if _sha(f.read_bytes()) != digest:
-            raise ArtifactError(
-                f"artifact file {rel} does not match its checksum (truncated or altered); it was not loaded. "
-                "Rebuild the artifacts"
-            )
     return manifest
 
 
-def check_artifacts(path: str, rc, target, drafter, needs) -> dict:
-    """The manifest of `path` when it matches the running setup and lists what the engine needs (`needs`:
-    its function names); otherwise ArtifactError naming every differing field, or the first bad entry. The
-    rank comes first: a build for other ranks is named with the fix (artifacts/ranks.py)."""
+def check_artifacts(
+    path: str, rc, target, drafter, needs, strict: bool = True, verify_key: bytes | None = None
+) -> CheckedArtifact:
+    """Every check of `path`, before anything is copied, restored or loaded; ArtifactError naming the first
+    problem otherwise. In order: the rank (a build for other ranks is named with the fix, ranks.py); the
+    signature (with `verify_key`); the manifest's shape; every field against the running setup; the
+    functions, traces and pieces against what the engine needs (`needs`: its function names); each listed
+    file read once against its checksum (unlisted files: refused when `strict`, else ignored and logged);
+    Triton's index; every graph decoded with its call targets from the allowlist."""
     running = parallel_fields(rc, this_rank(rc))
     problem = layout_problem(path, running)
     if problem:
         raise ArtifactError(problem)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, verify_key)
     problem = mismatch(path, manifest.get("parallel", ONE_PROCESS), running)
     if problem:
         raise ArtifactError(problem)
@@ -378,30 +400,73 @@ def check_artifacts(path: str, rc, target, drafter, needs) -> dict:
         check_functions(manifest, set(needs))
     except ManifestError as e:
         raise ArtifactError(f"artifacts in {path} do not match what the engine needs: {e}") from e
-    return manifest
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a type the checks did not expect
+        raise ArtifactError(f"artifacts in {path}: the manifest is malformed ({e!r}); rebuild the artifacts") from e
+    try:
+        files = read_listed(Path(path), manifest["files"], strict)
+    except ManifestError as e:
+        raise ArtifactError(f"artifacts in {path}: {e}; rebuild the artifacts") from e
+    kernels = {}
+    index = f"{TRITON_DIR}/{INDEX}"
+    if index in files:
+        try:
+            kernels = json.loads(files[index])
+            check_index(kernels, files)
+        except ValueError as e:
+            raise ArtifactError(f"artifacts in {path}: {index} was refused: {e}; rebuild the artifacts") from e
+    return CheckedArtifact(path, manifest, files, _checked_graphs(manifest, files), kernels)
 
 
-def load_functions(path: str, manifest: dict, compiled, fns: dict) -> None:
-    """Replace compiled.target / drafter / loops by LoadedFunctions over the stored code (no Dynamo, no
-    Inductor). `fns` maps a function name to what its traces' `L['fn']` was: the bound forward, or the loops."""
+def _checked_graphs(manifest: dict, files: dict[str, bytes]) -> dict:
+    """Every stored FX graph decoded from its checked bytes (call targets from the allowlist), each trace
+    graph matched against its manifest entry."""
+    graphs = {}
+    for fn_name, fn in manifest["functions"].items():
+        for key, entry in fn["pieces"].items():
+            stored = {**entry["per_size"], **({"dynamic": entry["dynamic"]} if entry["dynamic"] else {})}
+            for size, kind in stored.items():
+                if kind == "fx":
+                    rel = piece_file(fn_name, key, size)
+                    graphs[rel] = _read_graph(files, rel)
+        for i, t in enumerate(fn["traces"]):
+            module = graphs[t["graph"]] = _read_graph(files, t["graph"])
+            try:
+                check_trace_graph(module, t)
+            except (ManifestError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise ArtifactError(f"function {fn_name} trace {i} ({t['graph']}): {e}; rebuild the artifacts") from e
+    return graphs
 
-    from draftgraph.compiler.piecewise import _cache_dir
 
-    restored = restore_kernels(Path(path))  # draftgraph's own compiled Triton kernels, into Triton's cache
-    compiled.counters.kernels_restored = restored
-    if restored:
-        log.info("restored %d compiled Triton kernels and launchers from %s", restored, path)
-    cache = Path(path) / CACHE
-    cache = cache.resolve() if cache.is_dir() else None
-    with _cache_dir(str(cache) if cache else None):
-        _load_functions(root_path=Path(path), manifest=manifest, compiled=compiled, fns=fns, cache=cache)
+def _read_graph(files: dict[str, bytes], rel: str):
+    """A stored FX graph; a refused call target or malformed node is an ArtifactError naming the file."""
+    try:
+        return decode_module(json.loads(files[rel]))
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        raise ArtifactError(f"artifact graph {rel} was refused: {e}") from e
+
+
+def load_functions(checked: CheckedArtifact, compiled, fns: dict) -> None:
+    """Replace compiled.target / drafter / loops by LoadedFunctions over the checked code (no Dynamo, no
+    Inductor compile). `fns` maps a function name to what its traces' `L['fn']` was: the bound forward, or
+    the loops. The compiled code is copied from the checked bytes into a private cache (private_cache.py)
+    that Inductor and Triton load from; nothing is written outside it."""
+    private = PrivateCache(checked.files)
+    if checked.kernels.get("kernels") or checked.kernels.get("launchers"):
+        # Triton's JIT looks its kernels up at their first call (the warm-up, or a later step): the private
+        # copy stays Triton's cache for the rest of the process.
+        os.environ["TRITON_CACHE_DIR"] = str(private.triton)
+        log.info("Triton's cache is now %s (the artifacts' kernels, private to this process)", private.triton)
+        restored = restore_kernels(checked.kernels, checked.files, str(private.triton))
+        compiled.counters.kernels_restored = restored
+        log.info("restored %d compiled Triton kernels and launchers from %s", restored, checked.path)
+    _load_functions(checked, compiled, fns, private)
 
 
 class _LazyArtifact:
-    """An Inductor artifact read from disk at its first call (its checksum was verified with the manifest):
-    a warm start reads only the sizes its steps use, each when a step (or the capture) first runs it."""
+    """An Inductor artifact read at its first call from the private copy of its checked bytes: a warm start
+    reads only the sizes its steps use, each when a step (or the capture) first runs it."""
 
-    def __init__(self, path: Path, cache: Path | None):
+    def __init__(self, path: Path, cache: Path):
         self.path, self.cache, self.fn = path, cache, None
 
     def __call__(self, *args):
@@ -410,24 +475,16 @@ class _LazyArtifact:
 
             from draftgraph.compiler.piecewise import _cache_dir
 
-            with _cache_dir(str(self.cache) if self.cache else None):
+            with _cache_dir(str(self.cache)):
                 self.fn = CompiledArtifact.load(path=str(self.path), format="binary")
         return self.fn(*args)
 
 
-def _read_graph(root: Path, rel: str):
-    """A stored FX graph; a refused call target or malformed node is an ArtifactError naming the file."""
-    try:
-        return decode_module(json.loads((root / rel).read_text()))
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-        raise ArtifactError(f"artifact graph {rel} was refused: {e}") from e
-
-
-def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache: Path | None) -> None:
+def _load_functions(checked: CheckedArtifact, compiled, fns: dict, private: PrivateCache) -> None:
     from draftgraph.artifacts.loaded import LoadedFunction, LoadedTrace
     from draftgraph.compiler.piecewise import CompiledPiece
 
-    root = root_path
+    manifest = checked.manifest
     ctx = compiled.ctx
     loaded = {}
     for fn_name, fn in manifest["functions"].items():
@@ -436,18 +493,16 @@ def _load_functions(root_path: Path, manifest: dict, compiled, fns: dict, cache:
 
             def load(size, kind, fn_name=fn_name, key=key):
                 rel = piece_file(fn_name, key, size)
-                return _read_graph(root, rel) if kind == "fx" else _LazyArtifact(root / rel, cache)
+                return checked.graphs[rel] if kind == "fx" else _LazyArtifact(private.root / rel, private.inductor)
 
             per_size = {int(s): load(s, k) for s, k in entry["per_size"].items()}
             dynamic = load("dynamic", entry["dynamic"]) if entry["dynamic"] is not None else None
             pieces[key] = CompiledPiece(per_size, dynamic, entry["multi_output"], entry["host_only"])
         traces = []
         for i, t in enumerate(fn["traces"]):
-            module = _read_graph(root, t["graph"])
             try:
-                check_trace_graph(module, t)
-                traces.append(LoadedTrace(fn_name, module, t, pieces, ctx))
-            except (ManifestError, ValueError, TypeError, KeyError, IndexError) as e:
+                traces.append(LoadedTrace(fn_name, checked.graphs[t["graph"]], t, pieces, ctx))
+            except (ValueError, TypeError, KeyError, IndexError) as e:
                 raise ArtifactError(f"function {fn_name} trace {i} ({t['graph']}): {e}; rebuild the artifacts") from e
         loaded[fn_name] = (traces, len(pieces), sum(len(t["pieces"]) for t in fn["traces"]))
     counters = compiled.counters

@@ -8,12 +8,17 @@ built for them into `triton/` of the artifact directory; `restore_kernels` puts 
 Triton cache, where the JIT finds them at the first call instead of compiling. An entry is keyed by Triton's
 own hash (source, signature, specialisation, options, target, Triton version), so an entry for another GPU or
 Triton is simply never looked up; the manifest already refuses such a mismatch.
+
+At a load, `check_index` first refuses an index whose names are not plain file names or whose files the
+manifest does not list, and `restore_kernels` then writes the checked bytes into the load's private Triton
+cache (artifacts/private_cache.py), never into the user's own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from draftgraph.ops.kernel_variants import jit_functions
 TRITON_DIR = "triton"
 INDEX = "index.json"
 LAUNCHER = "__triton_launcher"  # the module name Triton builds a per-signature launcher under
+_PLAIN = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def _cache_root() -> str | None:
@@ -67,32 +73,61 @@ def save_kernels(out: Path, since: float | None) -> dict:
     return index
 
 
-def restore_kernels(root: Path) -> int:
-    """Put the kernels and launchers of root/triton into this process's Triton cache (those it lacks);
-    returns how many entries were written. The files' checksums were verified with the manifest."""
-    src = root / TRITON_DIR
-    if not (src / INDEX).is_file():
+def check_index(index, files) -> None:
+    """Raise ValueError unless `index` (triton/index.json, parsed) names only plain names, each of its files
+    a file the manifest lists (`files`): nothing in it can point outside the Triton cache it is restored to."""
+
+    def plain(name) -> bool:
+        return isinstance(name, str) and bool(_PLAIN.match(name)) and name not in (".", "..")
+
+    if not isinstance(index, dict) or not all(isinstance(index.get(k, {}), dict) for k in ("kernels", "launchers")):
+        raise ValueError(f"{TRITON_DIR}/{INDEX} is not an object of 'kernels' and 'launchers' tables")
+    where = f"{TRITON_DIR}/{INDEX}"
+    for h, info in index.get("kernels", {}).items():
+        names = info.get("files") if isinstance(info, dict) else None
+        if not plain(h) or not isinstance(names, list) or not all(plain(f) for f in names):
+            raise ValueError(f"{TRITON_DIR}/{INDEX}: kernel {h!r} has a name that is not a plain file name")
+        if info.get("metadata") not in names:
+            raise ValueError(f"{where}: kernel {h!r}: metadata {info.get('metadata')!r} is not one of its files")
+        for f in names:
+            if f"{TRITON_DIR}/{h}/{f}" not in files:
+                raise ValueError(f"{TRITON_DIR}/{INDEX}: kernel file {TRITON_DIR}/{h}/{f} is not in the manifest")
+    for key, filename in index.get("launchers", {}).items():
+        if not plain(key) or not plain(filename) or not filename.startswith(LAUNCHER):
+            raise ValueError(
+                f"{TRITON_DIR}/{INDEX}: launcher {key!r}: {filename!r} is not a plain name starting {LAUNCHER!r}"
+            )
+        if f"{TRITON_DIR}/{key}/{filename}" not in files:
+            raise ValueError(f"{where}: launcher file {TRITON_DIR}/{key}/{filename} is not in the manifest")
+
+
+def restore_kernels(index: dict, files: dict[str, bytes], cache_root: str) -> int:
+    """Put the kernels and launchers of a checked `index` (check_index) into the Triton cache at `cache_root`,
+    from `files` (the listed files' checked bytes); returns how many entries were written. `cache_root` must
+    be Triton's cache directory in this process (the load's private one: TRITON_CACHE_DIR)."""
+    if not index.get("kernels") and not index.get("launchers"):
         return 0
     from triton.runtime.cache import get_cache_manager
 
-    index = json.loads((src / INDEX).read_text())
+    if os.path.realpath(_cache_root() or "") != os.path.realpath(cache_root):
+        raise RuntimeError(f"Triton's cache is {_cache_root()!r}, not the private {cache_root!r}: nothing restored")
     written = 0
     for h, info in index.get("kernels", {}).items():
         cache = get_cache_manager(h)
         if cache.get_group(info["metadata"]) is not None:
             continue
-        paths = {f: cache.put((src / h / f).read_bytes(), f, binary=True) for f in info["files"]}
+        paths = {f: cache.put(files[f"{TRITON_DIR}/{h}/{f}"], f, binary=True) for f in info["files"]}
         cache.put_group(info["metadata"], paths)
         written += 1
-    cache_root = _cache_root() or ""
-    for key, filename in index.get("launchers", {}).items() if cache_root else ():
+    for key, filename in index.get("launchers", {}).items():
         # Launchers are stored under their cache directory's own name (Triton derives it from a hash of the
         # launcher's source, in a way that changed across versions): written back there, atomically.
         target = os.path.join(cache_root, key, filename)
         if not os.path.exists(target):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = f"{target}.tmp.{os.getpid()}"
-            shutil.copyfile(src / key / filename, tmp)
+            with open(tmp, "wb") as f:
+                f.write(files[f"{TRITON_DIR}/{key}/{filename}"])
             os.replace(tmp, target)
             written += 1
     return written

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from draftgraph.artifacts.signing import SignatureError, read_key
 from draftgraph.artifacts.store import ArtifactError, check_artifacts, load_functions
 from draftgraph.build.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
 from draftgraph.build.request import BuildRequest
@@ -134,12 +135,22 @@ def _assemble(request: BuildRequest, rc: ResolvedConfig, tp, ep, pool) -> tuple:
     if request.artifacts is not None:
         if compiled is None:
             raise ValueError("artifacts hold compiled code, which mode NONE does not use; choose a compiling mode")
-        notes.append(_use_artifacts(request.artifacts, request.strict_artifacts, compiled, rc, model, draft))
+        notes.append(_use_artifacts(request, compiled, rc, model, draft))
     return model, draft, compiled, tuple(x for x in notes if x)
 
 
-def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
-    """Load the artifacts into `compiled`, or say why not (and raise when strict)."""
+def read_verify_key(key) -> bytes:
+    """A verify key's bytes from a key file's path or the bytes themselves; a bad one is an ArtifactError."""
+    try:
+        return read_key(key)
+    except SignatureError as e:
+        raise ArtifactError(str(e)) from e
+
+
+def _use_artifacts(request: BuildRequest, compiled, rc, model, draft) -> str:
+    """Load the artifacts into `compiled`, or say why not (and raise when strict). Every check (signature with
+    the request's verify_key, manifest, checksums, graphs) runs before anything is copied or loaded."""
+    path, strict = request.artifacts, request.strict_artifacts
     t0 = time.perf_counter()
     fns = {"target": model.forward}
     if draft is not None:
@@ -147,8 +158,8 @@ def _use_artifacts(path: str, strict: bool, compiled, rc, model, draft) -> str:
     if compiled.loops is not None:
         fns["draft_loop"] = tuple(loop.loop_fn for loop in compiled.loops)
     try:
-        manifest = check_artifacts(path, rc, model, draft, needs=fns)
-        load_functions(path, manifest, compiled, fns)
+        checked = check_artifacts(path, rc, model, draft, needs=fns, strict=strict, verify_key=request.verify_key)
+        load_functions(checked, compiled, fns)
     except ArtifactError as e:
         if strict:
             raise

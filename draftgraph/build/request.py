@@ -17,7 +17,9 @@ class BuildRequest:
     `artifacts`: a directory written by `draftgraph build` to load compiled code from (several ranks: its
     rank-R subdirectories); `strict_artifacts`: raise instead of compiling when they do not fit. `tokenizer`:
     a transformers tokenizer, a directory holding one, False for none, or None (the one beside a target
-    checkpoint). `build_dir`: several ranks only: each writes its artifacts into build_dir/rank-R."""
+    checkpoint). `verify_key`: the bytes of the key `artifacts` must be signed with (refused before anything but
+    the manifest is read when unsigned or mis-signed). `build_dir`: several ranks only: each writes its
+    artifacts into build_dir/rank-R."""
 
     target: Any
     drafter: Any = None
@@ -26,6 +28,7 @@ class BuildRequest:
     strict_artifacts: bool = False
     tokenizer: Any = None
     build_dir: str | None = None
+    verify_key: bytes | None = None  # the key the artifacts must be signed with (artifacts/signing.py)
 
     def __post_init__(self):
         if not isinstance(self.config, CompileConfig):

@@ -137,7 +137,13 @@ def cmd_generate(args) -> int:
     target, drafter = _models(args)
     t0 = time.perf_counter()
     engine = dg.compile_model(
-        target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts, tokenizer=tokenizer
+        target,
+        drafter,
+        config,
+        artifacts=args.artifacts,
+        strict_artifacts=args.strict_artifacts,
+        tokenizer=tokenizer,
+        verify_key=args.verify_key,
     )
     if engine.warm_up_report:
         print(engine.warm_up_report)
@@ -225,6 +231,9 @@ def cmd_build(args) -> int:
     if args.mode == "NONE":
         print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
         return 2
+    from draftgraph.artifacts.signing import read_key, sign_manifest
+
+    key = read_key(args.sign_key) if args.sign_key else None  # a bad key fails before anything compiles
     mode = "FULL_AND_PIECEWISE" if args.mode == "auto" else args.mode  # graphs are captured when loaded
     from draftgraph.workers.launched import launch_env
 
@@ -252,6 +261,10 @@ def cmd_build(args) -> int:
             manifests = build_ranks(BuildRequest(target, drafter, config), args.out)
         else:
             manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out)]
+    if key is not None:  # each rank's manifest (OUT/rank-R), or OUT's; under torchrun, this rank's own
+        many = len(manifests) > 1 and launch is None
+        for d in [os.path.join(args.out, f"rank-{r}") for r in range(len(manifests))] if many else [mine]:
+            print(f"signed {sign_manifest(d, key)}")
     print(summary_text(manifests[0]), end="")
     where = f" (rank-0 .. rank-{len(manifests) - 1}, one per rank)" if len(manifests) > 1 else ""
     files = sum(len(m["files"]) for m in manifests)

@@ -217,7 +217,14 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
         p.add_argument(
             "--strict-artifacts",
             action="store_true",
-            help="stop (exit 2) when the artifacts do not match, instead of compiling",
+            help="stop (exit 2) when the artifacts do not match or hold files their manifest does not list, "
+            "instead of compiling",
+        )
+        p.add_argument(
+            "--verify-key",
+            metavar="FILE",
+            help="refuse --artifacts not signed with this key file (`draftgraph build --sign-key FILE`), before "
+            "reading anything but their manifest",
         )
         p.add_argument(
             "--profile",
@@ -231,6 +238,12 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
     _add_common(p, BUILD_MODE_HELP)
     p.add_argument(
         "--out", required=True, help="artifact directory to write (new or empty; with several ranks, OUT/rank-R each)"
+    )
+    p.add_argument(
+        "--sign-key",
+        metavar="FILE",
+        help="sign the manifest (HMAC-SHA256, OUT/manifest.sig) with this key file of raw random bytes (make one "
+        "with `head -c 32 /dev/urandom > key`; keep it apart from the artifacts); loads check it with --verify-key",
     )
     _add_parallel(p)
     p.set_defaults(func=commands["build"])
