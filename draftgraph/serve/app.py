@@ -161,6 +161,7 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
         finally:
             if not task.done():
                 task.cancel()
+                metrics.aborted.inc(sub.remaining)
                 loop.abort(sub)
                 loop.finished(sub, sub.remaining)
 
@@ -197,6 +198,7 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if sub.remaining:  # the client left (or the engine failed) before every choice finished
+                metrics.aborted.inc(sub.remaining)
                 loop.abort(sub)
                 loop.finished(sub, sub.remaining)
 

@@ -38,6 +38,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter(p + "generation_tokens", "tokens generated and sent", registry=r)
         self.requests = Counter(p + "requests", "finished requests by finish reason", ["finish_reason"], registry=r)
+        self.aborted = Counter(p + "requests_aborted", "requests aborted: client gone, or server stopping", registry=r)
+        self.engine_generated = Gauge(p + "engine_generated_tokens", "tokens the engine generated", registry=r)
         self.errors = Counter(p + "request_errors", "requests answered with an error", ["status"], registry=r)
         self.acceptance_rate = Gauge(p + "spec_acceptance_rate", "accepted / proposed draft tokens", registry=r)
         self.mean_accepted = Gauge(
@@ -86,6 +88,7 @@ class ServerMetrics:
         self.draft_tokens.set(s.get("draft_tokens", 0))
         self.accepted_tokens.set(s.get("accepted_tokens", 0))
         self.steps.set(s.get("steps", 0))
+        self.engine_generated.set(s.get("generated_tokens", 0))
         hist, verify = s.get("acceptance_histogram", []), s.get("verify_steps", 0)
         for i in range(max(len(hist) - 1, 0)):  # position i accepted in the steps that accepted more than i
             self.by_position.labels(str(i)).set(sum(hist[i + 1 :]) / verify if verify else 0.0)
