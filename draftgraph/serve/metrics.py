@@ -45,6 +45,7 @@ class ServerMetrics:
         self.mean_accepted = Gauge(
             p + "spec_mean_accepted_length", "tokens per verify step (accepted drafts + 1)", registry=r
         )
+        self.verify_steps = Gauge(p + "spec_verify_steps", "verify steps (one per request per step)", registry=r)
         self.draft_tokens = Gauge(p + "spec_draft_tokens", "draft tokens proposed", registry=r)
         self.accepted_tokens = Gauge(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.by_position = Gauge(
@@ -86,6 +87,7 @@ class ServerMetrics:
         self.acceptance_rate.set(s.get("acceptance_rate", 0.0))
         self.mean_accepted.set(s.get("mean_accepted_length", 0.0))
         self.draft_tokens.set(s.get("draft_tokens", 0))
+        self.verify_steps.set(s.get("verify_steps", 0))
         self.accepted_tokens.set(s.get("accepted_tokens", 0))
         self.steps.set(s.get("steps", 0))
         self.engine_generated.set(s.get("generated_tokens", 0))
