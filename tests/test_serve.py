@@ -122,6 +122,18 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
+def test_serve_takes_every_engine_flag_of_generate():
+    from tests.test_cli import _parsers
+
+    _, commands = _parsers()
+    flags = {name: {o for a in commands[name]._actions for o in a.option_strings} for name in ("generate", "serve")}
+    # generate's own request and workload flags are per request in the server (the JSON body)
+    per_request = {"--num-prompts", "--prompt-len", "--max-tokens", "--temperature", "--top-k", "--top-p", "--prompt",
+                   "--prompts-file", "--stream", "--ignore-eos", "--stop-token-ids", "--profile"}  # fmt: skip
+    assert flags["generate"] - per_request <= flags["serve"]
+    assert {"--host", "--port", "--served-model-name", "--max-queue"} <= flags["serve"]
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
