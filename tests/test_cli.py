@@ -9,11 +9,11 @@ import draftgraph as dg
 from draftgraph.cli import main
 from draftgraph.cli.parser import build_parser
 
-COMMANDS = ("generate", "run", "build", "inspect", "graph-diff")
+COMMANDS = ("generate", "run", "build", "inspect", "graph-diff", "serve")
 
 
 def _parsers():
-    parser = build_parser(dict.fromkeys(("generate", "build", "inspect", "graph-diff"), lambda args: 0))
+    parser = build_parser(dict.fromkeys(("generate", "build", "inspect", "graph-diff", "serve"), lambda args: 0))
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return parser, sub.choices
 

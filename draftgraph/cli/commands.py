@@ -180,6 +180,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import draftgraph as dg
+
+    config = _config(args)
+    tokenizer = cli_tokenizer(args, needed=False)
+    name = args.served_model_name or args.target or "draftgraph-builtin"
+    try:
+        from draftgraph.serve.server import serve
+    except ImportError as e:  # the `serve` extra is not installed
+        raise ValueError(
+            f'draftgraph serve needs FastAPI, uvicorn and prometheus-client ({e}); pip install -e ".[serve]"'
+        ) from e
+    print(f"config: {config}")
+    target, drafter = _models(args)
+    engine = dg.compile_model(
+        target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts, tokenizer=tokenizer
+    )
+    if engine.warm_up_report:
+        print(engine.warm_up_report)
+    print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
+    return serve(engine, args.host, args.port, name, args.max_queue)
+
+
 def print_report(s: dict) -> None:
     k = s["num_speculative_tokens"]
     print(f"\nsteps {s['steps']}, generated tokens {s['generated_tokens']}, wall {s['seconds']:.2f} s")
@@ -338,7 +361,7 @@ def _prestart_workers(args) -> None:
     this one imports torch, so that both import it side by side; the engine build takes the pool when its
     settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
     driver's device node exists; where torch then finds none, the build closes the pool."""
-    if args.command not in ("generate", "run") or args.mode == "NONE" or args.artifacts:
+    if args.command not in ("generate", "run", "serve") or args.mode == "NONE" or args.artifacts:
         return
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
         return
@@ -357,7 +380,13 @@ _STARTED = [time.perf_counter()]  # when the command started (main sets it again
 def main(argv: list[str] | None = None) -> int:
     _STARTED[0] = time.perf_counter()
     parser = build_parser(
-        {"generate": cmd_generate, "build": cmd_build, "inspect": cmd_inspect, "graph-diff": cmd_graph_diff}
+        {
+            "generate": cmd_generate,
+            "build": cmd_build,
+            "inspect": cmd_inspect,
+            "graph-diff": cmd_graph_diff,
+            "serve": cmd_serve,
+        }
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -234,6 +234,38 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             help="afterwards, profile this many steps: GPU kernels launched from CUDA graphs vs outside them",
         )
         p.set_defaults(func=commands["generate"])
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)"
+    )
+    _add_common(p, GENERATE_MODE_HELP)
+    _add_parallel(p)
+    p.add_argument("--artifacts", help="load compiled code from this `draftgraph build` directory")
+    p.add_argument(
+        "--strict-artifacts",
+        action="store_true",
+        help="stop (exit 2) when the artifacts do not match, instead of compiling",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="directory of a transformers tokenizer (default: the --target checkpoint's, when it has one); without "
+        "one, prompts must be token ids and chat completions are refused",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, printed)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: --target as given, or draftgraph-builtin)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests that may wait for a place in the running batch (--max-num-seqs per replica); more get 503 "
+        "(default 1024)",
+    )
+    p.set_defaults(func=commands["serve"])
     p = sub.add_parser("build", help="compile ahead of time into an artifact directory (manifest, summary, code)")
     _add_common(p, BUILD_MODE_HELP)
     p.add_argument(

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+
+import torch
 
 from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import ResolvedConfig
@@ -28,7 +32,8 @@ from draftgraph.runtime.uniform_step import Launched
 
 class Engine:
     """Continuous batching around a StepRunner. Use `generate` for a list of prompts, `stream` to see their
-    tokens and text step by step, or `add_request` + `step` to drive it yourself.
+    tokens and text step by step, or `add_request` + `step` to drive it yourself (`abort` drops a request).
+    `close()` (or leaving `with compile_model(...) as engine:`) gives back its KV cache, graphs and workers.
 
     Everything an engine holds is given or made here, at construction (build/engine.py builds the parts);
     nothing outside this module assigns its attributes afterwards. With `prepare` the engine is ready to
@@ -36,6 +41,8 @@ class Engine:
     (runtime/memory.py: it starts with a probe cache), every piece compiled and (on CUDA) every graph
     captured, and `warm_up_report` saying how, after the build's `notes`. Without it (tests that drive the
     parts), `warm_up()` and `resize_kv_cache()` are theirs to call."""
+
+    _closed = False  # set by close(); every later call that needs the device refuses
 
     def __init__(
         self,
@@ -145,6 +152,7 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text when the engine has a tokenizer, or token ids); returns its request id."""
+        self._check_open("add_request")
         params = params or SamplingParams()
         prompt = self.check_request(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -156,6 +164,7 @@ class Engine:
 
     def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ids (text encoded), or a ValueError naming what does not fit."""
+        self._check_open("check_request")
         prompt = encode_prompt(self.tokenizer, prompt)
         if not prompt:
             raise ValueError("a prompt needs at least one token")
@@ -181,6 +190,7 @@ class Engine:
         """Run one step; returns the requests that finished in it. With overlapped steps (`overlap_steps`), a
         uniform decode step is launched and read at the next call, after the step that follows it is queued; a
         call whose pending step cannot be followed by the same batch reads it, then schedules and runs a step."""
+        self._check_open("step")
         self.last_step_tokens = []
         done = []
         if self._pending is not None:
@@ -329,6 +339,7 @@ class Engine:
         """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,
         acceptance, tokens/s, preemptions, forwards per dispatch key. `compile` (when compiled) counts
         since the engine was built: traces, compiles, captures and replays are the engine's, not a call's."""
+        self._check_open("stats")
         s = dict(self._stats)
         s["acceptance_histogram"] = list(s["acceptance_histogram"])
         s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
@@ -352,3 +363,102 @@ class Engine:
         if self.memory_plan is not None:
             s["memory"] = self.memory_plan.as_dict()
         return s
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def abort(self, request_id: int) -> bool:
+        """Drop an unfinished request: its KV blocks and slot go back now, and it emits nothing more. A step
+        already launched with it (overlap_steps) still runs on the device; the next `step` reads and skips it,
+        and new work is queued after it on the same stream, so its freed blocks are never written twice.
+        Returns False when no unfinished request has that id (it finished, was aborted, or never existed)."""
+        sched = self.scheduler
+        req = next((r for r in sched.running if r.id == request_id), None)
+        if req is not None:
+            req.finish_reason = "abort"
+            sched.finish(req)
+            return True
+        req = next((r for r in sched.waiting if r.id == request_id), None)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        sched.waiting.remove(req)
+        if req.block_table is not None:  # a preempted request released its blocks, and keeps its slot
+            req.block_table.release()
+        if req.slot >= 0:
+            sched._free_slots.append(req.slot)
+            req.slot = -1
+        return True
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """KV cache blocks no request holds."""
+        return self.allocator.num_free
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Give back what this engine holds: its unfinished requests are aborted, its CUDA graphs and their
+        memory pool dropped, its KV caches unmapped (runtime/growable.py) or freed, a compile pool or kernel
+        threads still running stopped, and its compiled code, caches and model references dropped (weights stay
+        alive only when the caller holds the models). Idempotent; also run when the engine is collected. Any
+        later call that needs the device raises."""
+        if self._closed:
+            return
+        self._closed = True
+        cuda = self.config.device.type == "cuda"
+        pending, self._pending = self._pending, None
+        if pending is not None:  # a launched step still writes the caches: let it finish first
+            with contextlib.suppress(Exception):
+                self.runner.finish(pending[1])
+        sched = self.scheduler
+        for req in [*sched.running, *sched.waiting]:
+            self.abort(req.id)
+        compiled, self.compiled = self.compiled, None
+        if compiled is not None:
+            if compiled.ahead is not None:
+                ahead, compiled.ahead = compiled.ahead, None
+                with contextlib.suppress(Exception):
+                    ahead.close()
+            if compiled.pool is not None:
+                from draftgraph.compiler.pool.pool_lifetime import release
+
+                pool, compiled.pool = compiled.pool, None
+                release(pool)
+            if cuda:
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.config.device)
+            compiled.ctx.release()
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            caches = [runner.target_cache] + ([runner.draft_cache] if runner.drafter is not None else [])
+            for cache in caches:
+                cache.layers[:] = []  # in place: the forwards and graphs' holders share this list
+                cache.state = None
+                buffers, cache._buffers = cache._buffers, []
+                for bufs in buffers:  # unmapped now, whoever still holds a view (no graph may replay on it)
+                    for buf in bufs:
+                        buf._finalizer()
+        self.states = None
+        self.target = self.drafter = None
+        if cuda:
+            gc.collect()  # the graphs' and caches' reference cycles, so the allocator gets their blocks back
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"this engine is closed; {what}() needs a new engine: dg.compile_model(...) again")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        # `del engine` + gc.collect() gives back what close() does (also for an engine __init__ left half-built)
+        with contextlib.suppress(Exception):
+            if "scheduler" in self.__dict__:
+                self.close()
