@@ -1,8 +1,9 @@
 """`draftgraph serve` over several ranks on the CPU (gloo), through the official `openai` client: driver-started
 workers (`--dp 2`: a request's abort reaches the replica holding it) and torchrun as two "nodes" on one host
-(`--nnodes 2 --nproc-per-node 1`, a c10d rendezvous on 127.0.0.1, `--tp 2`: rank 0 serves HTTP and leads, rank 1
-follows its calls). One server start each. The oracle is the one-process engine of tests/test_serve.py on the
-same checkpoints: greedy speculative decoding is lossless, so every served text equals it."""
+(`--nnodes 2 --nproc-per-node 1 --node-rank r`, the static rendezvous on 127.0.0.1, so node 0 holds rank 0;
+`--tp 2`: rank 0 serves HTTP and leads, rank 1 follows its calls). One server start each. The oracle is the
+one-process engine of tests/test_serve.py on the same checkpoints: greedy speculative decoding is lossless, so
+every served text equals it."""
 
 import os
 import signal
@@ -103,10 +104,9 @@ def test_serve_on_two_torchrun_nodes(ckpts, reference, nodes):
     endpoint = f"127.0.0.1:{_free_port()}"
 
     def node(rank: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
-                "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf",
-                f"is_host={int(rank == 0)}", "--local-addr", "127.0.0.1", "-m", "draftgraph", "serve", "--target",
-                target, "--drafter", drafter, "--tp", str(nodes), *FLAGS]  # fmt: skip
+        run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
+               "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--local-addr", "127.0.0.1"]  # fmt: skip
+        return [*run, "-m", "draftgraph", "serve", "--target", target, "--drafter", drafter, "--tp", str(nodes), *FLAGS]
 
     follower = subprocess.Popen(node(1), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)  # fmt: skip
@@ -114,8 +114,11 @@ def test_serve_on_two_torchrun_nodes(ckpts, reference, nodes):
     try:
         srv = _start(node(0))
         _serves_like_one_process(srv, ckpts, reference)
-        # SIGTERM on the leader's node: rank 0 drains, tells rank 1 to stop, and both nodes exit 0.
-        srv.proc.send_signal(signal.SIGTERM)
+        # SIGTERM to rank 0 (torchrun's agent itself exits 1 on a signal, whatever its ranks do): rank 0 drains,
+        # tells rank 1 to stop, and both nodes exit 0.
+        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children") as f:
+            (rank0,) = (int(pid) for pid in f.read().split())
+        os.kill(rank0, signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.output()
         assert follower.wait(timeout=60) == 0, follower.stdout.read()
         assert "server stopped" in srv.output() and srv.output().count("serving ") == 1
