@@ -272,6 +272,47 @@ def test_no_chat_template_is_a_clear_400(ckpts):
     assert e.value.status == 400 and e.value.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_health_is_503_while_the_engine_loads(engine):
+    """The HTTP server answers before the engine is built: /health and the API say 503 (loading), then /health
+    answers 200 and requests are served. The build waits on a gate the test opens (the module's engine)."""
+    from draftgraph.serve.server import bind, make_server
+
+    gate = threading.Event()
+
+    def make_engine():
+        gate.wait()
+        return engine
+
+    sock = bind("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = make_server(make_engine, NAME, max_queue=8)
+    http = threading.Thread(target=server.http.run, kwargs={"sockets": [sock]}, daemon=True)
+    server.loop.start()
+    http.start()
+    try:
+        for _ in range(1000):  # uvicorn starts answering on the bound socket
+            if server.http.started:
+                break
+            time.sleep(0.05)
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "message": "the engine is loading"}
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 2}
+        r = httpx.post(f"{base}/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        assert "the engine is loading" in r.json()["error"]["message"]
+        gate.set()
+        assert server.loop.ready.wait(120)
+        assert httpx.get(f"{base}/health").status_code == 200
+        r = httpx.post(f"{base}/v1/completions", json=body | {"temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        gate.set()
+        server.http.should_exit = True
+        http.join(30)
+        server.loop.stop()
+        sock.close()
+
+
 def test_sigterm_drains_and_stops_the_server(server):
     """Last in the module: the server's stream in flight ends with [DONE], then the process exits 0."""
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stream": True}

@@ -181,26 +181,46 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    """Bind first, then build the engine in the server's engine thread (/health: 503 until it is ready). Under
+    torchrun, rank 0 serves and leads; the other ranks build their engines and follow rank 0's calls."""
     import draftgraph as dg
+    from draftgraph.workers.launched import launch_env
 
     config = _config(args)
     tokenizer = cli_tokenizer(args, needed=False)
     name = args.served_model_name or args.target or "draftgraph-builtin"
     try:
-        from draftgraph.serve.server import serve
+        from draftgraph.serve.server import bind, serve
     except ImportError as e:  # the `serve` extra is not installed
         raise ValueError(
             f'draftgraph serve needs FastAPI, uvicorn and prometheus-client ({e}); pip install -e ".[serve]"'
         ) from e
     print(f"config: {config}")
-    target, drafter = _models(args)
-    engine = dg.compile_model(
-        target, drafter, config, artifacts=args.artifacts, strict_artifacts=args.strict_artifacts, tokenizer=tokenizer
-    )
-    if engine.warm_up_report:
-        print(engine.warm_up_report)
-    print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
-    return serve(engine, args.host, args.port, name, args.max_queue)
+    launch = launch_env()
+    several = launch is not None and launch.world_size > 1
+
+    def make_engine():
+        target, drafter = _models(args)
+        engine = dg.compile_model(
+            target,
+            drafter,
+            config,
+            artifacts=args.artifacts,
+            strict_artifacts=args.strict_artifacts,
+            tokenizer=tokenizer,
+            verify_key=args.verify_key,
+        )
+        if engine.warm_up_report:
+            print(engine.warm_up_report)
+        print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
+        if several and launch.rank == 0:
+            engine.lead()
+        return engine
+
+    if several and launch.rank != 0:  # a follower: no HTTP; rank 0's calls until it stops
+        make_engine().follow()
+        return 0
+    return serve(make_engine, bind(args.host, args.port), name, args.max_queue)
 
 
 def print_report(s: dict) -> None:

@@ -246,6 +246,12 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
         help="stop (exit 2) when the artifacts do not match, instead of compiling",
     )
     p.add_argument(
+        "--verify-key",
+        metavar="FILE",
+        help="refuse --artifacts not signed with this key file (`draftgraph build --sign-key FILE`), before "
+        "reading anything but their manifest",
+    )
+    p.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="directory of a transformers tokenizer (default: the --target checkpoint's, when it has one); without "

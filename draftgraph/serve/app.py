@@ -42,12 +42,19 @@ class ClientGone(Exception):
 
 def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
     """The app for `loop`'s engine, served as model `served_name`; more than --max-queue requests waiting for a
-    place in the running batch get 503."""
-    engine = loop.engine
-    tokenizer = engine.tokenizer or None
+    place in the running batch get 503. Until the loop has built its engine, /health and every endpoint that
+    needs the engine answer 503 (loading)."""
     metrics = ServerMetrics(served_name)
-    capacity = engine.config.max_num_seqs * getattr(engine, "dp", 1) + max_queue
     created = int(time.time())
+
+    def ready_engine():
+        """The engine, or 503 while it loads (or when it failed to load)."""
+        if loop.load_error is not None:
+            raise ServeError(503, f"the engine failed to load: {loop.load_error}", code="load_failed")
+        if not loop.ready.is_set():
+            raise ServeError(503, "the engine is loading; retry once GET /health answers 200", code="loading")
+        return loop.engine
+
     app = FastAPI(title="draftgraph", version="0.1")
     app.state.loop, app.state.metrics = loop, metrics
 
@@ -64,6 +71,11 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if loop.load_error is not None:
+            return JSONResponse({"status": "failed", "message": f"the engine failed to load: {loop.load_error}"},
+                                status_code=503)  # fmt: skip
+        if loop.loading:
+            return JSONResponse({"status": "loading", "message": "the engine is loading"}, status_code=503)
         if not loop.alive:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return {"status": "ok"}
@@ -71,11 +83,12 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": served_name, "object": "model", "created": created, "owned_by": "draftgraph",
-                "max_model_len": engine.config.max_model_len}  # fmt: skip
+                "max_model_len": ready_engine().config.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def prometheus():
+        ready_engine()
         snap = await loop.call(engine_snapshot)
         return Response(metrics.render(snap, loop.inflight), media_type=CONTENT_TYPE_LATEST)
 
@@ -83,15 +96,20 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
     async def completions(request: Request):
         body = await _json(request)
         check_model(body, served_name)
+        ready_engine()
         return await _run(request, completion_request(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json(request)
         check_model(body, served_name)
-        return await _run(request, chat_request(body, tokenizer, engine.config.max_model_len), chat=True)
+        engine = ready_engine()
+        return await _run(request, chat_request(body, engine.tokenizer or None, engine.config.max_model_len), chat=True)
 
     async def _run(request: Request, parsed: Parsed, chat: bool):
+        engine = ready_engine()
+        tokenizer = engine.tokenizer or None
+        capacity = engine.config.max_num_seqs * getattr(engine, "dp", 1) + max_queue
         prompts, params = parsed.choices()
         if loop.inflight + len(prompts) > capacity:
             raise ServeError(
@@ -166,6 +184,7 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
                 loop.finished(sub, sub.remaining)
 
     async def _stream(sub: Submission, choices: list[Choice], parsed: Parsed, rid: str, chat: bool):
+        tokenizer = loop.engine.tokenizer or None
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": int(time.time()), "model": served_name}
         try:
@@ -203,6 +222,7 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
                 loop.finished(sub, sub.remaining)
 
     def _response(rid: str, chat: bool, parsed: Parsed, choices: list[Choice]) -> dict:
+        tokenizer = loop.engine.tokenizer or None
         out = []
         for i, c in enumerate(choices):
             text = (c.output.text or "") if tokenizer else ""

@@ -1,8 +1,9 @@
 """The engine stepping in a background thread, fed by the HTTP server's asyncio loop (continuous batching).
 
-Every engine call happens in the one engine thread (an Engine is not thread-safe, and a parallel engine's calls
-are round trips to its ranks): the server's coroutines post commands to an inbox (`submit`: add a group of
-requests; `abort`; `call`: any function of the engine, such as a stats snapshot), and the thread runs them
+The thread first builds the engine (`make_engine`), while the server already answers (/health: 503, loading),
+then steps it. Every engine call happens in the one engine thread (an Engine is not thread-safe, and a parallel
+engine's calls are round trips to its ranks): the server's coroutines post commands to an inbox (`submit`: add
+a group of requests; `abort`; `call`: any function of the engine, such as a stats snapshot), and the thread runs them
 between steps, so a new request joins the running batch at the next step and never waits for another's batch
 to end. What a step emits goes back to each submission's asyncio queue through `loop.call_soon_threadsafe`.
 
@@ -54,8 +55,13 @@ class Submission:
 class EngineLoop:
     """Drives `engine` (an Engine or a parallel engine) from one background thread; see the module docstring."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], Any], on_load_failure: Callable[[BaseException], None] | None = None):
+        """`make_engine()` builds the engine, in the thread; `on_load_failure(error)` is called there when it
+        raises (the server then stops)."""
+        self.engine = None
+        self._make_engine, self._on_load_failure = make_engine, on_load_failure
+        self.ready = threading.Event()  # set once the engine is built
+        self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -65,13 +71,16 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="draftgraph-engine", daemon=True)
 
     def start(self) -> None:
-        if hasattr(self.engine, "reset_stats"):
-            self.engine.reset_stats()  # /metrics reports what was served, not the build's warm-up
         self._thread.start()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
+
+    @property
+    def loading(self) -> bool:
+        """The engine is being built (neither ready nor failed)."""
+        return not self.ready.is_set() and self.load_error is None
 
     # ---- the server's side (asyncio) ----------------------------------------------------------------
 
@@ -131,7 +140,24 @@ class EngineLoop:
 
     # ---- the engine thread --------------------------------------------------------------------------
 
+    def _load(self) -> bool:
+        """Build the engine (True), or record why it failed and say so (False)."""
+        try:
+            engine = self._make_engine()
+            engine.reset_stats()  # /metrics reports what was served, not the build's warm-up
+        except BaseException as e:  # noqa: BLE001 - the server reports it and stops
+            self.load_error = e
+            log.error("the engine could not be built", exc_info=e)
+            if self._on_load_failure is not None:
+                self._on_load_failure(e)
+            return False
+        self.engine = engine
+        self.ready.set()
+        return True
+
     def _run(self) -> None:
+        if not self._load():
+            return
         engine = self.engine
         while True:
             if not self._drain():
@@ -196,12 +222,10 @@ class EngineLoop:
                 self._engine_abort(rid)
 
     def _engine_abort(self, rid: int) -> None:
-        abort = getattr(self.engine, "abort", None)
-        if abort is not None:  # a parallel engine has none: its request runs on, its output is dropped
-            try:
-                abort(rid)
-            except Exception:  # noqa: BLE001 - the request is gone either way
-                log.exception("aborting request %d failed", rid)
+        try:
+            self.engine.abort(rid)
+        except Exception:  # noqa: BLE001 - the request is gone either way
+            log.exception("aborting request %d failed", rid)
 
     def _fault(self, error: Exception) -> None:
         self.faults += 1

@@ -14,11 +14,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 def engine_snapshot(engine) -> dict:
-    """What /metrics reads from the engine (run in the engine thread). A parallel engine has no scheduler
-    here: its requests and blocks are left out."""
+    """What /metrics reads from the engine (run in the engine thread); a parallel engine's requests and blocks
+    are its replicas' added up (RankedEngine.occupancy)."""
     snap = {"stats": engine.stats()}
     sched = getattr(engine, "scheduler", None)
-    if sched is not None:
+    if hasattr(engine, "occupancy"):
+        snap.update(engine.occupancy())
+    elif sched is not None:
         snap["running"], snap["waiting"] = len(sched.running), len(sched.waiting)
         snap["kv_free"] = engine.num_free_kv_blocks
         snap["kv_total"] = engine.config.num_kv_blocks

@@ -11,10 +11,17 @@ torchrun does by nature. Each call runs on the ranks it concerns, then the ranks
 one `all_gather_object` over a gloo group (host values, never the device), so that an error on any rank
 raises `WorkerError` naming it on every rank, and every rank returns the same value: outputs, stats and
 request ids are those rank 0 sees (the CLI prints on rank 0 only).
+
+A server (`draftgraph serve` under torchrun, over one node or several) is not SPMD: the requests arrive at rank
+0 alone. There rank 0 leads (`lead`): it broadcasts each call to the other ranks before making it, and they
+follow (`follow`): each receives the call, runs its part and joins the exchange, until rank 0 closes. An idle
+server still calls `has_unfinished` twice a second (serve/engine_loop.py), so the followers never wait in the
+broadcast for longer than the process group's timeout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 import weakref
@@ -32,6 +39,7 @@ from draftgraph.workers.worker import run_command, setup_rank
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT")
+log = logging.getLogger("draftgraph.workers")
 TIMEOUT = timedelta(seconds=600)  # a collective waiting longer than this raises (a peer died or hung)
 
 
@@ -154,6 +162,7 @@ class LaunchedEngine(RankedEngine):
     def __init__(self, engine, env: LaunchEnv, group, owned: bool, tokenizer, tensor_parallel_size: int, mine):
         self.engine, self.rank, self.local_rank = engine, env.rank, env.local_rank
         self.world_size, self._group, self._closed = env.world_size, group, False
+        self._leading = False
         # The process group is left at close(), when the engine is collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _leave, owned)
         self._setup(env.world_size, tensor_parallel_size, tokenizer, self._exchange("ready", mine))
@@ -168,15 +177,59 @@ class LaunchedEngine(RankedEngine):
                 raise WorkerError(f"rank {rank} of {self.world_size} failed during {what}: {value.rstrip()}")
         return [value for _, value in every]
 
+    def lead(self) -> None:
+        """On rank 0 of a launch that serves: from now on each call goes to the other ranks first, which run it
+        in `follow` (the module docstring)."""
+        if self.rank != 0:
+            raise ValueError(f"rank {self.rank} cannot lead: rank 0 leads, the others follow()")
+        self._leading = True
+
+    def follow(self) -> None:
+        """On every rank but 0 of a launch that serves: run rank 0's calls as they come, until rank 0 closes;
+        then close this rank. A call that failed on some rank is reported by rank 0; the ranks go on together."""
+        if self.rank == 0:
+            raise ValueError("rank 0 leads (lead()); only the other ranks follow")
+        try:
+            while True:
+                name, args = self._broadcast(None)
+                if name is None:
+                    return
+                mine = run_command(self.engine, name, args[self.rank]) if self.rank in args else ("ok", None)
+                try:
+                    self._exchange(name, mine)
+                except WorkerError as e:
+                    log.warning("rank %d: %s", self.rank, str(e).split("\n")[0])
+        finally:
+            self.close()
+
+    def _broadcast(self, call: tuple | None) -> tuple:
+        """Rank 0's (name, args) call, on every rank: rank 0 gives `call`, the others receive it."""
+        import torch.distributed as dist
+
+        box = [call]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+        except Exception as e:  # noqa: BLE001 - a collective that fails: rank 0 died or hung
+            raise WorkerError(f"rank {self.rank}: rank 0 stopped sending calls ({type(e).__name__}: {e})") from e
+        return box[0]
+
     def _call_each(self, name: str, args: dict[int, tuple]) -> dict[int, Any]:
         if self._closed:
             raise RuntimeError(f"this engine is closed; {name}() needs a new compile_model(...)")
+        if self._leading:
+            self._broadcast((name, args))
         mine = run_command(self.engine, name, args[self.rank]) if self.rank in args else ("ok", None)
         values = self._exchange(name, mine)
         return {rank: values[rank] for rank in args}
 
     def close(self) -> None:
         """Drop this rank's engine and leave the process group when compile_model joined it (idempotent; every
-        rank calls it)."""
+        rank calls it); a leading rank 0 first tells the followers to stop."""
+        if self._leading and not self._closed:
+            self._leading = False
+            try:
+                self._broadcast((None, None))
+            except WorkerError:
+                log.warning("the following ranks could not be told to stop; they end with the process group")
         self._closed, self.engine = True, None
         self._finalizer()

@@ -24,7 +24,7 @@ class WorkerError(RuntimeError):
 
 
 class RankedEngine:
-    """The Engine's API over `world_size` ranks, `tensor_parallel_size` per replica: add_request, step,
+    """The Engine's API over `world_size` ranks, `tensor_parallel_size` per replica: add_request, abort, step,
     has_unfinished, generate, stream, stats, warm_up_report, close (also a context manager). `config` and
     `warm_up_report` are rank 0's; `rank_info` lists what every rank reported once built."""
 
@@ -65,12 +65,12 @@ class RankedEngine:
 
     def _call_replicas(self, name: str, args: dict[int, tuple]) -> dict[int, Any]:
         """`name(*args[d])` on every rank of each replica d given; each replica's answer (its first rank's,
-        once its ranks are seen to agree when `name` is add_request)."""
+        once its ranks are seen to agree when `name` is add_request or abort)."""
         every = self._call_each(name, {r: a for d, a in args.items() for r in self.replica_ranks(d)})
         out = {}
         for d in args:
             answers = [every[r] for r in self.replica_ranks(d)]
-            if name == "add_request" and len(set(answers)) != 1:
+            if name in ("add_request", "abort") and len(set(answers)) != 1:
                 raise WorkerError(f"ranks gave one request different ids {answers}: their schedulers diverged")
             out[d] = answers[0]
         return out
@@ -85,6 +85,23 @@ class RankedEngine:
         d = self.router.pick()
         args = (encode_prompt(self.tokenizer, prompt), params or SamplingParams())
         return self.router.admit(d, self._call_replicas("add_request", {d: args})[d])
+
+    def abort(self, request_id: int) -> bool:
+        """Engine.abort on every rank of the replica holding the request: its KV blocks and slot go back on each
+        of them, and it emits nothing more. False when no unfinished request has that id."""
+        where = self.router.locate(request_id)
+        if where is None:
+            return False
+        d, local = where
+        found = self._call_replicas("abort", {d: (local,)})[d]
+        self.router.dropped(d, local)
+        return found
+
+    def occupancy(self) -> dict:
+        """Requests running and waiting, and KV blocks free and in all, added up over the replicas (each
+        replica's first rank: its ranks hold the same requests and blocks)."""
+        every = self._call_replicas("occupancy", {d: () for d in range(self.dp)})
+        return {key: sum(every[d][key] for d in range(self.dp)) for key in every[0]}
 
     def has_unfinished(self) -> bool:
         return any(self._call("has_unfinished"))

@@ -64,6 +64,16 @@ class Router:
     def global_id(self, replica: int, local_id: int) -> int:
         return self._ids[(replica, local_id)]
 
+    def locate(self, rid: int) -> tuple[int, int] | None:
+        """(replica, the replica's id) of the driver's unfinished request `rid` given through add_request; None
+        when there is none (it finished, was aborted, or never existed)."""
+        return next((key for key, g in self._ids.items() if g == rid), None)
+
+    def dropped(self, replica: int, local_id: int) -> None:
+        """The replica's request `local_id` was aborted: it leaves the replica's load."""
+        if self._ids.pop((replica, local_id), None) is not None:
+            self.load[replica] -= 1
+
     def finished(self, replica: int, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The replica's finished outputs under the driver's ids (their requests leave its load)."""
         for out in outputs:

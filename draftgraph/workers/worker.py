@@ -108,10 +108,18 @@ def _reset_stats(engine) -> None:
         engine.lockstep.reset()
 
 
+def _occupancy(engine) -> dict:
+    sched = engine.scheduler
+    return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_free": engine.num_free_kv_blocks,
+            "kv_total": engine.config.num_kv_blocks}  # fmt: skip
+
+
 # The calls a driver may make: name -> what the rank runs.
 COMMANDS = {
     "add_request": lambda e, prompt, params: e.add_request(prompt, params),
     "check_request": lambda e, prompt, params: e.check_request(prompt, params),
+    "abort": lambda e, request_id: e.abort(request_id),
+    "occupancy": _occupancy,
     "step": _step,
     "has_unfinished": lambda e: e.has_unfinished(),
     "generate": _generate,
