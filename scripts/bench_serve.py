@@ -144,7 +144,21 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def wait_ready(url: str, timeout_s: float = 900.0) -> None:
+    """/health answers 503 while the server builds its engine (after binding its port), 200 once ready."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} was not ready after {timeout_s:.0f} s")
+
+
 def bench(url: str, label: str, args) -> list[dict]:
+    wait_ready(url)
     model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
     rows = []
     asyncio.run(run_level(url, model, 1, 2, args.prompt_len, 8, args.max_token_id, args.seed))  # warm-up
