@@ -32,7 +32,7 @@ class StreamDelta:
     output: RequestOutput | None = None  # the whole result, on the request's last delta
 
 
-class _StreamedText:
+class StreamedText:
     """What a request's stream has sent of its text. With stop strings the last `hold` characters wait for
     the next step (a stop string may start among them: nothing past a stop reaches the stream); the request's
     last delta sends the rest of its final text (cut at the stop)."""
@@ -42,7 +42,7 @@ class _StreamedText:
 
     def push(self, piece: str, out: RequestOutput | None) -> str:
         if out is not None:
-            text = out.text[self.sent :]
+            text = (out.text or "")[self.sent :]
         else:
             self.pending += piece
             cut = max(0, len(self.pending) - self.hold)
@@ -83,7 +83,7 @@ def stream_requests(
     order = sorted(range(n), key=lambda i: arrivals[i])
     index: dict[int, int] = {}  # request id -> prompt index (other requests in the engine are not ours)
     detoks: dict[int, IncrementalDetokenizer] = {}
-    streamed: dict[int, _StreamedText] = {}
+    streamed: dict[int, StreamedText] = {}
     step, nxt, finished = 0, 0, 0
     bar = tqdm(total=n, desc="generating", unit="req", disable=not progress)
     try:
@@ -94,7 +94,7 @@ def stream_requests(
                 index[rid] = i
                 if detokenize and engine.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(engine.tokenizer)
-                    streamed[rid] = _StreamedText(StopStrings.holdback(params[i].stop))
+                    streamed[rid] = StreamedText(StopStrings.holdback(params[i].stop))
                 nxt += 1
             if not engine.has_unfinished():
                 step = arrivals[order[nxt]]  # idle until the next arrival
