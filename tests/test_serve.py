@@ -189,6 +189,18 @@ def test_streamed_chunks_join_to_the_same_text(client, ckpts, reference):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
+def test_stop_strings_cut_the_text_and_the_stream(client, ckpts, reference):
+    tok = ckpts[2]
+    full = tok.decode(reference[1], skip_special_tokens=True)
+    stop = next(full[i : i + 2] for i in range(len(full) // 2, len(full) - 1) if "\ufffd" not in full[i : i + 2])
+    want = full[: full.find(stop)]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX, temperature=0, stop=stop)
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=MAX, temperature=0, stop=[stop],
+                                       stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
 def test_32_concurrent_streams_each_get_their_own_text(server, ckpts, reference):
     tok = ckpts[2]
     # Request i: prompt i % 3, i % 5 + 4 tokens (the reference's first tokens: greedy decoding is a prefix).
@@ -232,7 +244,7 @@ def test_bad_values_get_400_with_the_engines_message(client):
         (dict(temperature=-1), "temperature=-1.0 must be >= 0"),
         (dict(top_p=1.5), "top_p=1.5 must lie in (0, 1]"),
         (dict(max_tokens=1000), "exceeds max_model_len=128"),
-        (dict(stop=["fox"]), "stop strings are not supported yet"),
+        (dict(stop=["fox", ""]), "must be a list of non-empty strings"),
         (dict(n=0), "n=0 must lie in [1, 64]"),
         (dict(prompt=[[1, 2, 100000]]), "lie outside the vocabulary"),
         (dict(extra_body={"top_k": -2}), "top_k=-2 must be >= 1"),

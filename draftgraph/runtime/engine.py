@@ -26,7 +26,7 @@ from draftgraph.runtime.state_cache import attach_state_caches
 from draftgraph.runtime.step import RunnerShape, StepRunner
 from draftgraph.runtime.step_writes import StepWrites
 from draftgraph.runtime.streaming import StreamDelta, stream_requests
-from draftgraph.runtime.text import decode_text, encode_prompt
+from draftgraph.runtime.text import HOW_TO_GIVE, StopStrings, decode_text, encode_prompt
 from draftgraph.runtime.uniform_step import Launched
 
 
@@ -158,6 +158,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Request(self._next_id, prompt, params, seed)
         req.stop_ids = (frozenset() if params.ignore_eos else self._eos) | frozenset(params.stop_token_ids)
+        if params.stop:
+            req.stops = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self._next_id += 1
         self.scheduler.add(req)
         return req.id
@@ -172,6 +174,8 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)} needs the engine's tokenizer, and it has none; {HOW_TO_GIVE}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab}) and can never stop")
@@ -274,7 +278,8 @@ class Engine:
                 self._stats["accepted_tokens"] += a
                 self._stats["acceptance_histogram"][a] += 1
             before = len(req.tokens)
-            req.append(emitted, req.stop_ids)  # up to the first stop token; what follows it is dropped
+            lps = result.logprobs[i] if result.logprobs is not None else None
+            req.append(emitted, req.stop_ids, lps)  # up to the first stop token; what follows it is dropped
             self.last_step_tokens.append((req.id, req.tokens[before:]))
             self._stats["generated_tokens"] += len(req.tokens) - before
             if self.step_log is not None:
@@ -283,7 +288,7 @@ class Engine:
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 out = req.to_output()
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and out.text is None:  # (a stop string's cut text is set)
                     out.text = decode_text(self.tokenizer, out.token_ids)
                 done.append(out)
         return done

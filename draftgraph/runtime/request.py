@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftgraph.runtime.kv_cache import BlockTable
+from draftgraph.runtime.logprobs import MAX_LOGPROBS, RowLogprobs
+from draftgraph.runtime.text import StopStrings
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,13 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The top `logprobs` tokens' logprobs (and the chosen token's) per generated token, from the target's raw
+    # logits; 0: the chosen token's alone; None: none (RequestOutput.logprobs stays None).
+    logprobs: int | None = None
+    # Stop strings: the request ends at the first one its output text contains (needs the engine's tokenizer);
+    # the text is cut before it (or after it, with include_stop_str_in_output), the ids after its last token.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -30,6 +39,13 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must lie in (0, 1]; 1 is off, e.g. 0.9 keeps the top 90% of mass")
         check_stop_token_ids(self)
+        check_stop_strings(self)
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(
+                f"logprobs={lp!r} must be None (off) or an int in [0, {MAX_LOGPROBS}]: the top tokens to return "
+                "beside the chosen one, e.g. 5"
+            )
 
 
 @dataclass
@@ -42,6 +58,9 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     text: str | None = None  # token_ids decoded, special tokens skipped (None when the engine has no tokenizer)
+    # With SamplingParams.logprobs: per generated token, {chosen id and the top `logprobs` ids: logprob}
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # the sum of the chosen tokens' logprobs
 
 
 @dataclass
@@ -64,12 +83,17 @@ class Request:
     block_table: BlockTable | None = None
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) + stop_token_ids
+    stops: StopStrings | None = None  # the output text's stop-string search (runtime/text.py), with params.stop
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None  # one per output token, when params.logprobs is set
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
+        if self.params.logprobs is not None:
+            self.logprobs = []
         self.prefill_len = len(self.prompt)
 
     @property
@@ -85,19 +109,41 @@ class Request:
             self.num_verify_steps,
             self.num_draft_tokens,
             self.num_accepted_tokens,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
+            text=self.stops.text if self.stops is not None and self.stops.found else None,
         )
 
-    def append(self, new_tokens: list[int], stop_ids: frozenset[int]) -> None:
-        """Append emitted tokens up to max_tokens or the first stop token (kept in the output)."""
-        for tok in new_tokens:
+    def append(
+        self, new_tokens: list[int], stop_ids: frozenset[int], logprobs: list[RowLogprobs] | None = None
+    ) -> None:
+        """Append emitted tokens up to max_tokens or the first stop token (kept in the output); with
+        `logprobs` (one per emitted token) and params.logprobs set, their entries alongside. A stop string the
+        output text comes to contain ends the request at the token that completes it."""
+        for i, tok in enumerate(new_tokens):
             self.tokens.append(tok)
             self.output.append(tok)
-            if tok in stop_ids:
+            if self.logprobs is not None:
+                if logprobs is None:
+                    raise RuntimeError(f"request {self.id} asked for logprobs but its step gathered none")
+                self.logprobs.append(logprobs[i].entry(tok, self.params.logprobs))
+                self.cumulative_logprob += logprobs[i].chosen
+            if tok in stop_ids or (self.stops is not None and self.stops.push(tok)):
                 self.finish_reason = "stop"
                 return
             if len(self.output) >= self.params.max_tokens:
                 self.finish_reason = "length"
                 return
+
+
+def check_stop_strings(params: SamplingParams) -> None:
+    """stop: a string or a list / tuple of non-empty strings, kept as a tuple (the params stay hashable)."""
+    stop = params.stop
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop={params.stop!r} must be a list of non-empty strings, e.g. ['\\n\\n', 'User:']")
+    object.__setattr__(params, "stop", tuple(stop))
 
 
 def check_stop_token_ids(params: SamplingParams) -> None:

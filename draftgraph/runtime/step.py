@@ -24,13 +24,14 @@ from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatcher
 from draftgraph.runtime.drafting import advance
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from draftgraph.runtime.logprobs import RowLogprobs, gather_logprobs, packed_size, unpack
 from draftgraph.runtime.proposer import Proposer, Verified
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.scheduler import ScheduledBatch
 from draftgraph.runtime.step_inputs import HostCopy
-from draftgraph.runtime.uniform_step import Launched, UniformStep
+from draftgraph.runtime.uniform_step import LOGPROBS_SUFFIX, Launched, UniformStep
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,13 @@ class StepResult:
     emitted: list[list[int]]  # tokens each sampled request emits this step
     accepted: list[int]  # accepted drafts per decode request (len = number of decodes)
     drafts: list[list[int]]  # the next K proposals per sampled request
+    # When the step gathered logprobs: per sampled request, one per candidate row (aligned with `emitted`)
+    logprobs: list[list[RowLogprobs]] | None = None
+
+
+def wants_logprobs(reqs: list[Request]) -> bool:
+    """Host-known: whether a step over `reqs` gathers logprobs (any request asks for them)."""
+    return any(r.params.logprobs is not None for r in reqs)
 
 
 def sampling_tensors(reqs: list[Request], device) -> SamplingTensors:
@@ -147,7 +155,9 @@ class StepRunner:
                 compiled.loops if compiled and self.k else None,
                 race_kernel=shape.race_kernel,
             )
-        self.host = HostCopy(shape.max_num_seqs * (2 * self.k + 2), self.device)  # the step's one wait
+        rows = shape.max_num_seqs * (self.k + 1)  # verify rows (with logprobs: each row's gather too)
+        capacity = shape.max_num_seqs * (2 * self.k + 2) + packed_size(rows, tc.vocab_size)
+        self.host = HostCopy(capacity, self.device)  # the step's one wait
         self.uniform = UniformStep(self) if shape.one_graph_step else None
 
     # ---- the step --------------------------------------------------------------------------------
@@ -209,6 +219,9 @@ class StepRunner:
         y = torch.cat([dec_tokens.gather(1, accepted[:, None])[:, 0], pre_tokens])  # [Bs] each request's new token
 
         parts = [dec_tokens.flatten(), accepted, pre_tokens]
+        with_lp = wants_logprobs(sampled)
+        if with_lp:  # every sampled row's logprobs at the token it emits (before the drafts: a fixed offset)
+            parts.append(gather_logprobs(logits, torch.cat([dec_tokens.flatten(), pre_tokens])))
         if k and (sampled or chunks):  # drafter KV for prompt chunks is written even when nothing samples
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
@@ -219,8 +232,15 @@ class StepRunner:
         acc, host = host[:nd], host[nd:]
         pre, host = host[: len(last_chunks)], host[len(last_chunks) :]
         emitted = [dec_flat[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)] + [[t] for t in pre]
+        lps = None
+        if with_lp:
+            num_rows, vocab = nd * (k + 1) + len(last_chunks), logits.shape[-1]
+            rows_lp = unpack(host, num_rows, vocab)
+            host = host[packed_size(num_rows, vocab) :]
+            lps = [rows_lp[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)]
+            lps += [[rows_lp[nd * (k + 1) + j]] for j in range(len(last_chunks))]
         drafts = [host[i * k : (i + 1) * k] for i in range(len(sampled))] if k else [[] for _ in sampled]
-        return StepResult(sampled, emitted, acc, drafts)
+        return StepResult(sampled, emitted, acc, drafts, lps)
 
     @torch.no_grad()
     def relaunch(self, last: Launched) -> Launched:
@@ -229,14 +249,21 @@ class StepRunner:
 
     def finish(self, launched: Launched) -> StepResult:
         """Wait for a launched step's packed result (the step's one wait) and unpack it."""
-        return self._uniform_result(launched.decodes, self.host.wait(launched.ticket), launched.num_reqs)
+        host = self.host.wait(launched.ticket)
+        return self._uniform_result(launched.decodes, host, launched.num_reqs, launched.key.variant)
 
-    def _uniform_result(self, decodes, host: list[int], b: int) -> StepResult:
-        """StepResult from the one-graph step's packed result [accepted | tokens | drafts] at b padded requests."""
+    def _uniform_result(self, decodes, host: list[int], b: int, variant: str) -> StepResult:
+        """StepResult from the one-graph step's packed result [accepted | tokens | drafts | logprobs] at b padded
+        requests (logprobs in the `*_logprobs` variants: runtime/logprobs.py)."""
         k, nd = self.k, len(decodes)
-        acc, toks, drafts = host[:b], host[b : b + b * (k + 1)], host[b + b * (k + 1) :]
+        n_tok = b * (k + 1)
+        acc, toks, drafts = host[:b], host[b : b + n_tok], host[b + n_tok : b + n_tok + b * k]
         emitted = [toks[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)]
-        return StepResult(decodes, emitted, acc[:nd], [drafts[i * k : (i + 1) * k] for i in range(nd)])
+        lps = None
+        if variant.endswith(LOGPROBS_SUFFIX):
+            rows_lp = unpack(host[b + n_tok + b * k :], n_tok, self.target.cfg.vocab_size)
+            lps = [rows_lp[i * (k + 1) : i * (k + 1) + acc[i] + 1] for i in range(nd)]
+        return StepResult(decodes, emitted, acc[:nd], [drafts[i * k : (i + 1) * k] for i in range(nd)], lps)
 
     @property
     def kv_grows_in_place(self) -> bool:

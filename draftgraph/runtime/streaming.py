@@ -1,7 +1,8 @@
 """Streaming: a generator over an engine's steps that yields each request's new tokens and text.
 
 `Engine.generate` is this generator drained; `Engine.stream` hands it to the caller. A speculative step
-can emit several tokens of one request at once; they arrive as one delta, already cut at a stop token.
+can emit several tokens of one request at once; they arrive as one delta, already cut at a stop token or
+stop string (a stream holds back the text a stop string may still start in).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from draftgraph.runtime.request import RequestOutput, SamplingParams
-from draftgraph.runtime.text import IncrementalDetokenizer
+from draftgraph.runtime.text import IncrementalDetokenizer, StopStrings
 
 if TYPE_CHECKING:
     from draftgraph.runtime.engine import Engine
@@ -29,6 +30,25 @@ class StreamDelta:
     text: str | None  # the text they complete (None without a tokenizer); the pieces add up to output.text
     finish_reason: str | None = None  # "stop" or "length" on the request's last delta
     output: RequestOutput | None = None  # the whole result, on the request's last delta
+
+
+class StreamedText:
+    """What a request's stream has sent of its text. With stop strings the last `hold` characters wait for
+    the next step (a stop string may start among them: nothing past a stop reaches the stream); the request's
+    last delta sends the rest of its final text (cut at the stop)."""
+
+    def __init__(self, hold: int):
+        self.hold, self.pending, self.sent = hold, "", 0
+
+    def push(self, piece: str, out: RequestOutput | None) -> str:
+        if out is not None:
+            text = (out.text or "")[self.sent :]
+        else:
+            self.pending += piece
+            cut = max(0, len(self.pending) - self.hold)
+            text, self.pending = self.pending[:cut], self.pending[cut:]
+        self.sent += len(text)
+        return text
 
 
 def per_prompt_args(
@@ -63,6 +83,7 @@ def stream_requests(
     order = sorted(range(n), key=lambda i: arrivals[i])
     index: dict[int, int] = {}  # request id -> prompt index (other requests in the engine are not ours)
     detoks: dict[int, IncrementalDetokenizer] = {}
+    streamed: dict[int, StreamedText] = {}
     step, nxt, finished = 0, 0, 0
     bar = tqdm(total=n, desc="generating", unit="req", disable=not progress)
     try:
@@ -73,6 +94,7 @@ def stream_requests(
                 index[rid] = i
                 if detokenize and engine.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(engine.tokenizer)
+                    streamed[rid] = StreamedText(StopStrings.holdback(params[i].stop))
                 nxt += 1
             if not engine.has_unfinished():
                 step = arrivals[order[nxt]]  # idle until the next arrival
@@ -84,9 +106,9 @@ def stream_requests(
                 out = done.get(rid)
                 text = None
                 if rid in detoks:
-                    text = detoks[rid].push(new)
+                    text = streamed[rid].push(detoks[rid].push(new), out)
                     if out is not None:
-                        text += detoks.pop(rid).finish()
+                        del detoks[rid], streamed[rid]
                 yield StreamDelta(index[rid], rid, new, text, out.finish_reason if out else None, out)
             finished += len(done)
             bar.update(len(done))

@@ -119,3 +119,41 @@ class IncrementalDetokenizer:
         self.sent = len(full)
         self.prefix = self.read = len(self.ids)
         return rest
+
+
+class StopStrings:
+    """A request's stop-string search over its output text, a token at a time. `push(id)` says whether the
+    text now contains a stop string; then `text` is the output text cut before the first one it came to hold
+    (the one that ends first; after it with `include`). Each push searches only the text a stop could newly
+    end in (its last characters)."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], include: bool):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops, self.include = tuple(stops), include
+        self.longest = max(len(s) for s in stops)
+        self.full = ""  # the text pushed so far (a character split over tokens waits for its last byte)
+        self.text: str | None = None  # the cut text, once a stop string is found
+        self.stop: str | None = None  # which stop string ended the text
+
+    @property
+    def found(self) -> bool:
+        return self.text is not None
+
+    def push(self, token_id: int) -> bool:
+        piece = self.detok.push([token_id])
+        if not piece or self.found:
+            return self.found
+        start = max(0, len(self.full) - self.longest + 1)  # a stop found now ends in the new piece
+        self.full += piece
+        hits = [(at, s) for s in self.stops if (at := self.full.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, self.stop = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))  # the first to end: text first holds it
+        self.text = self.full[: at + len(self.stop) if self.include else at]
+        return True
+
+    @staticmethod
+    def holdback(stops: Sequence[str]) -> int:
+        """Characters a stream holds back while a request may still stop: a stop string's start may be among
+        them (the longest stop but one character)."""
+        return max((len(s) for s in stops), default=1) - 1

@@ -5,11 +5,13 @@ the target's verify forward, the LM head on every verify row, greedy or probabil
 and bonus tokens), the drafter's first step over the accepted tokens and its K - 1 later steps (the fused
 loop, or the loop around the drafter step), and it returns one packed int64 tensor:
 
-    [accepted (B) | verify tokens (B x (K + 1)) | drafts (B x K)]
+    [accepted (B) | verify tokens (B x (K + 1)) | drafts (B x K) | logprobs (the `*_logprobs` variants)]
 
 In FULL modes on CUDA it is one graph per (padded request count, variant): `GraphKey.step`, variants
-"greedy" (every request greedy, known on the host) and "sample". Its inputs are the block tables the device
-keeps per request slot (`DeviceTables`: only new blocks are sent) and the step's own named buffers
+"greedy" (every request greedy, known on the host) and "sample", and the same two with "_logprobs" when a
+request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
+Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
+the step's own named buffers
 (`StepBuffers`: input ids, request slots, cached lengths, valid rows, sampling parameters), filled on the host
 and sent by one pinned asynchronous copy; the attention metadata of the verify (and of a draft model's first
 step) is built inside the graph from them (ops/attention/uniform_metadata.py). The host then waits once, for
@@ -29,6 +31,7 @@ from draftgraph.ops.attention.uniform_metadata import uniform_metadata
 from draftgraph.runtime.device_tables import DeviceTables
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
+from draftgraph.runtime.logprobs import gather_logprobs
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.step_inputs import Field, StepBuffers
@@ -49,6 +52,13 @@ class Launched:
 # Row sampling parameters when every request is greedy: nothing reads the tensors (all_greedy is host-known).
 _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-type]
 _SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
+LOGPROBS_SUFFIX = "_logprobs"
+# The step's variants: the draft loop's (greedy or sampled), each also with logprobs gathered.
+STEP_VARIANTS = (*LOOP_VARIANTS, *(v + LOGPROBS_SUFFIX for v in LOOP_VARIANTS))
+
+
+def step_variant(sampled: bool, logprobs: bool) -> str:
+    return LOOP_VARIANTS[1 if sampled else 0] + (LOGPROBS_SUFFIX if logprobs else "")
 
 
 class UniformStep:
@@ -73,7 +83,7 @@ class UniformStep:
             dev,
         )
         self.tables = DeviceTables(runner.shape.max_num_seqs, runner.shape.max_blocks_per_req, dev)
-        self.fns = {v: self._body(v == "sample") for v in LOOP_VARIANTS}
+        self.fns = {v: self._body(v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX)) for v in STEP_VARIANTS}
         self.k = k
 
     def dispatch_first(self, d: Dispatch) -> Dispatch | None:
@@ -114,7 +124,7 @@ class UniformStep:
         """Run the step for `decodes` from the host's view of them; its packed result starts its copy to the
         host (`HostCopy.start`), which `Launched.ticket` waits for."""
         sampled = not all(x.params.temperature <= 0 for x in decodes)
-        variant = LOOP_VARIANTS[1 if sampled else 0]
+        variant = step_variant(sampled, any(x.params.logprobs is not None for x in decodes))
         x = self.inputs(decodes, d, sampled)
         key = GraphKey.step(self.r.shapes.verify, d.num_reqs, variant)
         return self._replay(Launched(list(decodes), d.num_reqs, key, x, None))
@@ -137,13 +147,13 @@ class UniformStep:
         d = self.r.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
         if not self.applies(d):
             return
-        for variant in LOOP_VARIANTS:
-            x = self.inputs([], d, variant == "sample")
+        for variant in STEP_VARIANTS:
+            x = self.inputs([], d, variant.startswith("sample"))
             self.r.forwards.step(GraphKey.step(q, d.num_reqs, variant), x, self.fns[variant])
 
     # ---- the device side --------------------------------------------------------------------------
 
-    def _body(self, sampled: bool):
+    def _body(self, sampled: bool, logprobs: bool):
         def step(x: dict) -> torch.Tensor:
             r, k = self.r, self.k
             ids, slots = x["input_ids"], x["slots"]
@@ -159,13 +169,15 @@ class UniformStep:
                 tokens = sample(logits[:, 0], st, predicts[:, 0], r.shape.race_kernel)
                 accepted = torch.zeros_like(tokens)
                 self._advance(x, accepted, tokens)
-                return torch.cat([accepted, tokens])
+                lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
+                return torch.cat([accepted, tokens, *lp])
             draft_ids = ids.view(b, k + 1)[:, 1:]
             q = r.proposer.draft_probs[slots] if sampled else None
             tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts, r.shape.race_kernel)
             y = tokens.gather(1, accepted[:, None])[:, 0]
             drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
-            packed = torch.cat([accepted, tokens.flatten(), drafts.flatten()])
+            lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []
+            packed = torch.cat([accepted, tokens.flatten(), drafts.flatten(), *lp])
             self._advance(x, accepted, torch.cat([y[:, None], drafts], dim=1).flatten())
             return packed
 

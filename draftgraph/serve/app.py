@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from draftgraph.runtime.text import IncrementalDetokenizer
+from draftgraph.runtime.streaming import StreamedText
+from draftgraph.runtime.text import IncrementalDetokenizer, StopStrings
 from draftgraph.serve.engine_loop import EngineLoop, Submission
 from draftgraph.serve.metrics import ServerMetrics, engine_snapshot
 from draftgraph.serve.protocol import Parsed, ServeError, chat_request, check_model, completion_request
@@ -34,6 +35,7 @@ class Choice:
     first_token: float | None = None
     output: object = None
     pieces: list[str] = field(default_factory=list)
+    streamed: StreamedText | None = None  # what a stream sent: text a stop string may start in waits
 
 
 class ClientGone(Exception):
@@ -125,8 +127,9 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
         except (TypeError, RuntimeError) as e:
             raise ServeError(500, f"the engine could not take the request: {e}") from e
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        choices = [Choice(IncrementalDetokenizer(tokenizer) if tokenizer and parsed.stream else None)
-                   for _ in prompts]  # fmt: skip
+        hold = StopStrings.holdback(parsed.params.stop)
+        choices = [Choice(IncrementalDetokenizer(tokenizer) if tokenizer and parsed.stream else None,
+                          streamed=StreamedText(hold)) for _ in prompts]  # fmt: skip
         if parsed.stream:
             gen = _stream(sub, choices, parsed, rid, chat)
             return StreamingResponse(gen, media_type="text/event-stream")
@@ -152,10 +155,10 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
             if c.first_token is None:
                 c.first_token = now
         piece = c.detok.push(ev.token_ids) if c.detok is not None and ev.token_ids else ""
+        if c.detok is not None:  # the last piece: the rest of the output's text (cut at a stop string)
+            piece = c.streamed.push(piece, ev.output)
         if ev.output is not None:
             c.output = ev.output
-            if c.detok is not None:
-                piece += c.detok.finish()
             loop.finished(sub, 1)
             metrics.prompt_tokens.inc(len(ev.output.prompt_token_ids))
             ttft = c.first_token - sub.created if c.first_token is not None else None

@@ -171,14 +171,18 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - an engine fault fails the requests in flight, not the server
                 self._fault(e)
                 continue
+            # A request's last tokens come with its output, in one event: a stream then knows that no text past a
+            # stop string may be sent (app.py holds back the characters a stop may start in until then).
+            last = {out.request_id: out for out in done}
             for rid, new in engine.last_step_tokens:
                 owner = self._owner.get(rid)
-                if owner is not None and new:
+                if owner is not None and new and rid not in last:
                     owner[0].post(Event(owner[1], list(new)))
+            new_of = dict(engine.last_step_tokens)
             for out in done:
                 owner = self._owner.pop(out.request_id, None)
                 if owner is not None:
-                    owner[0].post(Event(owner[1], [], output=out))
+                    owner[0].post(Event(owner[1], list(new_of.get(out.request_id, [])), output=out))
         self._abort_all()
 
     def _drain(self) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Parameters of the OpenAI API the engine cannot honour yet: refused when set to anything but their default.
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 UNSUPPORTED = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
@@ -115,11 +116,9 @@ def sampling_params(body: dict, default_max_tokens: int):
                                     for d in defaults):  # fmt: skip
             raise ServeError(400, f"{name} is not supported yet; leave it out (or at its default)", name)
     stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise ServeError(
-            400, f"stop strings are not supported yet (stop={stop!r}); use stop_token_ids (an extension) instead",
-            "stop",
-        )  # fmt: skip
+    stop = () if stop in (None, "") else stop  # OpenAI: a string or up to 4; SamplingParams checks the values
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise ServeError(400, f"stop has {len(stop)} strings; at most {MAX_STOP} are allowed", "stop")
     ids = body.get("stop_token_ids") or []
     max_tokens = _int(body, "max_completion_tokens", None)
     max_tokens = _int(body, "max_tokens", max_tokens if max_tokens is not None else default_max_tokens)
@@ -131,6 +130,8 @@ def sampling_params(body: dict, default_max_tokens: int):
             top_k=_int(body, "top_k", 0),
             seed=_int(body, "seed", None),
             stop_token_ids=ids,
+            stop=stop,
+            include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
             ignore_eos=bool(body.get("ignore_eos", False)),
         )
     except ValueError as e:
