@@ -21,5 +21,6 @@ def test_ci_runs_the_readme_test_command_ruff_first():
     assert ci == [test]  # exactly the README's test command
     steps = [s.strip() for s in test.split("&&")]
     assert steps[-3:] == ["ruff check .", "ruff format --check .", "python -m pytest tests -q"]
-    extra = re.search(r"^test = \[(.*?)\]$", _read("pyproject.toml"), flags=re.M | re.S).group(1)  # (no tomllib on 3.10)
+    # (no tomllib on 3.10)
+    extra = re.search(r"^test = \[(.*?)\]$", _read("pyproject.toml"), flags=re.M | re.S).group(1)
     assert re.search(r'"ruff[<>=][^"]*"', extra), extra  # `pip install -e ".[test]"` brings ruff

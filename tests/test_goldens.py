@@ -1,5 +1,9 @@
 """Fresh inspections of the built-in tiny pairs (family x drafter kind x mode) against tests/golden/.
 
+Each FULL_AND_PIECEWISE case's engine (the inspection's own compile, no other) then generates greedily, and its
+tokens must equal transformers' `generate()` on the same weights: every family and drafter kind in the compiled
+mode against an oracle we did not write (on the CPU the mode runs its compiled pieces without CUDA graphs).
+
 On a difference the test prints graph-diff's lines first, then the commands that review and write the goldens
 (scripts/refresh_goldens.py: it writes nothing without --write).
 """
@@ -9,24 +13,42 @@ import os
 
 import pytest
 
+import draftgraph as dg
 from scripts.refresh_goldens import main as refresh
 from scripts.refresh_goldens import review
 from tests import goldens
-from tests.goldens import REFRESH, case_name, cases, failure_message, golden_dir, inspect_case
+from tests.goldens import REFRESH, case_hf, case_name, cases, failure_message, golden_dir, inspect_case
+from tests.helpers import hf_greedy
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+# Prompts past one chunk of prefill and shorter than K + 1; 8 new tokens each (the vocabularies have 128 ids)
+PROMPTS = [[3, 17, 91, 5, 44, 60, 2, 120, 33, 8, 71], [9, 9], [100, 4, 27, 56, 13]]
+MAX_TOKENS = 8
 
 
 @pytest.mark.parametrize("case", cases(), ids=[case_name(*c) for c in cases()])
-def test_inspection_matches_golden(case, tmp_path):
+def test_inspection_matches_golden(case, tmp_path, monkeypatch):
     expected = golden_dir(GOLDEN, *case)
     assert os.path.exists(os.path.join(expected, "summary.json")), (
         f"no golden for {case_name(*case)}: review it with `{REFRESH} {case_name(*case)}`, then add `--write`"
     )
-    inspect_case(*case, str(tmp_path))
+    engines, compile_model = [], dg.compile_model
+    monkeypatch.setattr(dg, "compile_model", lambda *a, **kw: engines.append(compile_model(*a, **kw)) or engines[-1])
+    hf = case_hf(case[0])
+    inspect_case(*case, str(tmp_path), hf=hf)
     lines = review(expected, str(tmp_path))
     if lines is not None:
         pytest.fail(failure_message(case_name(*case), lines))
+    if case[2] != "FULL_AND_PIECEWISE":
+        return
+    (engine,) = engines
+    params = dg.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with engine:
+        got = [o.token_ids for o in engine.generate(PROMPTS, params)]
+        stats = engine.stats()
+    want = hf_greedy(hf, PROMPTS, MAX_TOKENS)
+    assert got == want, f"{case_name(*case)}: greedy tokens differ from transformers' generate()"
+    assert stats["verify_steps"] > 0, stats  # the drafter proposed and the target verified
 
 
 def test_refresh_shows_the_diff_and_writes_only_when_asked(tmp_path, monkeypatch, capsys):
