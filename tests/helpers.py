@@ -247,12 +247,13 @@ def nothing_starts(monkeypatch) -> list[str]:
     return started
 
 
-def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy `generate()`, one prompt at a time, exactly `max_tokens` new tokens each (no eos; an
-    explicit attention mask, since generate would mask token 0 as padding): the oracle we did not write."""
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """transformers' greedy `generate()`, one prompt at a time, exactly `max_tokens` new tokens each (or per prompt;
+    no eos; an explicit attention mask, since generate would mask token 0 as padding): the oracle we did not write."""
     hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     outs = []
-    for prompt in prompts:
+    for prompt, max_tokens in zip(prompts, lengths, strict=True):
         ids = torch.tensor([prompt], device=hf.device)
         with torch.no_grad():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

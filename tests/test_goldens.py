@@ -1,7 +1,7 @@
 """Fresh inspections of the built-in tiny pairs (family x drafter kind x mode) against tests/golden/.
 
-Each FULL_AND_PIECEWISE case's engine (the inspection's own compile, no other) then generates greedily, and its
-tokens must equal transformers' `generate()` on the same weights: every family and drafter kind in the compiled
+Each FULL_AND_PIECEWISE case's inspection workload (greedy; the inspection's own compile and run, no other) gives
+tokens that must equal transformers' `generate()` on the same weights: every family and drafter kind in the compiled
 mode against an oracle we did not write (on the CPU the mode runs its compiled pieces without CUDA graphs).
 
 On a difference the test prints graph-diff's lines first, then the commands that review and write the goldens
@@ -21,9 +21,6 @@ from tests.goldens import REFRESH, case_hf, case_name, cases, failure_message, g
 from tests.helpers import hf_greedy
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-# Prompts past one chunk of prefill and shorter than K + 1; 8 new tokens each (the vocabularies have 128 ids)
-PROMPTS = [[3, 17, 91, 5, 44, 60, 2, 120, 33, 8, 71], [9, 9], [100, 4, 27, 56, 13]]
-MAX_TOKENS = 8
 
 
 @pytest.mark.parametrize("case", cases(), ids=[case_name(*c) for c in cases()])
@@ -32,8 +29,21 @@ def test_inspection_matches_golden(case, tmp_path, monkeypatch):
     assert os.path.exists(os.path.join(expected, "summary.json")), (
         f"no golden for {case_name(*case)}: review it with `{REFRESH} {case_name(*case)}`, then add `--write`"
     )
-    engines, compile_model = [], dg.compile_model
-    monkeypatch.setattr(dg, "compile_model", lambda *a, **kw: engines.append(compile_model(*a, **kw)) or engines[-1])
+    runs, compile_model = [], dg.compile_model
+
+    def compile_and_record(*args, **kwargs):  # the inspection's engine, its workload's tokens recorded
+        engine = compile_model(*args, **kwargs)
+        generate = engine.generate
+
+        def recorded(prompts, params, *rest, **kw):
+            outputs = generate(prompts, params, *rest, **kw)
+            runs.append((prompts, params, [o.token_ids for o in outputs], engine.stats()))
+            return outputs
+
+        engine.generate = recorded
+        return engine
+
+    monkeypatch.setattr(dg, "compile_model", compile_and_record)
     hf = case_hf(case[0])
     inspect_case(*case, str(tmp_path), hf=hf)
     lines = review(expected, str(tmp_path))
@@ -41,12 +51,9 @@ def test_inspection_matches_golden(case, tmp_path, monkeypatch):
         pytest.fail(failure_message(case_name(*case), lines))
     if case[2] != "FULL_AND_PIECEWISE":
         return
-    (engine,) = engines
-    params = dg.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with engine:
-        got = [o.token_ids for o in engine.generate(PROMPTS, params)]
-        stats = engine.stats()
-    want = hf_greedy(hf, PROMPTS, MAX_TOKENS)
+    ((prompts, params, got, stats),) = runs
+    assert params.temperature == 0.0 and params.ignore_eos, params  # greedy, every token counted
+    want = hf_greedy(hf, prompts, params.max_tokens)
     assert got == want, f"{case_name(*case)}: greedy tokens differ from transformers' generate()"
     assert stats["verify_steps"] > 0, stats  # the drafter proposed and the target verified
 
