@@ -342,7 +342,9 @@ def test_lossless_in_every_mode(pair, temperature):
     if not temperature:  # sampled speculative decoding is lossless in distribution, not token for token
         assert ref == generate(target, None, "NONE", k=0)[0]
         prompts, params, _ = ragged(8)
-        assert ref == hf_greedy(tiny_deepseek_model(), prompts, [p.max_tokens for p in params]), "transformers"
+        few = [0, 3, 6]  # the shortest continuations (4, 10 and 8 tokens): transformers' generate is slow per token
+        want = hf_greedy(tiny_deepseek_model(), [prompts[i] for i in few], [params[i].max_tokens for i in few])
+        assert [ref[i] for i in few] == want, "transformers"
     accepted = eng.stats()["accepted_tokens"]
     assert accepted > 0  # the copy drafter agrees with the target sometimes: acceptance paths run
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
