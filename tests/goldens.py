@@ -37,35 +37,41 @@ def case_name(family: str, kind: str, mode: str) -> str:
     return f"{family}-{kind}-{mode.lower()}"
 
 
-def inspect_case(family: str, kind: str, mode: str, out_dir: str) -> dict:
-    import draftgraph as dg
-    from draftgraph.inspection.report import inspect_model
-    from draftgraph.models.builtin import BuiltinSpec, builtin_drafter, builtin_pair
-
+def case_hf(family: str):
+    """The case's target as a transformers model (random weights, seeded: the same on every call)."""
     if family == "deepseek_v32":
         from draftgraph.models.builtin_deepseek import builtin_deepseek_v32_hf
-        from draftgraph.models.causal_lm import CausalLM
 
-        target = CausalLM.from_hf(builtin_deepseek_v32_hf())
-    elif family == "qwen3_5":
+        return builtin_deepseek_v32_hf()
+    if family == "qwen3_5":
         from draftgraph.models.builtin_qwen3_5 import builtin_qwen3_5_hf
-        from draftgraph.models.causal_lm import CausalLM
 
-        target = CausalLM.from_hf(builtin_qwen3_5_hf())
-    else:
-        spec = BuiltinSpec(
-            family=family,
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=96,
-            num_layers=3,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            draft_layers=1,
-            max_position_embeddings=256,
-        )
-        target, _ = builtin_pair(spec)
+        return builtin_qwen3_5_hf()
+    from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
+
+    spec = BuiltinSpec(
+        family=family,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        draft_layers=1,
+        max_position_embeddings=256,
+    )
+    return builtin_hf_target(spec)
+
+
+def inspect_case(family: str, kind: str, mode: str, out_dir: str, hf=None) -> dict:
+    """Inspect the case into out_dir; `hf`: its transformers target when already built (case_hf)."""
+    import draftgraph as dg
+    from draftgraph.inspection.report import inspect_model
+    from draftgraph.models.builtin import builtin_drafter
+    from draftgraph.models.causal_lm import CausalLM
+
+    target = CausalLM.from_hf(hf if hf is not None else case_hf(family))
     drafter = builtin_drafter(kind, target)
     config = dg.CompileConfig(
         mode=mode,

@@ -245,3 +245,18 @@ def nothing_starts(monkeypatch) -> list[str]:
                         (driver, "start_workers")):  # fmt: skip
         monkeypatch.setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
     return started
+
+
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """transformers' greedy `generate()`, one prompt at a time, exactly `max_tokens` new tokens each (or per prompt;
+    no eos; an explicit attention mask, since generate would mask token 0 as padding): the oracle we did not write."""
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    outs = []
+    for prompt, max_tokens in zip(prompts, lengths, strict=True):
+        ids = torch.tensor([prompt], device=hf.device)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=max_tokens, min_new_tokens=max_tokens)  # fmt: skip
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs

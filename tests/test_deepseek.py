@@ -331,12 +331,20 @@ def test_mtp_drafter_is_a_deepseek_layer_from_the_checkpoint_layout(pair):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_lossless_in_every_mode(pair, temperature):
-    """Greedy: tokens equal plain decoding with the target alone. Both: every graph mode gives the tokens of
-    mode NONE (sampling noise is per (seed, position), so the path a step takes cannot change them)."""
+    """Greedy: tokens equal plain decoding with the target alone, and transformers' generate() (so every compiled
+    mode below is checked against an oracle we did not write). Both: every graph mode gives the tokens of mode NONE
+    (sampling noise is per (seed, position), so the path a step takes cannot change them)."""
+    from tests.helpers import hf_greedy
+    from tests.test_engine import ragged
+
     target, drafter = pair
     ref, eng = generate(target, drafter, "NONE", temperature=temperature)
     if not temperature:  # sampled speculative decoding is lossless in distribution, not token for token
         assert ref == generate(target, None, "NONE", k=0)[0]
+        prompts, params, _ = ragged(8)
+        few = [0, 3, 6]  # the shortest continuations (4, 6 and 8 tokens): transformers' generate is slow per token
+        want = hf_greedy(tiny_deepseek_model(), [prompts[i] for i in few], [params[i].max_tokens for i in few])
+        assert [ref[i] for i in few] == want, "transformers"
     accepted = eng.stats()["accepted_tokens"]
     assert accepted > 0  # the copy drafter agrees with the target sometimes: acceptance paths run
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):

@@ -1,5 +1,9 @@
 """Fresh inspections of the built-in tiny pairs (family x drafter kind x mode) against tests/golden/.
 
+Each FULL_AND_PIECEWISE case's inspection workload (greedy; the inspection's own compile and run, no other) gives
+tokens that must equal transformers' `generate()` on the same weights: every family and drafter kind in the compiled
+mode against an oracle we did not write (on the CPU the mode runs its compiled pieces without CUDA graphs).
+
 On a difference the test prints graph-diff's lines first, then the commands that review and write the goldens
 (scripts/refresh_goldens.py: it writes nothing without --write).
 """
@@ -9,24 +13,53 @@ import os
 
 import pytest
 
+import draftgraph as dg
 from scripts.refresh_goldens import main as refresh
 from scripts.refresh_goldens import review
 from tests import goldens
-from tests.goldens import REFRESH, case_name, cases, failure_message, golden_dir, inspect_case
+from tests.goldens import REFRESH, case_hf, case_name, cases, failure_message, golden_dir, inspect_case
+from tests.helpers import hf_greedy
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+TRANSFORMERS_TOKENS: dict = {}  # (family, prompts, max_tokens) -> transformers' greedy tokens
 
 
 @pytest.mark.parametrize("case", cases(), ids=[case_name(*c) for c in cases()])
-def test_inspection_matches_golden(case, tmp_path):
+def test_inspection_matches_golden(case, tmp_path, monkeypatch):
     expected = golden_dir(GOLDEN, *case)
     assert os.path.exists(os.path.join(expected, "summary.json")), (
         f"no golden for {case_name(*case)}: review it with `{REFRESH} {case_name(*case)}`, then add `--write`"
     )
-    inspect_case(*case, str(tmp_path))
+    runs, compile_model = [], dg.compile_model
+
+    def compile_and_record(*args, **kwargs):  # the inspection's engine, its workload's tokens recorded
+        engine = compile_model(*args, **kwargs)
+        generate = engine.generate
+
+        def recorded(prompts, params, *rest, **kw):
+            outputs = generate(prompts, params, *rest, **kw)
+            runs.append((prompts, params, [o.token_ids for o in outputs], engine.stats()))
+            return outputs
+
+        engine.generate = recorded
+        return engine
+
+    monkeypatch.setattr(dg, "compile_model", compile_and_record)
+    hf = case_hf(case[0])
+    inspect_case(*case, str(tmp_path), hf=hf)
     lines = review(expected, str(tmp_path))
     if lines is not None:
         pytest.fail(failure_message(case_name(*case), lines))
+    if case[2] != "FULL_AND_PIECEWISE":
+        return
+    ((prompts, params, got, stats),) = runs
+    assert params.temperature == 0.0 and params.ignore_eos, params  # greedy, every token counted
+    key = (case[0], str(prompts), params.max_tokens)  # one family's tokens serve every drafter kind (greedy)
+    if key not in TRANSFORMERS_TOKENS:
+        TRANSFORMERS_TOKENS[key] = hf_greedy(hf, prompts, params.max_tokens)
+    want = TRANSFORMERS_TOKENS[key]
+    assert got == want, f"{case_name(*case)}: greedy tokens differ from transformers' generate()"
+    assert stats["verify_steps"] > 0, stats  # the drafter proposed and the target verified
 
 
 def test_refresh_shows_the_diff_and_writes_only_when_asked(tmp_path, monkeypatch, capsys):
