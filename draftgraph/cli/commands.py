@@ -134,19 +134,8 @@ def cmd_generate(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     print(f"config: {config}")
-    target, drafter = _models(args)
     t0 = time.perf_counter()
-    engine = dg.compile_model(
-        target,
-        drafter,
-        config,
-        artifacts=args.artifacts,
-        strict_artifacts=args.strict_artifacts,
-        tokenizer=tokenizer,
-        verify_key=args.verify_key,
-    )
-    if engine.warm_up_report:
-        print(engine.warm_up_report)
+    engine = _engine(args, config, tokenizer)
     why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
     now = time.perf_counter()
     print(
@@ -180,10 +169,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _engine(args, config, tokenizer):
+    """The engine `generate` and `serve` run: the flags' models through compile_model; its report printed."""
+    import draftgraph as dg
+
+    target, drafter = _models(args)
+    engine = dg.compile_model(
+        target,
+        drafter,
+        config,
+        artifacts=args.artifacts,
+        strict_artifacts=args.strict_artifacts,
+        tokenizer=tokenizer,
+        verify_key=args.verify_key,
+    )
+    if engine.warm_up_report:
+        print(engine.warm_up_report)
+    return engine
+
+
 def cmd_serve(args) -> int:
     """Bind first, then build the engine in the server's engine thread (/health: 503 until it is ready). Under
     torchrun, rank 0 serves and leads; the other ranks build their engines and follow rank 0's calls."""
-    import draftgraph as dg
     from draftgraph.workers.launched import launch_env
 
     config = _config(args)
@@ -200,18 +207,7 @@ def cmd_serve(args) -> int:
     several = launch is not None and launch.world_size > 1
 
     def make_engine():
-        target, drafter = _models(args)
-        engine = dg.compile_model(
-            target,
-            drafter,
-            config,
-            artifacts=args.artifacts,
-            strict_artifacts=args.strict_artifacts,
-            tokenizer=tokenizer,
-            verify_key=args.verify_key,
-        )
-        if engine.warm_up_report:
-            print(engine.warm_up_report)
+        engine = _engine(args, config, tokenizer)
         print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
         if several and launch.rank == 0:
             engine.lead()
