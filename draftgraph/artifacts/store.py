@@ -23,6 +23,11 @@ Trust: the directory holds compiled code (Python, shared objects, pickles: Induc
 come from a source trusted like a checkpoint that contains pickles. Checksums detect corruption; only a
 signature whose key is kept apart detects tampering. What draftgraph itself reads is not evaluated: input
 paths are declared steps (input_paths.py) and graph call targets come from an allowlist (fx_allowlist.py).
+
+Why one file of ~500 lines: writing and reading share the manifest's definition (the fields, hashes and file
+layout `expected_fields` / `build_artifacts` write are exactly what `check_artifacts` compares), so they stay
+side by side; the parts that stand alone are already their own modules (manifest_check, input_paths, loaded,
+ranks, signing, private_cache, triton_bundle).
 """
 
 from __future__ import annotations
