@@ -34,6 +34,19 @@ def test_caches_that_grow_in_place_leave_room_for_the_mapping_granularity():
     assert "grown in place, graphs captured once" in replace(plan, kept_graphs=True).describe()
 
 
+def test_a_fraction_of_a_mib_held_by_the_driver_does_not_change_the_size():
+    # Engines built one after another in a process: the driver's share moves as kernels load (0.1 MiB seen on
+    # an H200); the budget is rounded down to 1/1024 of the device, so both get the same cache.
+    gib, kib = 2**30, 2**10
+    sizes = {
+        plan_blocks(80 * gib, 0.9, 812 * MIB + drift, 224 * MIB, 110 * MIB, 64 * kib, 10).num_blocks
+        for drift in (0, 100 * kib, 300 * kib)
+    }
+    assert len(sizes) == 1
+    step = 80 * MIB
+    assert sizes.pop() == (int(0.9 * 80 * gib) - 812 * MIB - 224 * MIB - 110 * MIB) // step * step // (64 * kib)
+
+
 def test_too_little_memory_names_the_numbers_and_the_fixes():
     with pytest.raises(ValueError, match=r"leaves room for 4 KV blocks, but one request of max_model_len needs 10"):
         plan_blocks(1000 * MIB, 0.5, 100 * MIB, 300 * MIB, 92 * MIB, 2 * MIB, 10)

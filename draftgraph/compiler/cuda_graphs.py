@@ -180,6 +180,33 @@ class CapturedGraph:
         )
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The process's one side stream for graph capture on the current device, shared by every engine.
+
+    cuBLAS keeps a workspace per handle and stream for the life of the process (32 MiB on Hopper), allocated
+    from the caching allocator at the first matmul on that stream. A stream per engine, first used inside a
+    capture, put one workspace in each engine's graph pool that no close() could give back: every engine built
+    in a process had 32 MiB less for its KV cache (tests/gpu/test_lifecycle_cuda.py). One stream, its workspace
+    allocated here outside any capture (cuBLAS's and cuBLASLt's: a product with a bias takes the Lt path), pays
+    that once, as the default stream does."""
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(16, 16, device="cuda", dtype=dtype)
+                torch.addmm(a[0], a, a)
+                torch.mm(a, a)
+        stream.synchronize()
+        _CAPTURE_STREAMS[device] = stream
+    return stream
+
+
 @dataclass
 class CudaGraphs:
     """An engine's CUDA graphs. `enabled`: graphs are captured at all (a CUDA device and a graph mode);
@@ -201,7 +228,6 @@ class CudaGraphs:
     persistent_ptrs: set = field(default_factory=set)
     _in_whole_capture: int = 0
     _pieces: int = 0
-    _stream: object = None  # the side stream graphs are captured on (made at the first capture)
 
     def new_piece_id(self) -> int:
         """An id for one piece runner (the piece part of its graphs' keys)."""
@@ -295,9 +321,7 @@ class CudaGraphs:
 
     def _capture(self, key: GraphKey, fn, args: list, in_place: list[bool], static: list[bool]) -> CapturedGraph:
         t0 = time.perf_counter()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool(), static, self._stream)
+        graph = CapturedGraph(key, fn, args, in_place, self.graph_pool(), static, capture_stream())
         self.counters.capture_seconds += time.perf_counter() - t0
         self.counters.graphs_captured += 1
         self.graphs[key] = graph

@@ -8,7 +8,9 @@ measured probe on the engine itself:
    captures every graph; the pool's segments give the graph memory, the allocator's peak the activations.
 2. The cache is sized from the budget left:
    blocks = (utilization x device memory - memory held before the engine - weights and buffers -
-             activation peak - graph memory - mapping granularity) / bytes per block (target and drafter).
+             activation peak - graph memory - mapping granularity) / bytes per block (target and drafter),
+   the budget rounded down to 1/1024 of the device first (what the driver holds moves by fractions of a MiB
+   as kernels load: engines built one after another in a process get the same size).
 3. Where the caches grow in place (CUDA virtual memory, runtime/growable.py: each cache tensor reserved
    address space for the whole device), they grow to that size at the probe's addresses and the probe's
    graphs stay: every graph is captured once. Otherwise the graphs are released, the caches reallocated at
@@ -70,7 +72,8 @@ def plan_blocks(
     mapping_slack: int = 0,
 ) -> MemoryPlan:
     budget = int(utilization * device_total) - outside - peak_without_kv - graph_memory - mapping_slack
-    blocks = max(0, budget // bytes_per_block)
+    step = budget_step(device_total)
+    blocks = max(0, budget // step * step // bytes_per_block)
     plan = MemoryPlan(
         device_total, utilization, outside, peak_without_kv, graph_memory, bytes_per_block, blocks, mapping_slack
     )
@@ -81,6 +84,13 @@ def plan_blocks(
             "max_model_len, or set num_kv_blocks instead"
         )
     return plan
+
+
+def budget_step(device_total: int) -> int:
+    """The KV budget is rounded down to this (1/1024 of the device, whole MiB): what the driver holds outside
+    the allocator moves by a fraction of a MiB as kernels load, and every engine of one process gets the same
+    cache size."""
+    return max(2**20, device_total // 1024 // 2**20 * 2**20)
 
 
 def measure_and_plan(engine, utilization: float) -> tuple[MemoryPlan, str]:
