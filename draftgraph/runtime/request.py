@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from draftgraph.runtime.kv_cache import BlockTable
 from draftgraph.runtime.logprobs import MAX_LOGPROBS, RowLogprobs
+from draftgraph.runtime.penalties import MAX_LOGIT_BIAS
 from draftgraph.runtime.text import StopStrings
 
 
@@ -28,6 +29,20 @@ class SamplingParams:
     # the text is cut before it (or after it, with include_stop_str_in_output), the ids after its last token.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # Logits processing of the target (runtime/penalties.py), in vLLM's order before temperature and top-k / top-p:
+    # logit_bias, then min_tokens, then the penalties. Under speculation verify position i counts drafts 0..i-1 as
+    # generated. repetition_penalty (transformers' meaning, > 0, 1 = off): over prompt and output tokens, a logit > 0
+    # is divided by it, else multiplied. presence / frequency_penalty (OpenAI's, in [-2, 2]): over output tokens,
+    # logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # While fewer than min_tokens tokens are generated, eos (unless ignore_eos) and stop_token_ids get -inf (vLLM's
+    # meaning: stop strings are not held back and may still end the request earlier).
+    min_tokens: int = 0
+    # {token id: bias in [-100, 100]} added to the logit (OpenAI's); kept as a tuple of (id, bias) pairs sorted by
+    # id so the params stay hashable; ids are checked against the vocabulary when the request is added.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -46,6 +61,19 @@ class SamplingParams:
                 f"logprobs={lp!r} must be None (off) or an int in [0, {MAX_LOGPROBS}]: the top tokens to return "
                 "beside the chosen one, e.g. 5"
             )
+        check_penalties(self)
+        check_logit_bias(self)
+
+    @property
+    def uses_logits_processing(self) -> bool:
+        """Whether the target's logits of this request are changed before sampling (runtime/penalties.py)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+        )
 
 
 @dataclass
@@ -154,3 +182,62 @@ def check_stop_token_ids(params: SamplingParams) -> None:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise ValueError(f"stop_token_ids={list(ids)} must hold token ids: ints >= 0")
     object.__setattr__(params, "stop_token_ids", tuple(ids))  # frozen: a list given is kept as a tuple
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_penalties(params: SamplingParams) -> None:
+    """repetition_penalty > 0 (finite); presence / frequency_penalty in [-2, 2]; 0 <= min_tokens <= max_tokens."""
+    rp = params.repetition_penalty
+    if not _is_number(rp) or not 0 < rp < float("inf"):
+        raise ValueError(
+            f"repetition_penalty={rp!r} must be a finite number > 0: 1 is off, > 1 discourages repeating prompt and "
+            "output tokens (e.g. 1.2), < 1 encourages it"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(params, name)
+        if not _is_number(v) or not -2 <= v <= 2:
+            raise ValueError(f"{name}={v!r} must be a number in [-2, 2] (OpenAI's range): 0 is off, e.g. 0.5")
+    mt = params.min_tokens
+    if not isinstance(mt, int) or isinstance(mt, bool) or not 0 <= mt <= params.max_tokens:
+        raise ValueError(
+            f"min_tokens={mt!r} must be an int in [0, max_tokens={params.max_tokens}]: the tokens generated before "
+            "eos or a stop token may end the request; lower it or raise max_tokens"
+        )
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        object.__setattr__(params, name, float(getattr(params, name)))  # ints given are kept as floats
+
+
+def check_logit_bias(params: SamplingParams) -> None:
+    """logit_bias: a {token id: bias} dict (or (id, bias) pairs; ids may be digit strings, as OpenAI's JSON sends
+    them), at most MAX_LOGIT_BIAS entries, biases in [-100, 100]; kept as a tuple of (id, bias) sorted by id."""
+    lb = params.logit_bias
+    example = "e.g. {50256: -100} bans token 50256"
+    if lb is None:
+        lb = ()
+    items = lb.items() if isinstance(lb, dict) else lb
+    if isinstance(items, (str, bytes)):
+        raise ValueError(f"logit_bias={lb!r} must map token ids to biases, {example}")
+    try:
+        pairs = [tuple(p) for p in items]
+    except TypeError:
+        raise ValueError(f"logit_bias={lb!r} must map token ids to biases, {example}") from None
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError(f"logit_bias entry {pair!r} must be a (token id, bias) pair, {example}")
+        tok, bias = pair
+        if isinstance(tok, str) and tok.isdigit():
+            tok = int(tok)
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise ValueError(f"logit_bias key {pair[0]!r} must be a token id (an int >= 0), {example}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias[{tok}]={bias!r} must be a number in [-100, 100] (OpenAI's range), {example}")
+        if tok in out:
+            raise ValueError(f"logit_bias gives token {tok} twice; give each id once")
+        out[tok] = float(bias)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(out)} entries; at most {MAX_LOGIT_BIAS} are allowed, bias fewer tokens")
+    object.__setattr__(params, "logit_bias", tuple(sorted(out.items())))

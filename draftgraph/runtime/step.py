@@ -25,6 +25,7 @@ from draftgraph.runtime.drafting import advance
 from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.logprobs import RowLogprobs, gather_logprobs, packed_size, unpack
+from draftgraph.runtime.penalties import PenaltyState
 from draftgraph.runtime.proposer import Proposer, Verified
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.request import Request
@@ -158,6 +159,7 @@ class StepRunner:
         rows = shape.max_num_seqs * (self.k + 1)  # verify rows (with logprobs: each row's gather too)
         capacity = shape.max_num_seqs * (2 * self.k + 2) + packed_size(rows, tc.vocab_size)
         self.host = HostCopy(capacity, self.device)  # the step's one wait
+        self.penalties = PenaltyState(shape.max_num_seqs, tc.vocab_size, self.device)  # per-slot logits processing
         self.uniform = UniformStep(self) if shape.one_graph_step else None
 
     # ---- the step --------------------------------------------------------------------------------
@@ -171,6 +173,8 @@ class StepRunner:
         last_chunks = [c for c in chunks if c.last]
         sampled = decodes + [c.req for c in last_chunks]
         nd = len(decodes)
+        # A request starting at position 0 (new, or recomputed after a preemption) gets its slot's penalty state.
+        self.penalties.admit([c.req for c in chunks if c.req.num_computed == 0])
 
         uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         if uniform is not None and self.uniform is not None:
@@ -203,6 +207,14 @@ class StepRunner:
         st_dec, st_pre = st.rows(slice(0, nd)), st.rows(slice(nd, None))
 
         vocab = logits.shape[-1]
+        raw_logits = logits  # logprobs keep the raw logits
+        penalties = any(r.params.uses_logits_processing for r in sampled)
+        if penalties:  # runtime/penalties.py: verify row i after drafts 0..i-1, a last chunk's row alone
+            slots_t = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
+            drafts_t = input_ids[: nd * (k + 1)].view(nd, k + 1)[:, 1:] if k else None
+            dec_p = self.penalties.process(logits[: nd * (k + 1)].view(nd, k + 1, vocab), slots_t[:nd], drafts_t)
+            pre_p = self.penalties.process(logits[nd * (k + 1) :, None], slots_t[nd:], None)[:, 0]
+            logits = torch.cat([dec_p.view(nd * (k + 1), vocab), pre_p])
         dec_logits = logits[: nd * (k + 1)].view(nd, k + 1, vocab)
         dec_pos = positions[: nd * (k + 1)].view(nd, k + 1) + 1  # positions the verify rows predict
         if k:
@@ -217,11 +229,14 @@ class StepRunner:
         pre_pos = positions[torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)] + 1
         pre_tokens = sample(logits[nd * (k + 1) :], st_pre, pre_pos, self.shape.race_kernel)
         y = torch.cat([dec_tokens.gather(1, accepted[:, None])[:, 0], pre_tokens])  # [Bs] each request's new token
+        if penalties:  # the emitted tokens join their slots' counts
+            self.penalties.record(slots_t[:nd], dec_tokens, accepted + 1)
+            self.penalties.record(slots_t[nd:], pre_tokens[:, None], torch.ones_like(pre_tokens))
 
         parts = [dec_tokens.flatten(), accepted, pre_tokens]
         with_lp = wants_logprobs(sampled)
         if with_lp:  # every sampled row's logprobs at the token it emits (before the drafts: a fixed offset)
-            parts.append(gather_logprobs(logits, torch.cat([dec_tokens.flatten(), pre_tokens])))
+            parts.append(gather_logprobs(raw_logits, torch.cat([dec_tokens.flatten(), pre_tokens])))
         if k and (sampled or chunks):  # drafter KV for prompt chunks is written even when nothing samples
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip

@@ -10,6 +10,10 @@ loop, or the loop around the drafter step), and it returns one packed int64 tens
 In FULL modes on CUDA it is one graph per (padded request count, variant): `GraphKey.step`, variants
 "greedy" (every request greedy, known on the host) and "sample", and the same two with "_logprobs" when a
 request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
+When a request of the batch asks for logit bias, min_tokens or penalties, the "_penalties" variants (before
+"_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it) and count
+the emitted tokens in the slot buffers; they are captured lazily, at the first step that needs one, so engines
+whose requests never ask for them capture no more graphs than before.
 Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
 the step's own named buffers
 (`StepBuffers`: input ids, request slots, cached lengths, valid rows, sampling parameters), filled on the host
@@ -32,6 +36,7 @@ from draftgraph.runtime.device_tables import DeviceTables
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
 from draftgraph.runtime.logprobs import gather_logprobs
+from draftgraph.runtime.penalties import PenaltyState
 from draftgraph.runtime.rejection import rejection_sample
 from draftgraph.runtime.sampler import SamplingTensors, sample
 from draftgraph.runtime.step_inputs import Field, StepBuffers
@@ -53,12 +58,21 @@ class Launched:
 _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-type]
 _SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
 LOGPROBS_SUFFIX = "_logprobs"
-# The step's variants: the draft loop's (greedy or sampled), each also with logprobs gathered.
+PENALTIES_SUFFIX = "_penalties"
+# The step's variants captured at warm-up: the draft loop's (greedy or sampled), each also with logprobs gathered.
 STEP_VARIANTS = (*LOOP_VARIANTS, *(v + LOGPROBS_SUFFIX for v in LOOP_VARIANTS))
+# The same with logits processing (runtime/penalties.py): captured at the first step that asks for one.
+PENALTY_VARIANTS = tuple(v + PENALTIES_SUFFIX for v in LOOP_VARIANTS) + tuple(
+    v + PENALTIES_SUFFIX + LOGPROBS_SUFFIX for v in LOOP_VARIANTS
+)
 
 
-def step_variant(sampled: bool, logprobs: bool) -> str:
-    return LOOP_VARIANTS[1 if sampled else 0] + (LOGPROBS_SUFFIX if logprobs else "")
+def step_variant(sampled: bool, logprobs: bool, penalties: bool = False) -> str:
+    return (
+        LOOP_VARIANTS[1 if sampled else 0]
+        + (PENALTIES_SUFFIX if penalties else "")
+        + (LOGPROBS_SUFFIX if logprobs else "")
+    )
 
 
 class UniformStep:
@@ -83,7 +97,11 @@ class UniformStep:
             dev,
         )
         self.tables = DeviceTables(runner.shape.max_num_seqs, runner.shape.max_blocks_per_req, dev)
-        self.fns = {v: self._body(v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX)) for v in STEP_VARIANTS}
+        self.penalties: PenaltyState = runner.penalties
+        self.fns = {
+            v: self._body(v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX), PENALTIES_SUFFIX in v)
+            for v in (*STEP_VARIANTS, *PENALTY_VARIANTS)
+        }
         self.k = k
 
     def dispatch_first(self, d: Dispatch) -> Dispatch | None:
@@ -124,7 +142,8 @@ class UniformStep:
         """Run the step for `decodes` from the host's view of them; its packed result starts its copy to the
         host (`HostCopy.start`), which `Launched.ticket` waits for."""
         sampled = not all(x.params.temperature <= 0 for x in decodes)
-        variant = step_variant(sampled, any(x.params.logprobs is not None for x in decodes))
+        penalties = any(x.params.uses_logits_processing for x in decodes)
+        variant = step_variant(sampled, any(x.params.logprobs is not None for x in decodes), penalties)
         x = self.inputs(decodes, d, sampled)
         key = GraphKey.step(self.r.shapes.verify, d.num_reqs, variant)
         return self._replay(Launched(list(decodes), d.num_reqs, key, x, None))
@@ -137,7 +156,13 @@ class UniformStep:
         return self._replay(Launched(last.decodes, last.num_reqs, last.key, last.x, None))
 
     def _replay(self, step: Launched) -> Launched:
-        packed = self.r.forwards.step(step.key, step.x, self.fns[step.key.variant])
+        fwd, graphs = self.r.forwards, self.r.forwards.graphs
+        lazy = PENALTIES_SUFFIX in step.key.variant and graphs is not None and graphs.enabled
+        if lazy and step.key not in graphs.graphs:  # captured at the first step that asks for logits processing
+            with graphs.capturing():
+                packed = fwd.step(step.key, step.x, self.fns[step.key.variant])
+        else:
+            packed = fwd.step(step.key, step.x, self.fns[step.key.variant])
         step.ticket = self.r.host.start(packed)
         return step
 
@@ -153,7 +178,7 @@ class UniformStep:
 
     # ---- the device side --------------------------------------------------------------------------
 
-    def _body(self, sampled: bool, logprobs: bool):
+    def _body(self, sampled: bool, logprobs: bool, penalties: bool = False):
         def step(x: dict) -> torch.Tensor:
             r, k = self.r, self.k
             ids, slots = x["input_ids"], x["slots"]
@@ -165,15 +190,21 @@ class UniformStep:
             logits = logits.view(b, k + 1, logits.shape[-1])
             predicts = pos.view(b, k + 1) + 1  # the positions the verify rows predict
             st = SamplingTensors(*(x[f] for f in SAMPLING_FIELDS), greedy_rows=(False,)) if sampled else _GREEDY
+            draft_ids = ids.view(b, k + 1)[:, 1:]
+            # Logits processing sees verify row i after drafts 0..i-1; logprobs keep the raw logits.
+            chosen = self.penalties.process(logits, slots, draft_ids if k else None) if penalties else logits
             if not k:
-                tokens = sample(logits[:, 0], st, predicts[:, 0], r.shape.race_kernel)
+                tokens = sample(chosen[:, 0], st, predicts[:, 0], r.shape.race_kernel)
                 accepted = torch.zeros_like(tokens)
+                if penalties:
+                    self.penalties.record(slots, tokens[:, None], accepted + 1)
                 self._advance(x, accepted, tokens)
                 lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
-            draft_ids = ids.view(b, k + 1)[:, 1:]
             q = r.proposer.draft_probs[slots] if sampled else None
-            tokens, accepted = rejection_sample(logits, draft_ids, q, st, predicts, r.shape.race_kernel)
+            tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel)
+            if penalties:
+                self.penalties.record(slots, tokens, accepted + 1)
             y = tokens.gather(1, accepted[:, None])[:, 0]
             drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
             lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []

@@ -1,0 +1,116 @@
+"""Logits processing of the target per request: logit_bias, min_tokens, repetition / presence / frequency penalties.
+
+Applied on the device to the target's logits before temperature and top-k / top-p, in vLLM's order: the bias is
+added, stop tokens get -inf while fewer than min_tokens tokens are generated, then the repetition penalty (over
+prompt and output tokens: a logit > 0 is divided by it, else multiplied: transformers' meaning), then
+logit -= frequency_penalty * count + presence_penalty * (count > 0) over output tokens (OpenAI's formula).
+Logprobs keep the raw logits (runtime/logprobs.py).
+
+Exact under speculation: verify row i of a request sees drafts 0..i-1 as already generated, so its counts are the
+slot's counts plus the one-hot cumulative sum of the drafts before it, and its generated length is the slot's plus
+i. Nothing waits for the host: `PenaltyState` keeps per request slot (the last row is scratch for padding rows) the
+output token counts [slots, V] int32, a flag byte per vocabulary entry (in the prompt; a stop token), the penalty
+values, min_tokens, the generated length and the logit bias (at most MAX_LOGIT_BIAS (id, bias) pairs). A step
+records its emitted tokens into them on the device (`record`), so overlapped steps need nothing from the host. The
+host writes a slot's row only when its request starts a prefill at position 0 (a new request, or one recomputed
+after a preemption: its counts are rebuilt from its output), in `admit`.
+
+Rows whose request asks for none of it keep their raw logits bit for bit (a final where), and a step whose
+requests ask for none of it (host-known) runs none of this: the one-graph step's "_penalties" variants.
+
+Only the target's logits are processed: the drafter proposes from its raw logits. Greedy and sampled outputs stay
+exact (rejection sampling needs only the q the drafts were drawn from); acceptance may drop where the penalties
+change the target's choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_LOGIT_BIAS = 300  # (id, bias) pairs a request may give: OpenAI's limit; a fixed width of the device table
+PROMPT, STOP = 1, 2  # flag bits per vocabulary entry: in the prompt (repetition penalty), a stop token (min_tokens)
+
+
+class PenaltyState:
+    """Per request slot device buffers of the logits processing (`max_num_seqs` slots plus a scratch row)."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, device):
+        rows, dev = max_num_seqs + 1, torch.device(device)
+        self.scratch, self.vocab_size, self.device = max_num_seqs, vocab_size, dev
+        self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=dev)  # output tokens
+        self.flags = torch.zeros(rows, vocab_size, dtype=torch.uint8, device=dev)  # PROMPT | STOP bits
+        self.repetition = torch.ones(rows, dtype=torch.float32, device=dev)
+        self.presence = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.frequency = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.min_tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.generated = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.bias_ids = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)
+        self.bias_vals = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer (graphs read and write them in place)."""
+        return [self.counts, self.flags, self.repetition, self.presence, self.frequency, self.min_tokens,
+                self.generated, self.bias_ids, self.bias_vals, self.active]  # fmt: skip
+
+    # ---- the host side ------------------------------------------------------------------------------
+
+    def admit(self, reqs) -> None:
+        """Write the slot rows of requests starting a prefill at position 0 (new, or recomputed after a preemption:
+        counts from their output so far). Requests without logits processing only mark their slot inactive."""
+        for r in reqs:
+            s, p = r.slot, r.params
+            if not p.uses_logits_processing:
+                self.active[s] = False
+                continue
+            v = self.vocab_size
+            counts = torch.bincount(torch.tensor(r.output, dtype=torch.long), minlength=v)[:v].int()
+            flags = torch.zeros(v, dtype=torch.uint8)
+            flags[torch.tensor(r.prompt, dtype=torch.long)] |= PROMPT
+            if r.stop_ids:
+                flags[torch.tensor(sorted(r.stop_ids), dtype=torch.long)] |= STOP
+            ids = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.long)
+            vals = torch.zeros(MAX_LOGIT_BIAS, dtype=torch.float32)
+            if p.logit_bias:
+                ids[: len(p.logit_bias)] = torch.tensor([t for t, _ in p.logit_bias])
+                vals[: len(p.logit_bias)] = torch.tensor([b for _, b in p.logit_bias])
+            self.counts[s] = counts.to(self.device)
+            self.flags[s] = flags.to(self.device)
+            self.bias_ids[s], self.bias_vals[s] = ids.to(self.device), vals.to(self.device)
+            self.repetition[s], self.presence[s] = p.repetition_penalty, p.presence_penalty
+            self.frequency[s], self.min_tokens[s] = p.frequency_penalty, p.min_tokens
+            self.generated[s] = len(r.output)
+            self.active[s] = True
+
+    # ---- the device side ----------------------------------------------------------------------------
+
+    def process(self, logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """Processed logits [B, R, V] for logits [B, R, V] of requests in slots [B] (padding rows: the scratch
+        slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1)."""
+        b, r, v = logits.shape
+        counts = self.counts[slots][:, None, :].expand(b, r, v)  # [B, R, V] int32
+        if drafts is not None and r > 1:  # row i also counts drafts 0..i-1
+            onehot = torch.zeros(b, r, v, dtype=torch.int32, device=logits.device)
+            onehot[:, 1:].scatter_(-1, drafts[:, : r - 1, None], 1)
+            counts = counts + onehot.cumsum(1, dtype=torch.int32)
+        flags = self.flags[slots][:, None, :]  # [B, 1, V]
+        bias = torch.zeros(b, v, dtype=torch.float32, device=logits.device)
+        bias.scatter_add_(-1, self.bias_ids[slots], self.bias_vals[slots])  # absent pairs add 0 to token 0
+        x = logits.float() + bias[:, None, :]
+        generated = self.generated[slots][:, None] + torch.arange(r, device=logits.device)[None, :]  # [B, R]
+        too_early = (generated < self.min_tokens[slots][:, None])[..., None]  # [B, R, 1]
+        x = x.masked_fill(too_early & ((flags & STOP) != 0), float("-inf"))
+        seen = (counts > 0) | ((flags & PROMPT) != 0)
+        rep = self.repetition[slots][:, None, None]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency[slots][:, None, None] * counts - self.presence[slots][:, None, None] * (counts > 0)
+        return torch.where(self.active[slots][:, None, None], x.to(logits.dtype), logits)
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
+        """Count the tokens a step emitted: tokens [B, R] of requests in slots [B], the first num_emitted [B] of
+        each row (padding rows: the scratch slot). In place, on the device."""
+        b, r = tokens.shape
+        keep = torch.arange(r, device=tokens.device)[None, :] < num_emitted[:, None]  # [B, R]
+        rows = slots[:, None].expand(b, r).reshape(-1)
+        self.counts.index_put_((rows, tokens.reshape(-1).long()), keep.reshape(-1).int(), accumulate=True)
+        self.generated.index_add_(0, slots, num_emitted.long())
