@@ -324,3 +324,35 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary(models):
     cfg, match = config("NONE", max_num_seqs=2), r"logit_bias ids \[96\] lie outside the vocabulary \[0, 96\)"
     with dg.compile_model(target, drafter, cfg) as eng, pytest.raises(ValueError, match=match):
         eng.add_request([1, 2], dg.SamplingParams(logit_bias={96: 1.0}))
+
+
+def test_preempted_requests_keep_their_counts(models):
+    """Preempted requests are recomputed with their slot's counts rebuilt from their output: greedy and sampled
+    requests with penalties give the same tokens with a cache that forces preemptions as with a big one."""
+    _, target, drafter = models
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (14, 6, 20, 9, 17)]
+    params = [
+        dg.SamplingParams(
+            max_tokens=14,
+            ignore_eos=True,
+            repetition_penalty=1.4,
+            frequency_penalty=0.5,
+            temperature=1.0 if i % 2 else 0.0,
+            seed=i,
+            presence_penalty=0.3,
+        )  # fmt: skip
+        for i in range(len(prompts))
+    ]
+    outs, stats = {}, {}
+    for blocks in (0, 11):  # 0: room for every request at max_model_len; 11 blocks of 4: preemptions
+        cfg = dg.CompileConfig(num_speculative_tokens=K, max_num_seqs=8, max_num_batched_tokens=64,
+                               num_kv_blocks=blocks, block_size=4, max_model_len=48)  # fmt: skip
+        with dg.compile_model(target, drafter, cfg) as eng:
+            outs[blocks] = [o.token_ids for o in eng.generate(prompts, params)]
+            stats[blocks] = eng.stats()
+    assert stats[0]["preemptions"] == 0 and stats[11]["preemptions"] > 0
+    assert outs[11] == outs[0]
+    hf = models[0]
+    for i in (0, 2, 4):  # the greedy ones equal the reference loop
+        assert outs[0][i] == reference_greedy(hf, prompts[i], params[i]), f"request {i}"
