@@ -74,9 +74,10 @@ class PenaltyState:
             if p.logit_bias:
                 ids[: len(p.logit_bias)] = torch.tensor([t for t, _ in p.logit_bias])
                 vals[: len(p.logit_bias)] = torch.tensor([b for _, b in p.logit_bias])
-            self.counts[s] = counts.to(self.device)
-            self.flags[s] = flags.to(self.device)
-            self.bias_ids[s], self.bias_vals[s] = ids.to(self.device), vals.to(self.device)
+            self.counts[s] = counts.to(self.device, non_blocking=True)
+            self.flags[s] = flags.to(self.device, non_blocking=True)
+            self.bias_ids[s] = ids.to(self.device, non_blocking=True)
+            self.bias_vals[s] = vals.to(self.device, non_blocking=True)
             self.repetition[s], self.presence[s] = p.repetition_penalty, p.presence_penalty
             self.frequency[s], self.min_tokens[s] = p.frequency_penalty, p.min_tokens
             self.generated[s] = len(r.output)
@@ -111,6 +112,6 @@ class PenaltyState:
         each row (padding rows: the scratch slot). In place, on the device."""
         b, r = tokens.shape
         keep = torch.arange(r, device=tokens.device)[None, :] < num_emitted[:, None]  # [B, R]
-        rows = slots[:, None].expand(b, r).reshape(-1)
-        self.counts.index_put_((rows, tokens.reshape(-1).long()), keep.reshape(-1).int(), accumulate=True)
+        flat = (slots[:, None] * self.vocab_size + tokens.long()).reshape(-1)  # into counts viewed flat
+        self.counts.view(-1).index_add_(0, flat, keep.reshape(-1).int())  # atomic adds: padding rows share scratch
         self.generated.index_add_(0, slots, num_emitted.long())
