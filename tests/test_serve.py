@@ -201,6 +201,53 @@ def test_stop_strings_cut_the_text_and_the_stream(client, ckpts, reference):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
 
 
+def test_logprobs_are_the_engines_in_openai_shape(client, ckpts, engine):
+    """completions `logprobs=N` and chat `logprobs`/`top_logprobs`, whole and streamed: the engine's values for
+    the same request (the target's raw logits), each chosen token's and its top N."""
+    tok = ckpts[2]
+    ref = engine.generate([PROMPTS[0]], dg.SamplingParams(max_tokens=MAX, logprobs=3))[0]
+    chosen = [lp[t] for t, lp in zip(ref.token_ids, ref.logprobs)]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(chosen, abs=1e-6)
+    assert lp.tokens == [tok.decode([t]) for t in ref.token_ids]
+    for top, entry in zip(lp.top_logprobs, ref.logprobs):  # the engine's top 3, keyed by their text
+        assert top == pytest.approx({tok.decode([i]): v for i, v in list(entry.items())[:3]}, abs=1e-6)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX, temperature=0,
+                                            logprobs=3, stream=True))  # fmt: skip
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(chosen, abs=1e-6)
+    messages = [{"role": "user", "content": "hello world"}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    cref = engine.generate([list(ids)], dg.SamplingParams(max_tokens=MAX, logprobs=2))[0]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX, temperature=0,
+                                          logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp[t] for t, lp in zip(cref.token_ids, cref.logprobs)])
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, ckpts, engine):
+    """OpenAI's presence/frequency penalties, logit_bias (string ids, as JSON sends them), and the extensions
+    repetition_penalty and min_tokens: the server's tokens equal engine.generate with the same SamplingParams."""
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.8)
+    ref = engine.generate([PROMPTS[2]], dg.SamplingParams(max_tokens=MAX, **kw))[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=MAX, temperature=0, **kw)
+    assert got.choices[0].token_ids == ref.token_ids
+    rep = engine.generate([PROMPTS[2]], dg.SamplingParams(max_tokens=MAX, repetition_penalty=1.5, min_tokens=3))[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=MAX, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5, "min_tokens": 3})  # fmt: skip
+    assert got.choices[0].token_ids == rep.token_ids
+    forced = 7
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100})  # fmt: skip
+    assert got.choices[0].token_ids == [forced] * 4
+
+
 def test_32_concurrent_streams_each_get_their_own_text(server, ckpts, reference):
     tok = ckpts[2]
     # Request i: prompt i % 3, i % 5 + 4 tokens (the reference's first tokens: greedy decoding is a prefix).
@@ -248,6 +295,9 @@ def test_bad_values_get_400_with_the_engines_message(client):
         (dict(n=0), "n=0 must lie in [1, 64]"),
         (dict(prompt=[[1, 2, 100000]]), "lie outside the vocabulary"),
         (dict(extra_body={"top_k": -2}), "top_k=-2 must be >= 1"),
+        (dict(presence_penalty=3), "presence_penalty=3.0"),
+        (dict(logit_bias={"5": 500}), "logit_bias"),
+        (dict(logprobs=50), "logprobs=50"),
     ]
     for kw, message in cases:
         args = dict(model=NAME, prompt=PROMPTS[0], max_tokens=4) | kw

@@ -98,6 +98,7 @@ class Engine:
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
         self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
+        self.last_step_logprobs: dict[int, list[dict[int, float]]] = {}  # theirs, for requests that ask
         self._next_id = 0
         self._rng = random.Random(rc.seed)
         self.step_log: list[dict] | None = None  # set to [] to record drafts and emitted tokens per step
@@ -198,7 +199,7 @@ class Engine:
         uniform decode step is launched and read at the next call, after the step that follows it is queued; a
         call whose pending step cannot be followed by the same batch reads it, then schedules and runs a step."""
         self._check_open("step")
-        self.last_step_tokens = []
+        self.last_step_tokens, self.last_step_logprobs = [], {}
         done = []
         if self._pending is not None:
             done = self._step_overlapped()
@@ -284,6 +285,8 @@ class Engine:
             lps = result.logprobs[i] if result.logprobs is not None else None
             req.append(emitted, req.stop_ids, lps)  # up to the first stop token; what follows it is dropped
             self.last_step_tokens.append((req.id, req.tokens[before:]))
+            if req.logprobs is not None:
+                self.last_step_logprobs[req.id] = req.logprobs[len(req.logprobs) - (len(req.tokens) - before) :]
             self._stats["generated_tokens"] += len(req.tokens) - before
             if self.step_log is not None:
                 self.step_log.append({"request": req.id, "verified": list(req.drafts), "emitted": list(emitted)})

@@ -23,7 +23,14 @@ from draftgraph.runtime.streaming import StreamedText
 from draftgraph.runtime.text import IncrementalDetokenizer, StopStrings
 from draftgraph.serve.engine_loop import EngineLoop, Submission
 from draftgraph.serve.metrics import ServerMetrics, engine_snapshot
-from draftgraph.serve.protocol import Parsed, ServeError, chat_request, check_model, completion_request
+from draftgraph.serve.protocol import (
+    Parsed,
+    ServeError,
+    chat_request,
+    check_model,
+    completion_request,
+    logprobs_json,
+)
 
 
 @dataclass
@@ -36,6 +43,8 @@ class Choice:
     output: object = None
     pieces: list[str] = field(default_factory=list)
     streamed: StreamedText | None = None  # what a stream sent: text a stop string may start in waits
+    unsent_logprobs: list = field(default_factory=list)  # (id, {id: logprob}) of tokens no chunk carried yet
+    text_offset: int = 0  # characters of text the stream's completions logprobs have covered
 
 
 class ClientGone(Exception):
@@ -149,6 +158,8 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
             raise ServeError(500, f"engine fault: {type(ev.error).__name__}: {ev.error}; the request was aborted")
         c = choices[ev.choice]
         now = time.perf_counter()
+        if ev.logprobs:
+            c.unsent_logprobs += list(zip(ev.token_ids, ev.logprobs))
         if ev.token_ids:
             c.num_tokens += len(ev.token_ids)
             metrics.generated_tokens.inc(len(ev.token_ids))
@@ -190,6 +201,7 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
         tokenizer = loop.engine.tokenizer or None
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": obj, "created": int(time.time()), "model": served_name}
+        top = parsed.params.logprobs
         try:
             if chat:
                 for i in range(len(choices)):
@@ -209,11 +221,15 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
                 fr = c.output.finish_reason if c.output is not None else None
                 if not piece and fr is None and (tokenizer or not ids):
                     continue  # text held back (a character's bytes not all generated yet)
+                lp = None
+                if top is not None:  # the tokens since the last chunk that carried logprobs
+                    lp = logprobs_json(c.unsent_logprobs, top, tokenizer, chat, c.text_offset)
+                    c.unsent_logprobs, c.text_offset = [], c.text_offset + len(piece)
                 if chat:
-                    ch = {"index": i, "delta": {"content": piece} if piece else {}, "logprobs": None,
+                    ch = {"index": i, "delta": {"content": piece} if piece else {}, "logprobs": lp,
                           "finish_reason": fr}  # fmt: skip
                 else:
-                    ch = {"index": i, "text": piece, "logprobs": None, "finish_reason": fr, "token_ids": ids}
+                    ch = {"index": i, "text": piece, "logprobs": lp, "finish_reason": fr, "token_ids": ids}
                 yield _sse({**head, "choices": [ch]})
             if parsed.include_usage and all(c.output is not None for c in choices):
                 yield _sse({**head, "choices": [], "usage": _usage(choices, parsed.n)})
@@ -229,7 +245,10 @@ def build_app(loop: EngineLoop, served_name: str, max_queue: int) -> FastAPI:
         out = []
         for i, c in enumerate(choices):
             text = (c.output.text or "") if tokenizer else ""
-            ch = {"index": i, "logprobs": None, "finish_reason": c.output.finish_reason,
+            lp = c.output.logprobs
+            if lp is not None:
+                lp = logprobs_json(list(zip(c.output.token_ids, lp)), parsed.params.logprobs, tokenizer, chat)
+            ch = {"index": i, "logprobs": lp, "finish_reason": c.output.finish_reason,
                   "token_ids": list(c.output.token_ids)}  # fmt: skip
             if chat:
                 ch["message"] = {"role": "assistant", "content": text}

@@ -32,6 +32,7 @@ class Event:
     choice: int
     token_ids: list[int]
     output: Any = None  # RequestOutput, on the choice's last event
+    logprobs: list | None = None  # {id: logprob} per token id, where the request asks for logprobs
     error: BaseException | None = None  # set on the one event of a submission that failed
 
 
@@ -174,15 +175,17 @@ class EngineLoop:
             # A request's last tokens come with its output, in one event: a stream then knows that no text past a
             # stop string may be sent (app.py holds back the characters a stop may start in until then).
             last = {out.request_id: out for out in done}
+            lps = engine.last_step_logprobs
             for rid, new in engine.last_step_tokens:
                 owner = self._owner.get(rid)
                 if owner is not None and new and rid not in last:
-                    owner[0].post(Event(owner[1], list(new)))
+                    owner[0].post(Event(owner[1], list(new), logprobs=lps.get(rid)))
             new_of = dict(engine.last_step_tokens)
             for out in done:
                 owner = self._owner.pop(out.request_id, None)
                 if owner is not None:
-                    owner[0].post(Event(owner[1], list(new_of.get(out.request_id, [])), output=out))
+                    new = list(new_of.get(out.request_id, []))
+                    owner[0].post(Event(owner[1], new, output=out, logprobs=lps.get(out.request_id)))
         self._abort_all()
 
     def _drain(self) -> bool:

@@ -12,16 +12,9 @@ from typing import Any
 # Parameters of the OpenAI API the engine cannot honour yet: refused when set to anything but their default.
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -107,7 +100,21 @@ def read_prompts(prompt: Any) -> list:
     raise ServeError(400, f"prompt must be {how}, not {str(prompt)[:60]}", "prompt")
 
 
-def sampling_params(body: dict, default_max_tokens: int):
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The top logprobs to return per token, or None. Completions: `logprobs` is that count. Chat: `logprobs` is
+    true or false and `top_logprobs` the count (0..20), which needs logprobs true."""
+    lp = body.get("logprobs")
+    if not chat:
+        return None if lp is None else _int(body, "logprobs", None)
+    if lp is not None and not isinstance(lp, bool):
+        raise ServeError(400, f"logprobs={lp!r} must be true or false here; the count goes in top_logprobs", "logprobs")
+    top = _int(body, "top_logprobs", None)
+    if top is not None and not lp:
+        raise ServeError(400, f"top_logprobs={top} needs logprobs=true", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool = False):
     """SamplingParams from the body (its ValueErrors are the engine's messages: the caller answers 400)."""
     import draftgraph as dg
 
@@ -133,6 +140,12 @@ def sampling_params(body: dict, default_max_tokens: int):
             stop=stop,
             include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
             ignore_eos=bool(body.get("ignore_eos", False)),
+            logprobs=_logprobs(body, chat),
+            presence_penalty=_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0),
+            min_tokens=_int(body, "min_tokens", 0),
+            logit_bias=body.get("logit_bias") or {},
         )
     except ValueError as e:
         raise ServeError(400, str(e)) from e
@@ -165,7 +178,7 @@ def chat_request(body: dict, tokenizer, max_model_len: int) -> Parsed:
     ids = render_chat(tokenizer, body.get("messages"))
     n, stream, usage = common(body)
     default = max(1, min(256, max_model_len - len(ids)))  # OpenAI's default is "up to the context"
-    return Parsed([ids], n, sampling_params(body, default), stream, usage)
+    return Parsed([ids], n, sampling_params(body, default, chat=True), stream, usage)
 
 
 def render_chat(tokenizer, messages) -> list[int]:
@@ -189,3 +202,37 @@ def render_chat(tokenizer, messages) -> list[int]:
     if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as the logprobs show it: its decoded text, or "token_id:N" without a tokenizer (vLLM's form)."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def logprobs_json(tokens: list[tuple[int, dict[int, float]]], top: int, tokenizer, chat: bool, offset: int = 0):
+    """OpenAI's logprobs object for (chosen id, {id: logprob}) per token (RequestOutput.logprobs' entries: the
+    top `top` ids first, in order, then the chosen one where it is not among them). Chat: {"content": [{token,
+    logprob, bytes, top_logprobs}]}. Completions: {tokens, token_logprobs, top_logprobs, text_offset}, offsets
+    counted from `offset` characters."""
+    rows = []
+    for tok, entry in tokens:
+        best = list(entry.items())[:top]
+        rows.append((token_text(tokenizer, tok), entry[tok], [(token_text(tokenizer, i), v) for i, v in best]))
+    if chat:
+        return {
+            "content": [
+                {"token": s, "logprob": v, "bytes": list(s.encode()),
+                 "top_logprobs": [{"token": t, "logprob": w, "bytes": list(t.encode())} for t, w in tops]}
+                for s, v, tops in rows
+            ]
+        }  # fmt: skip
+    offsets = []
+    for s, _, _ in rows:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": [s for s, _, _ in rows],
+        "token_logprobs": [v for _, v, _ in rows],
+        "top_logprobs": [dict(tops) for _, _, tops in rows],
+        "text_offset": offsets,
+    }

@@ -35,6 +35,7 @@ class RankedEngine:
         self.router = Router(self.dp)
         self.tokenizer = tokenizer
         self.last_step_tokens: list[tuple[int, list[int]]] = []
+        self.last_step_logprobs: dict[int, list[dict[int, float]]] = {}
         self.rank_info = infos
         info = infos[0]
         self.config, self.k, self.warm_up_report = info["config"], info["k"], info["warm_up_report"]
@@ -109,10 +110,11 @@ class RankedEngine:
     def step(self) -> list[RequestOutput]:
         """One step on every rank (a replica with no request runs none, or a dummy one in lock-step)."""
         every = self._call("step")
-        done, self.last_step_tokens = [], []
+        done, self.last_step_tokens, self.last_step_logprobs = [], [], {}
         for d in range(self.dp):
-            outs, tokens = every[d * self.tp]
+            outs, tokens, logprobs = every[d * self.tp]
             self.last_step_tokens += [(self.router.global_id(d, rid), new) for rid, new in tokens]
+            self.last_step_logprobs.update({self.router.global_id(d, rid): lp for rid, lp in logprobs.items()})
             done += self.router.finished(d, outs)
         return self._with_text(done)
 

@@ -83,9 +83,9 @@ def build_rank_engine(request: BuildRequest, groups: RankGroups):
     return build_engine(replace(request, tokenizer=False), groups.tp, groups.ep, groups.lockstep)
 
 
-def _step(engine) -> tuple[list, list]:
+def _step(engine) -> tuple[list, list, dict]:
     done = engine.step()  # a step with nothing scheduled here emits nothing: last_step_tokens starts empty
-    return done, list(engine.last_step_tokens)
+    return done, list(engine.last_step_tokens), dict(engine.last_step_logprobs)
 
 
 def _generate(engine, prompts, sampling, arrival_steps):
