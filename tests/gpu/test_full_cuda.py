@@ -102,6 +102,35 @@ def test_lazy_capture_captures_what_steps_use(target):
     print(f"lazy capture: {n_lazy} graphs captured by the steps, against {n_eager} captured eagerly")
 
 
+def test_penalties_and_logprobs_run_inside_the_step_graph(target):
+    """Requests with penalties, logit bias, min_tokens and logprobs on CUDA: FULL_AND_PIECEWISE gives NONE's tokens
+    and logprobs, the uniform batches replay the "_penalties" step graphs (captured at the first step that needs
+    one), and nothing falls back."""
+    import dataclasses
+
+    prompts, params, arrivals = ragged(16)
+    extra = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.4, logprobs=2),
+             dict(min_tokens=4, logit_bias={3: 2.0}), {}]  # fmt: skip
+    params = [dataclasses.replace(p, **extra[i % len(extra)]) for i, p in enumerate(params)]
+    outs = {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+                               device="cuda", gpu_memory_utilization=0.0, capture_sizes=SIZES,
+                               full_capture_sizes=(1, 2, 4, 8), progress=False, check_addresses=True)  # fmt: skip
+        with dg.compile_model(target, make_drafter("draft_model", target), cfg) as eng:
+            outs[mode] = eng.generate(prompts, params, arrivals)
+            replays = dict(eng.compiled.counters.graph_replays) if eng.compiled is not None else {}
+            stats = eng.stats()
+    assert [o.token_ids for o in outs["FULL_AND_PIECEWISE"]] == [o.token_ids for o in outs["NONE"]]
+    for a, b in zip(outs["FULL_AND_PIECEWISE"], outs["NONE"]):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-3 for t in x)
+    assert stats["fallbacks"] == 0
+    assert any(k.startswith("step/q4/") and "_penalties" in k and v for k, v in replays.items()), replays
+    print({k: v for k, v in replays.items() if k.startswith("step/")})
+
+
 def _padding_engine(target, mode):
     cfg = dg.CompileConfig(
         mode=mode,
