@@ -12,8 +12,9 @@ In FULL modes on CUDA it is one graph per (padded request count, variant): `Grap
 request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
 When a request of the batch asks for logit bias, min_tokens or penalties, the "_penalties" variants (before
 "_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it) and count
-the emitted tokens in the slot buffers; they are captured lazily, at the first step that needs one, so engines
-whose requests never ask for them capture no more graphs than before.
+the emitted tokens in the slot buffers. Only "greedy" and "sample" are captured at warm-up; every variant with a
+suffix is captured at the first step that needs it, so engines whose requests never ask for logprobs or
+penalties capture no more graphs than that.
 Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
 the step's own named buffers
 (`StepBuffers`: input ids, request slots, cached lengths, valid rows, sampling parameters), filled on the host
@@ -59,9 +60,9 @@ _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-t
 _SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
 LOGPROBS_SUFFIX = "_logprobs"
 PENALTIES_SUFFIX = "_penalties"
-# The step's variants captured at warm-up: the draft loop's (greedy or sampled), each also with logprobs gathered.
+# The step's variants: the draft loop's (greedy or sampled; captured at warm-up), each also with logprobs gathered,
+# with logits processing (runtime/penalties.py), or both (captured at the first step that asks for one).
 STEP_VARIANTS = (*LOOP_VARIANTS, *(v + LOGPROBS_SUFFIX for v in LOOP_VARIANTS))
-# The same with logits processing (runtime/penalties.py): captured at the first step that asks for one.
 PENALTY_VARIANTS = tuple(v + PENALTIES_SUFFIX for v in LOOP_VARIANTS) + tuple(
     v + PENALTIES_SUFFIX + LOGPROBS_SUFFIX for v in LOOP_VARIANTS
 )
@@ -157,8 +158,8 @@ class UniformStep:
 
     def _replay(self, step: Launched) -> Launched:
         fwd, graphs = self.r.forwards, self.r.forwards.graphs
-        lazy = PENALTIES_SUFFIX in step.key.variant and graphs is not None and graphs.enabled
-        if lazy and step.key not in graphs.graphs:  # captured at the first step that asks for logits processing
+        lazy = step.key.variant not in LOOP_VARIANTS and graphs is not None and graphs.enabled
+        if lazy and step.key not in graphs.graphs:  # captured at the first step that asks for logprobs or penalties
             with graphs.capturing():
                 packed = fwd.step(step.key, step.x, self.fns[step.key.variant])
         else:
@@ -167,12 +168,13 @@ class UniformStep:
         return step
 
     def dummy(self, num_reqs: int) -> None:
-        """Run (capturing while allowed) both variants at `num_reqs` padded requests, on padding only."""
+        """Run (capturing while allowed) the greedy and sampled variants at `num_reqs` padded requests, on padding
+        only (the others are captured by the first step that needs them)."""
         q = self.r.shapes.verify
         d = self.r.dispatcher.dispatch(BatchDescriptor(num_reqs * q, num_reqs, q))
         if not self.applies(d):
             return
-        for variant in STEP_VARIANTS:
+        for variant in LOOP_VARIANTS:
             x = self.inputs([], d, variant.startswith("sample"))
             self.r.forwards.step(GraphKey.step(q, d.num_reqs, variant), x, self.fns[variant])
 
