@@ -80,12 +80,13 @@ def verify_fn(engine, b, k, ctx):
     return lambda: engine.runner.forwards.target(d, ids, pos, meta), d.runtime
 
 
-def step_time(engine, b, k, ctx, steps=30) -> tuple[float, float]:
-    """Median wall ms of engine.step() over `steps` uniform decode steps of b requests; acceptance."""
+def step_time(engine, b, k, ctx, steps=30, params: dict | None = None) -> tuple[float, float]:
+    """Median wall ms of engine.step() over `steps` uniform decode steps of b requests; acceptance. `params`: more
+    SamplingParams fields for every request (penalties, logprobs)."""
     g = torch.Generator().manual_seed(b)
     for _ in range(b):
         prompt = torch.randint(0, 1000, (ctx,), generator=g).tolist()
-        engine.add_request(prompt, dg.SamplingParams(max_tokens=steps + 12, ignore_eos=True))
+        engine.add_request(prompt, dg.SamplingParams(max_tokens=steps + 12, ignore_eos=True, **(params or {})))
     sched = engine.scheduler
     while any(r.prefilling for r in sched.running) or sched.waiting:
         engine.step()  # prefill

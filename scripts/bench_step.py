@@ -17,6 +17,9 @@ Variants, compiled in this one process and measured side by side:
 * `norm apart`: `overlap` with each pre-norm a kernel of its own before its GEMV (norm_in_projection=False).
 * `kv apart`: `overlap` with k and v written into the caches by the attention op (rope_kv_write=False).
 * `both apart`: the two above at once.
+* `logprobs`, `penalties`, `pen+lp`: `overlap`'s engine, its requests asking for the top 5 logprobs, for
+  repetition 1.1 / presence 0.3 / frequency 0.2 penalties and a logit bias, or for both (the one-graph step's
+  "_logprobs" / "_penalties" variants, captured by their first step).
 A variant with other OpChoices gets its own model pair built with them (the target's weights shared).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
@@ -59,6 +62,12 @@ VARIANTS = {  # name: CompileConfig fields
         one_graph_step=True, overlap_steps=True, ops=OpChoices(norm_in_projection=False, rope_kv_write=False)
     ),
 }
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2, logit_bias={7: 1.5})
+PARAMS = {  # name: SamplingParams fields of every request, on `overlap`'s engine
+    "logprobs": dict(logprobs=5),
+    "penalties": PENALTIES,
+    "pen+lp": dict(PENALTIES, logprobs=5),
+}
 
 
 _pairs: dict[OpChoices, tuple] = {}
@@ -87,7 +96,8 @@ def main():
     ap.add_argument("--sizes", default="1,8,32,128")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS)}; the first is profiled")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"of {list(VARIANTS) + list(PARAMS)}; the first is profiled")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure the variants in turn this many times (A B A B ...), each cell the median of them: "
                     "a drift over the run (clocks, heat) then hits every variant alike")  # fmt: skip
@@ -98,11 +108,16 @@ def main():
         raise SystemExit(f"--kinds {args.kinds!r}: a comma-separated list of spec and plain")
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = args.variants.split(",")
+    if bad := [v for v in variants if v not in VARIANTS and v not in PARAMS]:
+        raise SystemExit(f"--variants: {bad} unknown; choose from {list(VARIANTS) + list(PARAMS)}")
+    built = [v for v in variants if v in VARIANTS] + (["overlap"] if set(variants) & set(PARAMS) else [])
     k, ctx = args.k, args.context
     target, drafter = pair(DEFAULT_OPS)
     bw = copy_bandwidth()
     with dg.shared_compile_workers():  # the engines share their compiled pieces: each is compiled once
-        engines = {(kind, v): engine(kind == "spec", sizes, k, ctx, v) for kind in kinds for v in variants}
+        engines = {(kind, v): engine(kind == "spec", sizes, k, ctx, v) for kind in kinds for v in dict.fromkeys(built)}
+    for kind in kinds:  # the request-parameter variants step `overlap`'s engine
+        engines.update({(kind, v): engines[kind, "overlap"] for v in variants if v in PARAMS})
     head = target.head_weight.numel() * target.head_weight.element_size()
     t_bytes, d_bytes = target_layer_bytes(target) + head, layer_bytes(drafter) + head
     print(
@@ -120,7 +135,8 @@ def main():
             floor = (t_bytes + target.cfg.num_layers * kv) / bw * 1e3
             if kind == "spec":
                 floor += k * (d_bytes + kv) / bw * 1e3
-            runs = [[step_time(engines[kind, v], b, k, ctx)[0] for v in variants] for _ in range(args.repeats)]
+            runs = [[step_time(engines[kind, v], b, k, ctx, params=PARAMS.get(v))[0] for v in variants]
+                    for _ in range(args.repeats)]  # fmt: skip
             t = [statistics.median(r[i] for r in runs) for i in range(len(variants))]
             print(f"{b:>7} | " + " ".join(f"{x:>9.3f}" for x in t) + f" {floor:>7.3f} | "
                   + " ".join(f"{x / floor:>11.2f}" for x in t))  # fmt: skip
