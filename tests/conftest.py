@@ -1,6 +1,7 @@
 """Test setup. Without a GPU, Triton kernels run under the interpreter on CPU tensors; the variable
 must be set before any kernel is defined, hence here, before the tests import draftgraph."""
 
+import gc
 import os
 import pathlib
 
@@ -9,6 +10,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: a core each, not N threads each
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 _GPU_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu")
 _GPU_TIER_LEFT_OUT: list[str] = []  # the reason, once the tier was left out of this run's collection
@@ -27,11 +30,25 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_terminal_summary(terminalreporter):
+    config = terminalreporter.config
+    if config.pluginmanager.has_plugin("dsession") and not torch.cuda.is_available():
+        # Under pytest-xdist (`-n N`) the workers collect, not this process: the same check on the arguments.
+        pytest_ignore_collect(pathlib.Path(_GPU_TIER), config)
     if _GPU_TIER_LEFT_OUT:
         terminalreporter.write_line(
             f"GPU tier not collected: tests/gpu needs CUDA ({_GPU_TIER_LEFT_OUT[0]}); the GPU machine runs it"
             " (scripts/gpu_tier.sh)"
         )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_compiled_code():
+    """After each test module (its fixtures gone), Dynamo's caches and the module's engines are let go: a run of
+    every test file in one process otherwise keeps every engine's traced graphs, and the heap grows by millions of
+    objects that each full garbage collection walks."""
+    yield
+    torch._dynamo.reset()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

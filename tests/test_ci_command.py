@@ -20,7 +20,8 @@ def test_ci_runs_the_readme_test_command_ruff_first():
     ci = [ln for ln in _read(".ci", "run").splitlines() if ln.startswith("pip install")]
     assert ci == [test]  # exactly the README's test command
     steps = [s.strip() for s in test.split("&&")]
-    assert steps[-3:] == ["ruff check .", "ruff format --check .", "python -m pytest tests -q"]
+    assert steps[-3:] == ["ruff check .", "ruff format --check .", "python -m pytest tests -q -n 2 --dist loadfile"]
     pyproject = _read("pyproject.toml")  # (no tomllib on 3.10)
     extra = re.search(r"^test = \[(.*?)\]$", pyproject, flags=re.M | re.S).group(1)
     assert re.search(r'"ruff[<>=][^"]*"', extra), extra  # `pip install -e ".[test]"` brings ruff
+    assert re.search(r'"pytest-xdist[<>=][^"]*"', extra), extra  # and pytest-xdist, for `-n 2`
