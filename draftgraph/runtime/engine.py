@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -469,7 +470,10 @@ class Engine:
         self.close()
 
     def __del__(self):
-        # `del engine` + gc.collect() gives back what close() does (also for an engine __init__ left half-built)
-        with contextlib.suppress(Exception):
-            if "scheduler" in self.__dict__:
+        # `del engine` + gc.collect() gives back what close() does (also for an engine __init__ left half-built);
+        # not while the interpreter exits (the process gives everything back, and module globals may be gone)
+        try:
+            if "scheduler" in self.__dict__ and not sys.is_finalizing():
                 self.close()
+        except Exception:  # noqa: BLE001 - nothing may escape __del__
+            pass
