@@ -250,6 +250,36 @@ def test_verify_rows_count_the_drafts_before_them():
     assert int(pen.counts[1, 7]) == 4
 
 
+def test_draft_columns_match_a_per_row_count_of_every_token():
+    """The processing at the K draft columns (repeated drafts included) equals processing each verify row with its
+    whole count vector built token by token: slot counts + drafts 0..i-1."""
+    vocab, k = 6, 4  # a small vocabulary: drafts repeat
+    g = torch.Generator().manual_seed(0)
+    pen = PenaltyState(max_num_seqs=3, vocab_size=vocab, device="cpu")
+    p = dg.SamplingParams(max_tokens=20, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.3,
+                          min_tokens=3, logit_bias={2: 1.5}, stop_token_ids=(5,))  # fmt: skip
+    reqs = [_Req(0, [1, 3], [4, 4], p, frozenset({5})), _Req(1, [0], [], p, frozenset({5}))]
+    pen.admit(reqs)
+    logits = torch.randn(3, k + 1, vocab, generator=g)
+    drafts = torch.randint(0, vocab, (3, k), generator=g)
+    drafts[0] = torch.tensor([2, 2, 4, 2])
+    slots = torch.tensor([0, 1, 2])  # 2: the scratch slot, no processing
+    out = pen.process(logits, slots, drafts)
+    for b, req in enumerate(reqs):
+        for i in range(k + 1):
+            tokens = torch.tensor(req.output + drafts[b, :i].tolist(), dtype=torch.long)
+            counts = torch.bincount(tokens, minlength=vocab)
+            x = logits[b, i].clone()
+            x[2] += 1.5
+            if len(req.output) + i < 3:
+                x[5] = float("-inf")
+            seen = (counts > 0) | torch.isin(torch.arange(vocab), torch.tensor(req.prompt))
+            x = torch.where(seen, torch.where(x > 0, x / 1.3, x * 1.3), x)
+            x = x - 0.7 * counts - 0.4 * (counts > 0).float()
+            torch.testing.assert_close(out[b, i], x)
+    assert torch.equal(out[2], logits[2])
+
+
 def test_sampled_penalties_preserve_the_processed_distribution():
     """Tokens 2 and 3 come from the first verify step (K = 2; token 3 is drawn after draft 1, which it must count);
     their frequencies over 8000 seeded requests match the exact marginals of the processed target, and the same

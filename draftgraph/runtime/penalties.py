@@ -7,8 +7,9 @@ logit -= frequency_penalty * count + presence_penalty * (count > 0) over output 
 Logprobs keep the raw logits (runtime/logprobs.py).
 
 Exact under speculation: verify row i of a request sees drafts 0..i-1 as already generated, so its counts are the
-slot's counts plus the one-hot cumulative sum of the drafts before it, and its generated length is the slot's plus
-i. Nothing waits for the host: `PenaltyState` keeps per request slot (the last row is scratch for padding rows) the
+slot's counts plus the drafts before it, and its generated length is the slot's plus i (every row is processed with
+the slot's counts, then the K draft columns, the only ones whose counts differ, again with each row's). Nothing
+waits for the host: `PenaltyState` keeps per request slot (the last row is scratch for padding rows) the
 output token counts [slots, V] int32, a flag byte per vocabulary entry (in the prompt; a stop token), the penalty
 values, min_tokens, the generated length and the logit bias (at most MAX_LOGIT_BIAS (id, bias) pairs). A step
 records its emitted tokens into them on the device (`record`), so overlapped steps need nothing from the host. The
@@ -87,24 +88,33 @@ class PenaltyState:
 
     def process(self, logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
         """Processed logits [B, R, V] for logits [B, R, V] of requests in slots [B] (padding rows: the scratch
-        slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1)."""
+        slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1).
+
+        Every row is processed with the slot's counts ([B, 1, V], broadcast); then the only entries whose count
+        differs between a request's rows, the K draft columns, are processed again with row i's counts there
+        (the slot's plus the drafts before i equal to that column) and written over: [B, R, K] values, not a
+        [B, R, V] count tensor per step."""
         b, r, v = logits.shape
-        counts = self.counts[slots][:, None, :].expand(b, r, v)  # [B, R, V] int32
-        if drafts is not None and r > 1:  # row i also counts drafts 0..i-1
-            onehot = torch.zeros(b, r, v, dtype=torch.int32, device=logits.device)
-            onehot[:, 1:].scatter_(-1, drafts[:, : r - 1, None], 1)
-            counts = counts + onehot.cumsum(1, dtype=torch.int32)
-        flags = self.flags[slots][:, None, :]  # [B, 1, V]
+        counts, flags = self.counts[slots], self.flags[slots]  # [B, V]
         bias = torch.zeros(b, v, dtype=torch.float32, device=logits.device)
         bias.scatter_add_(-1, self.bias_ids[slots], self.bias_vals[slots])  # absent pairs add 0 to token 0
-        x = logits.float() + bias[:, None, :]
         generated = self.generated[slots][:, None] + torch.arange(r, device=logits.device)[None, :]  # [B, R]
         too_early = (generated < self.min_tokens[slots][:, None])[..., None]  # [B, R, 1]
-        x = x.masked_fill(too_early & ((flags & STOP) != 0), float("-inf"))
-        seen = (counts > 0) | ((flags & PROMPT) != 0)
-        rep = self.repetition[slots][:, None, None]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        x = x - self.frequency[slots][:, None, None] * counts - self.presence[slots][:, None, None] * (counts > 0)
+        rep, freq, pres = (t[slots][:, None, None] for t in (self.repetition, self.frequency, self.presence))
+        x = _processed(logits.float(), counts[:, None], flags[:, None], bias[:, None], too_early, rep, freq, pres)
+        if drafts is not None and r > 1:  # row i also counts drafts 0..i-1: only their columns change
+            k = r - 1
+            cols = drafts[:, :k].long()  # [B, K]
+            at = cols[:, None, :].expand(b, r, k)  # [B, R, K]: row i, draft column j
+            same = cols[:, :, None] == cols[:, None, :]  # [B, K (j'), K (j)]: draft j' is the token of column j
+            ar = torch.arange(r, device=logits.device)
+            before = (torch.arange(k, device=logits.device)[None, :] < ar[:, None])[None, :, :, None]  # j' < i
+            extra = (before & same[:, None]).sum(2, dtype=torch.int32)  # [B, R, K]
+            fixed = _processed(
+                logits.float().gather(-1, at), counts.gather(-1, cols)[:, None, :] + extra,
+                flags.gather(-1, cols)[:, None, :], bias.gather(-1, cols)[:, None, :], too_early, rep, freq, pres,
+            )  # fmt: skip
+            x = x.scatter(-1, at, fixed)  # a column drafted twice gets the same value from both
         return torch.where(self.active[slots][:, None, None], x.to(logits.dtype), logits)
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
@@ -115,3 +125,12 @@ class PenaltyState:
         flat = (slots[:, None] * self.vocab_size + tokens.long()).reshape(-1)  # into counts viewed flat
         self.counts.view(-1).index_add_(0, flat, keep.reshape(-1).int())  # atomic adds: padding rows share scratch
         self.generated.index_add_(0, slots, num_emitted.long())
+
+
+def _processed(x, counts, flags, bias, too_early, rep, freq, pres):
+    """The processing of module docstring's order on logits x (float32) with counts, flags and bias broadcast to
+    it: bias; -inf on stop tokens while too early; repetition over seen tokens; frequency and presence."""
+    x = (x + bias).masked_fill(too_early & ((flags & STOP) != 0), float("-inf"))
+    seen = (counts > 0) | ((flags & PROMPT) != 0)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - freq * counts - pres * (counts > 0)
