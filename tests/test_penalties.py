@@ -250,6 +250,17 @@ def test_verify_rows_count_the_drafts_before_them():
     assert int(pen.counts[1, 7]) == 4
 
 
+def test_buffers_come_with_the_first_request_that_asks():
+    """An engine whose requests never ask for logits processing holds none of its [slots, V] buffers."""
+    pen = PenaltyState(max_num_seqs=4, vocab_size=8, device="cpu")
+    pen.admit([_Req(0, [1], [], dg.SamplingParams()), _Req(1, [2], [], dg.SamplingParams(top_k=3))])
+    assert not pen.allocated and not hasattr(pen, "counts")
+    pen.admit([_Req(2, [1, 1], [], dg.SamplingParams(presence_penalty=0.5))])
+    assert pen.allocated and pen.counts.shape == (5, 8) and pen.flags[2, 1] == 1 and bool(pen.active[2])
+    pen.admit([_Req(2, [3], [], dg.SamplingParams())])  # the slot's next request asks for nothing
+    assert not bool(pen.active[2])
+
+
 def test_draft_columns_match_a_per_row_count_of_every_token():
     """The processing at the K draft columns (repeated drafts included) equals processing each verify row with its
     whole count vector built token by token: slot counts + drafts 0..i-1."""

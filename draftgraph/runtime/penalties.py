@@ -36,10 +36,15 @@ class PenaltyState:
     """Per request slot device buffers of the logits processing (`max_num_seqs` slots plus a scratch row)."""
 
     def __init__(self, max_num_seqs: int, vocab_size: int, device):
-        rows, dev = max_num_seqs + 1, torch.device(device)
-        self.scratch, self.vocab_size, self.device = max_num_seqs, vocab_size, dev
-        self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=dev)  # output tokens
-        self.flags = torch.zeros(rows, vocab_size, dtype=torch.uint8, device=dev)  # PROMPT | STOP bits
+        self.rows, self.scratch, self.vocab_size, self.device = max_num_seqs + 1, max_num_seqs, vocab_size, device
+        self.allocated = False  # the buffers come with the first request that asks for logits processing
+
+    def _allocate(self) -> None:
+        """The buffers, once (about 5 bytes per vocabulary entry per slot: an engine whose requests never ask for
+        penalties holds none of it). Graphs read them in place: never reallocated."""
+        rows, dev = self.rows, torch.device(self.device)
+        self.counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=dev)  # output tokens
+        self.flags = torch.zeros(rows, self.vocab_size, dtype=torch.uint8, device=dev)  # PROMPT | STOP bits
         self.repetition = torch.ones(rows, dtype=torch.float32, device=dev)
         self.presence = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.frequency = torch.zeros(rows, dtype=torch.float32, device=dev)
@@ -48,21 +53,20 @@ class PenaltyState:
         self.bias_ids = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)
         self.bias_vals = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every buffer (graphs read and write them in place)."""
-        return [self.counts, self.flags, self.repetition, self.presence, self.frequency, self.min_tokens,
-                self.generated, self.bias_ids, self.bias_vals, self.active]  # fmt: skip
+        self.allocated = True
 
     # ---- the host side ------------------------------------------------------------------------------
 
     def admit(self, reqs) -> None:
         """Write the slot rows of requests starting a prefill at position 0 (new, or recomputed after a preemption:
         counts from their output so far). Requests without logits processing only mark their slot inactive."""
+        if not self.allocated and any(r.params.uses_logits_processing for r in reqs):
+            self._allocate()
         for r in reqs:
             s, p = r.slot, r.params
             if not p.uses_logits_processing:
-                self.active[s] = False
+                if self.allocated:
+                    self.active[s] = False
                 continue
             v = self.vocab_size
             counts = torch.bincount(torch.tensor(r.output, dtype=torch.long), minlength=v)[:v].int()
