@@ -115,7 +115,7 @@ class PenaltyState:
             before = (torch.arange(k, device=logits.device)[None, :] < ar[:, None])[None, :, :, None]  # j' < i
             extra = (before & same[:, None]).sum(2, dtype=torch.int32)  # [B, R, K]
             fixed = _processed(
-                logits.float().gather(-1, at), counts.gather(-1, cols)[:, None, :] + extra,
+                logits.gather(-1, at).float(), counts.gather(-1, cols)[:, None, :] + extra,
                 flags.gather(-1, cols)[:, None, :], bias.gather(-1, cols)[:, None, :], too_early, rep, freq, pres,
             )  # fmt: skip
             x = x.scatter(-1, at, fixed)  # a column drafted twice gets the same value from both

@@ -25,6 +25,7 @@ the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM hea
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -60,12 +61,9 @@ _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-t
 _SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
 LOGPROBS_SUFFIX = "_logprobs"
 PENALTIES_SUFFIX = "_penalties"
-# The step's variants: the draft loop's (greedy or sampled; captured at warm-up), each also with logprobs gathered,
-# with logits processing (runtime/penalties.py), or both (captured at the first step that asks for one).
-STEP_VARIANTS = (*LOOP_VARIANTS, *(v + LOGPROBS_SUFFIX for v in LOOP_VARIANTS))
-PENALTY_VARIANTS = tuple(v + PENALTIES_SUFFIX for v in LOOP_VARIANTS) + tuple(
-    v + PENALTIES_SUFFIX + LOGPROBS_SUFFIX for v in LOOP_VARIANTS
-)
+# The step's variants: the draft loop's (greedy or sampled; captured at warm-up), each also with logits processing
+# (runtime/penalties.py), logprobs gathered, or both (captured at the first step that asks for one).
+STEP_VARIANTS = tuple(v + p + lp for v in LOOP_VARIANTS for p in ("", PENALTIES_SUFFIX) for lp in ("", LOGPROBS_SUFFIX))
 
 
 def step_variant(sampled: bool, logprobs: bool, penalties: bool = False) -> str:
@@ -101,7 +99,7 @@ class UniformStep:
         self.penalties: PenaltyState = runner.penalties
         self.fns = {
             v: self._body(v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX), PENALTIES_SUFFIX in v)
-            for v in (*STEP_VARIANTS, *PENALTY_VARIANTS)
+            for v in STEP_VARIANTS
         }
         self.k = k
 
@@ -157,13 +155,11 @@ class UniformStep:
         return self._replay(Launched(last.decodes, last.num_reqs, last.key, last.x, None))
 
     def _replay(self, step: Launched) -> Launched:
-        fwd, graphs = self.r.forwards, self.r.forwards.graphs
+        graphs = self.r.forwards.graphs
         lazy = step.key.variant not in LOOP_VARIANTS and graphs is not None and graphs.enabled
-        if lazy and step.key not in graphs.graphs:  # captured at the first step that asks for logprobs or penalties
-            with graphs.capturing():
-                packed = fwd.step(step.key, step.x, self.fns[step.key.variant])
-        else:
-            packed = fwd.step(step.key, step.x, self.fns[step.key.variant])
+        # a variant with a suffix is captured at the first step that asks for logprobs or penalties
+        with graphs.capturing() if lazy and step.key not in graphs.graphs else contextlib.nullcontext():
+            packed = self.r.forwards.step(step.key, step.x, self.fns[step.key.variant])
         step.ticket = self.r.host.start(packed)
         return step
 
