@@ -49,15 +49,27 @@ def copy_mtp(target: CausalLM):
     return load_drafter(module_from_state(w), target, kind="mtp")
 
 
-def copy_eagle3(target: CausalLM):
-    h, vocab, last = target.cfg.hidden_size, target.cfg.vocab_size, target.cfg.num_layers - 1
+def copy_eagle3_state(target: CausalLM, draft_vocab: int | None = None) -> dict:
+    """EAGLE-3 weights under upstream names. `draft_vocab` (None: the whole vocabulary): the draft vocabulary is
+    that many target ids (a fixed random choice, ascending as upstream's), lm_head the target's rows for them,
+    `d2t` their offsets and `t2d` their mask; targets outside it are never drafted (partial acceptance)."""
+    h, vocab = target.cfg.hidden_size, target.cfg.vocab_size
     w = _quiet_layer("midlayer.", target.cfg, in_features=2 * h)
     w["midlayer.hidden_norm.weight"] = torch.ones(h)
     w["fc.weight"] = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)  # the third aux: the last layer
     w["norm.weight"] = target.norm.weight.detach().clone()
-    w["lm_head.weight"] = target.head_weight.detach().clone()  # draft vocabulary = the whole vocabulary
-    w["d2t"] = torch.zeros(vocab, dtype=torch.long)
-    w["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    n = draft_vocab or vocab
+    kept = torch.randperm(vocab, generator=torch.Generator().manual_seed(3))[:n].sort().values if draft_vocab else None
+    kept = torch.arange(vocab) if kept is None else kept
+    w["lm_head.weight"] = target.head_weight.detach()[kept].clone()
+    w["d2t"] = kept - torch.arange(n)  # draft id i -> target id i + d2t[i]
+    w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, kept, True)
+    return w
+
+
+def copy_eagle3(target: CausalLM, draft_vocab: int | None = None):
+    w = copy_eagle3_state(target, draft_vocab)
+    last = target.cfg.num_layers - 1
     return load_drafter(module_from_state(w), target, kind="eagle3", aux_layers=(0, 1, last))
 
 
@@ -66,6 +78,8 @@ def make_drafter(kind: str, target: CausalLM):
 
     if kind == "draft_model":
         return truncated_draft_model(target, target.cfg.num_layers - 1)
+    if kind == "eagle3_reduced":  # EAGLE-3 over a reduced draft vocabulary (5/8 of the target's, through d2t)
+        return copy_eagle3(target, draft_vocab=target.cfg.vocab_size * 5 // 8)
     return {"eagle": copy_eagle, "eagle3": copy_eagle3, "mtp": copy_mtp}[kind](target)
 
 

@@ -128,12 +128,15 @@ class Eagle3Drafter(Drafter):
         aux_layers: tuple[int, ...] | None = None,
         tp: ParallelGroup = SINGLE,
         ops: OpChoices = DEFAULT_OPS,
+        declared_draft_vocab: int | None = None,
     ) -> Eagle3Drafter:
-        """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process."""
+        """`cfg`: the whole head's config (a split target's full shape); `tp`: the target's group or one process;
+        `declared_draft_vocab`: config.json's `draft_vocab_size`, when it has one."""
         state = {k.removeprefix("model."): v for k, v in state.items()}
-        if "d2t" in state:  # its values are checked: read now if still stored (replicated, small)
-            state["d2t"] = take(state["d2t"], None)
-        draft_vocab = check_pair(cfg, state, target.cfg)
+        for name in ("d2t", "t2d"):  # their values are checked: read now if still stored (replicated, small)
+            if name in state:
+                state[name] = take(state[name], None)
+        draft_vocab = check_pair(cfg, state, target.cfg, declared_draft_vocab)
         cfg, state = head_share("eagle3", cfg, state, target, tp, ("embed_tokens.weight", None),
                                 ("embed_tokens.weight", "lm_head.weight"))  # fmt: skip
         ours = convert_layer(state, "midlayer.", "midlayer.")
@@ -146,7 +149,10 @@ class Eagle3Drafter(Drafter):
         return materialize(model, cfg, device)
 
 
-def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
+def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig, declared: int | None = None) -> int:
+    """The draft vocabulary size of an EAGLE-3 checkpoint, after checking its layout against the target:
+    fc reads three target layers, lm_head has one row per d2t entry (and `declared`, config.json's
+    draft_vocab_size, when given), d2t lands inside the target's vocabulary, t2d marks exactly those ids."""
     fc = state.get("fc.weight")
     if fc is None:
         raise ValueError("EAGLE-3 checkpoint has no fc.weight (expected [hidden, 3 * target_hidden])")
@@ -166,14 +172,29 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig) -> int:
             f"EAGLE-3 head layout: lm_head has {head.shape[0]} rows but d2t maps {d2t.shape[0]} draft "
             "tokens; they must agree (draft_vocab_size)"
         )
-    top = int((torch.arange(d2t.shape[0]) + d2t).max()) if d2t.numel() else -1
-    if top >= target.vocab_size:
+    if declared is not None and declared != head.shape[0]:
+        raise ValueError(
+            f"EAGLE-3 checkpoint: config.json has draft_vocab_size={declared} but lm_head.weight and d2t have "
+            f"{head.shape[0]} draft tokens; fix draft_vocab_size or use the weights it was written with"
+        )
+    ids = torch.arange(d2t.shape[0]) + d2t.long()  # draft id i -> target id i + d2t[i]
+    top = int(ids.max()) if d2t.numel() else -1
+    if top >= target.vocab_size or (d2t.numel() and int(ids.min()) < 0):
         raise mismatch(
-            "largest target id reached through d2t",
-            top,
-            f"vocab_size={target.vocab_size}",
+            "target ids reached through d2t",
+            f"[{int(ids.min())}, {top}]",
+            f"[0, vocab_size={target.vocab_size})",
             "the draft vocabulary map was built for another tokenizer",
         )
+    t2d = state.get("t2d")
+    if t2d is not None:  # upstream's mask over the target vocabulary: True exactly at the ids d2t reaches
+        marked = t2d.bool()
+        if marked.shape[0] != target.vocab_size or int(marked.sum()) != ids.unique().numel() or not marked[ids].all():
+            raise ValueError(
+                f"EAGLE-3 t2d marks {int(marked.sum())} of {marked.shape[0]} target ids, but d2t reaches "
+                f"{ids.unique().numel()} ids of a {target.vocab_size}-token vocabulary; t2d must be True exactly "
+                "at the target ids of the draft vocabulary (draft id i -> target id i + d2t[i])"
+            )
     emb = state.get("embed_tokens.weight")
     if emb is not None and emb.shape[0] != target.vocab_size:
         raise mismatch("embedding vocab_size", emb.shape[0], target.vocab_size, "use the target's tokenizer")

@@ -120,8 +120,9 @@ def _from_state(
     cfg = drafter_config(config, full, dtype)
     if kind == "eagle":
         return EagleDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp, ops)
-    if kind == "eagle3":
-        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers, tp, ops)
+    if kind == "eagle3":  # config.json's draft_vocab_size (the published key) must match its lm_head and d2t
+        declared = config.get("draft_vocab_size")
+        return Eagle3Drafter.from_state_dict(cfg, state, target, device, attn_impl, aux_layers, tp, ops, declared)
     return MTPDrafter.from_state_dict(cfg, state, target, device, attn_impl, tp=tp, ops=ops)
 
 
@@ -144,6 +145,9 @@ def drafter_config(config: dict, target: ModelConfig, dtype) -> ModelConfig:
         merged.setdefault(key, value)
     if "rope_parameters" not in merged and "rope_theta" not in merged and "rope_scaling" not in merged:
         merged["rope_parameters"] = {"rope_type": target.rope.rope_type, "rope_theta": target.rope.theta}
+    # Published heads declare their training length (EAGLE-3 for Llama-3.1-8B: 2048) but draft at every position
+    # the target reaches: the head's RoPE table must cover the target's (its frequencies do not depend on it).
+    merged["max_position_embeddings"] = max(merged["max_position_embeddings"], target.max_position_embeddings)
     return ModelConfig.from_hf(merged, dtype=dtype)
 
 
