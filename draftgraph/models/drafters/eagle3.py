@@ -181,9 +181,9 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig, declared: int
     top = int(ids.max()) if d2t.numel() else -1
     if top >= target.vocab_size or (d2t.numel() and int(ids.min()) < 0):
         raise mismatch(
-            "target ids reached through d2t",
-            f"[{int(ids.min())}, {top}]",
-            f"[0, vocab_size={target.vocab_size})",
+            "largest target id reached through d2t",
+            f"{top} (smallest {int(ids.min())})",
+            f"vocab_size={target.vocab_size}",
             "the draft vocabulary map was built for another tokenizer",
         )
     t2d = state.get("t2d")
