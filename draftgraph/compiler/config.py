@@ -124,8 +124,16 @@ class CompileConfig:
     # where the driver can), so every graph is captured once. False: the cache is allocated again at its final
     # size and every graph captured again, as on devices without virtual memory management (for comparisons).
     kv_grow_in_place: bool = True
+    # Benchmarks only (no hub here, so random-weight drafters accept nothing): pinned acceptance. Conditional
+    # acceptance rates per draft position, at most K of them (positions past them are rejected): draft i is
+    # accepted iff every earlier one was and u_i < rate_i (counter-based noise, on the device, inside the step's
+    # graphs); accepted positions emit the drafts, the bonus is the target's token. The same graphs run as with
+    # real acceptance, so step times are real. Greedy requests only (a sampled one is refused); logged as a
+    # WARNING and labelled in stats(). () = off: real acceptance. runtime/rejection.py: synthetic_accept.
+    synthetic_acceptance: tuple[float, ...] = ()
 
     def __post_init__(self):
+        check_synthetic_acceptance(self.synthetic_acceptance)
         if self.ops is not None and not isinstance(self.ops, OpChoices):
             raise TypeError(
                 f"ops={self.ops!r} must be an OpChoices or None (every draftgraph kernel); e.g. "
@@ -224,6 +232,7 @@ class ResolvedConfig:
     compile_workers: int = 0  # processes compiling pieces in parallel (0: in this process)
     ops: OpChoices = DEFAULT_OPS  # the kernels models and runtime use on CUDA (recorded in artifacts)
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
+    synthetic_acceptance: tuple[float, ...] = ()  # pinned conditional acceptance rates (benchmarks only); () = off
 
     @property
     def lookahead(self) -> int:
@@ -285,6 +294,7 @@ def resolve(
     k = config.num_speculative_tokens if has_drafter else 0
     if has_drafter:
         check_speculative(config)
+    synthetic = resolve_synthetic_acceptance(config.synthetic_acceptance, k)
     lookahead = 2 * k + 2
     blocks = config.num_kv_blocks or config.max_num_seqs * -(-(max_len + lookahead) // config.block_size)
     mode, reason = (CUDAGraphMode(config.mode), "") if config.mode != "auto" else auto_mode(device, artifact_mode)
@@ -344,6 +354,7 @@ def resolve(
         compile_workers=_compile_workers(config, mode, device),
         ops=config.ops or DEFAULT_OPS,
         kv_grow_in_place=config.kv_grow_in_place,
+        synthetic_acceptance=synthetic,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -406,6 +417,56 @@ def check_data_parallel(dp: int, tp: int, expert_parallel: bool) -> None:
             "across the tp x dp ranks, so it needs at least two (e.g. --tp 2 --expert-parallel or --dp 2 "
             "--expert-parallel), or turn expert_parallel off"
         )
+
+
+def check_synthetic_acceptance(rates) -> None:
+    """CompileConfig.synthetic_acceptance: a tuple of conditional rates, each in [0, 1]."""
+    if not isinstance(rates, tuple) or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates):
+        raise TypeError(
+            f"synthetic_acceptance={rates!r} must be a tuple of conditional acceptance rates per draft position, "
+            "e.g. (0.73, 0.71, 0.68), or () for real acceptance"
+        )
+    bad = [r for r in rates if not 0.0 <= r <= 1.0]
+    if bad:
+        raise ValueError(
+            f"synthetic_acceptance={rates}: rates {bad} lie outside [0, 1]; each is the probability that draft i is "
+            "accepted given drafts 0..i-1 were"
+        )
+
+
+def resolve_synthetic_acceptance(rates: tuple[float, ...], k: int) -> tuple[float, ...]:
+    """The pinned rates, checked against K (0 without a drafter) and announced loudly: results with them are
+    benchmarks of step time, not of a drafter's quality."""
+    if not rates:
+        return ()
+    if len(rates) > k:
+        raise ValueError(
+            f"synthetic_acceptance has {len(rates)} rates but K (num_speculative_tokens, with a drafter) is {k}; "
+            f"give at most {k} rates (positions past them are rejected)" + (", and a drafter" if not k else "")
+        )
+    mean = expected_acceptance_length(rates)
+    log.warning(
+        "PINNED ACCEPTANCE (benchmarks only): synthetic_acceptance=%s, the accept decision is drawn, not made by the "
+        "target; expected mean acceptance length %.3f of K=%d. Greedy requests only; outputs are not the target's.",
+        list(rates),
+        mean,
+        k,
+    )
+    return tuple(float(r) for r in rates)
+
+
+def _prefix_products(rates) -> list[float]:
+    """P(draft i accepted) = rate_0 x ... x rate_i for each i."""
+    out, p = [], 1.0
+    for r in rates:
+        p *= r
+        out.append(p)
+    return out
+
+
+def expected_acceptance_length(rates) -> float:
+    """Mean tokens per verify step under pinned conditional rates: 1 + sum_i prod_{j<=i} rate_j."""
+    return 1.0 + sum(_prefix_products(rates))
 
 
 def check_speculative(config: CompileConfig) -> None:

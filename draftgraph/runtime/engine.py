@@ -82,6 +82,7 @@ class Engine:
             rc.one_graph_step,
             kv_grows_in_place and rc.kv_grow_in_place,
             rc.ops.race_sampler,
+            rc.synthetic_acceptance,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
         dispatcher = Dispatcher(
@@ -170,6 +171,12 @@ class Engine:
         """The prompt as a list of ids (text encoded), or a ValueError naming what does not fit."""
         self._check_open("check_request")
         prompt = encode_prompt(self.tokenizer, prompt)
+        if self.config.synthetic_acceptance and params.temperature > 0:
+            raise ValueError(
+                f"temperature={params.temperature}: this engine pins acceptance (CompileConfig.synthetic_acceptance="
+                f"{self.config.synthetic_acceptance}, benchmarks only), which keeps no sampled distribution; use "
+                "temperature=0, or build the engine without synthetic_acceptance"
+            )
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         vocab = self.target.cfg.vocab_size
@@ -361,6 +368,8 @@ class Engine:
         s["mode"] = self.config.mode.value
         s["num_speculative_tokens"] = self.k
         s["cuda_graphs"] = self.config.graphs_enabled
+        # Pinned acceptance (benchmarks only): the rates that drew every accept decision; None = real acceptance
+        s["synthetic_acceptance"] = list(self.config.synthetic_acceptance) or None
         # Which CUDA graph ran each forward: "fn/full/q5/b8", "fn/loop/q5/b8/greedy" (the fused draft loop),
         # "fn/piecewise/t16", or "fn/none" (no graph). In a graph mode, each forward without a graph is also a
         # fallback, counted by the key it was dispatched to (on the CPU: every forward).

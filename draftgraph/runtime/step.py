@@ -51,6 +51,7 @@ class RunnerShape:
     # sized after capture (runtime/memory.py) keeps the probe's addresses and graphs; where CUDA cannot, ignored.
     kv_grows_in_place: bool = False
     race_kernel: bool = True  # OpChoices.race_sampler: eager draws on CUDA take the Triton race (sampler.py)
+    synthetic_acceptance: tuple[float, ...] = ()  # pinned acceptance rates (benchmarks; runtime/rejection.py)
 
 
 def _reserve_blocks(device: torch.device, target: KVCacheSpec, draft: KVCacheSpec | None) -> int:
@@ -222,7 +223,8 @@ class StepRunner:
             q = None
             if not st_dec.all_greedy:
                 q = self.proposer.probs_for([r.slot for r in decodes])
-            dec_tokens, accepted = rejection_sample(dec_logits, draft_ids, q, st_dec, dec_pos, self.shape.race_kernel)
+            dec_tokens, accepted = rejection_sample(dec_logits, draft_ids, q, st_dec, dec_pos, self.shape.race_kernel,
+                                                    self.shape.synthetic_acceptance)  # fmt: skip
         else:
             dec_tokens = sample(dec_logits[:, 0], st_dec, dec_pos[:, 0], self.shape.race_kernel)[:, None]
             accepted = torch.zeros(nd, dtype=torch.long, device=dev)

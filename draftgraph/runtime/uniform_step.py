@@ -200,7 +200,8 @@ class UniformStep:
                 lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
             q = r.proposer.draft_probs[slots] if sampled else None
-            tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel)
+            tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel,
+                                                r.shape.synthetic_acceptance)  # fmt: skip
             if penalties:
                 self.penalties.record(slots, tokens, accepted + 1)
             y = tokens.gather(1, accepted[:, None])[:, 0]
