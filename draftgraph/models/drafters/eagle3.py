@@ -177,7 +177,7 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig, declared: int
             f"EAGLE-3 checkpoint: config.json has draft_vocab_size={declared} but lm_head.weight and d2t have "
             f"{head.shape[0]} draft tokens; fix draft_vocab_size or use the weights it was written with"
         )
-    ids = torch.arange(d2t.shape[0]) + d2t.long()  # draft id i -> target id i + d2t[i]
+    ids = torch.arange(d2t.shape[0]) + d2t.cpu().long()  # draft id i -> target id i + d2t[i] (checked on the host)
     top = int(ids.max()) if d2t.numel() else -1
     if top >= target.vocab_size or (d2t.numel() and int(ids.min()) < 0):
         raise mismatch(
@@ -188,7 +188,7 @@ def check_pair(cfg: ModelConfig, state: dict, target: ModelConfig, declared: int
         )
     t2d = state.get("t2d")
     if t2d is not None:  # upstream's mask over the target vocabulary: True exactly at the ids d2t reaches
-        marked = t2d.bool()
+        marked = t2d.cpu().bool()
         if marked.shape[0] != target.vocab_size or int(marked.sum()) != ids.unique().numel() or not marked[ids].all():
             raise ValueError(
                 f"EAGLE-3 t2d marks {int(marked.sum())} of {marked.shape[0]} target ids, but d2t reaches "
