@@ -236,6 +236,21 @@ def measure(engine, b, k, ctx, warm, steps, vocab) -> dict:
     return {"step_ms": statistics.median(times), "length": length, "wall_tok_s": generated / (sum(times) / 1e3)}
 
 
+def profile(engine, k, ctx, steps=20) -> str:
+    """One request decoding at `ctx` cached tokens: the profiler over `steps` steady steps (runtime/profiling.py)."""
+    from draftgraph.runtime.profiling import profile_steps
+
+    engine.add_request(list(range(1, ctx + 1)), dg.SamplingParams(max_tokens=(steps + 10) * (k + 1), ignore_eos=True))
+    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    summary = profile_steps(engine, steps)
+    while engine.has_unfinished():
+        engine.step()
+    return summary.format() + "\n" + summary.format_time(25)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,8,32,64")
@@ -246,6 +261,8 @@ def main():
     ap.add_argument("--mode", default="FULL", help="CUDAGraphMode (the tiny smoke test runs NONE)")
     ap.add_argument("--tiny", action="store_true", help="smoke test: a tiny shape, CPU unless CUDA is here")
     ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--profile", default="", help="cases whose batch-1 step is profiled after timing (CUDA): GPU "
+                    "time per kernel, kernels in graphs vs outside")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     cases = args.cases.split(",")
@@ -300,6 +317,8 @@ def main():
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump({"title": title, "rows": rows}, f, indent=1)
+            if name in args.profile.split(",") and device.type == "cuda":
+                print(f"  profile of {label} at B=1 (pinned acceptance):\n{profile(eng, k, args.context)}", flush=True)
             eng.close()
     print(f"\n(all rows: pinned acceptance; tok/s = B x L pinned / step; TPOT = step / L pinned; floor = weights"
           f" + KV read once over the copy bandwidth) total {time.perf_counter() - t0:.0f} s")  # fmt: skip
