@@ -124,6 +124,10 @@ class CompileConfig:
     # where the driver can), so every graph is captured once. False: the cache is allocated again at its final
     # size and every graph captured again, as on devices without virtual memory management (for comparisons).
     kv_grow_in_place: bool = True
+    # Automatic prefix caching (runtime/prefix_cache.py): full KV blocks are kept after their requests end and
+    # shared by later requests whose tokens start the same, which then prefill only the rest. Off for hybrid
+    # models (Gated DeltaNet state is per request). False: every prompt is prefilled from its start.
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.ops is not None and not isinstance(self.ops, OpChoices):
@@ -133,6 +137,8 @@ class CompileConfig:
             )
         if not isinstance(self.kv_grow_in_place, bool):
             raise TypeError(f"kv_grow_in_place={self.kv_grow_in_place!r} must be True (default) or False")
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching={self.prefix_caching!r} must be True (default) or False")
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
         if self.mode in FOLDED_MODES:
             ours, why = FOLDED_MODES[self.mode]
@@ -224,6 +230,7 @@ class ResolvedConfig:
     compile_workers: int = 0  # processes compiling pieces in parallel (0: in this process)
     ops: OpChoices = DEFAULT_OPS  # the kernels models and runtime use on CUDA (recorded in artifacts)
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (runtime/prefix_cache.py)
 
     @property
     def lookahead(self) -> int:
@@ -344,10 +351,12 @@ def resolve(
         compile_workers=_compile_workers(config, mode, device),
         ops=config.ops or DEFAULT_OPS,
         kv_grow_in_place=config.kv_grow_in_place,
+        prefix_caching=config.prefix_caching,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
-        "max_model_len %d, %d KV blocks of %d; piece graph sizes %s, FULL request counts %s (CUDA graphs %s)",
+        "max_model_len %d, %d KV blocks of %d (prefix caching %s); piece graph sizes %s, FULL request counts %s "
+        "(CUDA graphs %s)",
         rc.mode.value,
         device,
         attention,
@@ -357,6 +366,7 @@ def resolve(
         max_len,
         blocks,
         rc.block_size,
+        "on" if rc.prefix_caching else "off",
         list(sizes) or "none",
         list(full_sizes) or "none",
         "on" if graphs else "off",
