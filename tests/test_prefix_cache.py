@@ -38,7 +38,7 @@ LLAMA3 = dict(
 )
 FAMILIES = {  # hf model, drafter kind, blocks shared by a request with another's prefix
     "llama3-draft_model": (lambda: tiny_hf_model("llama", **LLAMA3), "draft_model", 10),
-    "deepseek-mtp": (tiny_deepseek_model, "mtp", 10),
+    "deepseek-mtp": (tiny_deepseek_model, "mtp", 9),
 }
 
 
