@@ -21,7 +21,7 @@ from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
 from draftgraph.runtime.memory import MemoryPlan, measure_and_plan
-from draftgraph.runtime.prefix_cache import PrefixCacheStats, prefix_key
+from draftgraph.runtime.prefix_cache import prefix_key
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
@@ -354,7 +354,7 @@ class Engine:
             "seconds": 0.0,
         }
         self.runner.forwards.reset()
-        self.scheduler.prefix_stats = PrefixCacheStats(enabled=self.scheduler.prefix is not None)
+        self.scheduler.reset_stats()
 
     def stats(self) -> dict:
         """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,

@@ -65,7 +65,7 @@ class Scheduler:
         prefix: PrefixKey | None = None,  # prefix caching on: how blocks are named
     ):
         self.prefix = prefix
-        self.prefix_stats = PrefixCacheStats(enabled=prefix is not None)
+        self.reset_stats()
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.allocator = allocator
@@ -74,6 +74,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    def reset_stats(self) -> None:
+        """Count prefix-cache lookups afresh (Engine.reset_stats)."""
+        self.prefix_stats = PrefixCacheStats(enabled=self.prefix is not None)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse a request that could not run even alone in the cache."""
