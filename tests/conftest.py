@@ -33,8 +33,8 @@ def pytest_ignore_collect(collection_path, config):
 # loadfile` hands files out in collection order, so one that comes last runs alone while the other process idles.
 HEAVY_FIRST = (
     "test_draft_loop", "test_goldens", "test_artifacts", "test_piecewise", "test_deepseek", "test_tp_deepseek",
-    "test_tensor_parallel", "test_data_parallel", "test_penalties", "test_compile_pool", "test_sampling",
-    "test_text", "test_stats", "test_stop_strings", "test_deepseek_v32", "test_serve_parallel",
+    "test_tensor_parallel", "test_data_parallel", "test_penalties", "test_prefix_cache", "test_compile_pool",
+    "test_sampling", "test_text", "test_stats", "test_stop_strings", "test_deepseek_v32", "test_serve_parallel",
     "test_expert_tensor_parallel", "test_rank_artifacts", "test_tp_qwen3_5", "test_tp_drafters", "test_kernel_variants",
 )  # fmt: skip
 

@@ -45,6 +45,10 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     config = _config(args)
     assert config.mode == "auto" and config.max_model_len == 128 and config.gpu_memory_utilization == 0.5
     assert config.overlap_steps and not _config(parser.parse_args(["generate", "--no-overlap-steps"])).overlap_steps
+    assert config.prefix_caching
+    for command in ("generate", "serve", "build"):  # the commands that build an engine
+        extra = {"generate": [], "serve": [], "build": ["--out", "x"]}[command]
+        assert not _config(parser.parse_args([command, "--no-prefix-caching", *extra])).prefix_caching
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,10 @@ def test_router_spreads_least_loaded_and_sums_stats():
     assert s["seconds"] == 1.0 and s["tokens_per_second"] == 18.0  # side by side: the longest replica's time
     assert s["mean_accepted_length"] == 1 + 3 / 4 and s["dispatch"] == {"target/none": 8}
     assert s["per_replica"] == [one, two]
+    pc = {"enabled": True, "query_tokens": 40, "hit_tokens": 32, "query_blocks": 2, "hit_blocks": 2,
+          "hit_rate": 0.8, "cached_blocks": 3, "evictions": 0}  # fmt: skip
+    s = merge_stats([{**one, "prefix_cache": pc}, {**two, "prefix_cache": {**pc, "hit_tokens": 0, "hit_blocks": 0}}])
+    assert s["prefix_cache"]["hit_tokens"] == 32 and s["prefix_cache"]["hit_rate"] == 32 / 80  # each cache counted
 
 
 def test_dense_replicas_of_tensor_parallel_ranks_equal_one_process():

@@ -75,3 +75,67 @@ def test_builder_layout_padding_and_stable_addresses():
 def test_bytes_per_block():
     spec = KVCacheSpec(num_layers=2, num_blocks=1, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     assert spec.bytes_per_block == 2 * 2 * 16 * 8 * 128 * 2
+
+
+# ---- prefix caching: the hash chain and the allocator's cached blocks ------------------------------------------
+
+
+def test_hash_chain_is_stable_and_covers_every_earlier_token():
+    import hashlib
+
+    from draftgraph.runtime.prefix_cache import PrefixKey, cache_seed
+
+    seed = cache_seed("model", "float32")
+    key = PrefixKey(seed, block_size=4)
+    tokens = list(range(10, 21))  # 11 tokens: 2 full blocks
+    hashes = key.extend([], tokens, num_blocks=5)
+    assert len(hashes) == 2  # the third block is not full
+    # blake2b of the parent's hash and the block's ids as int64: the same in every process (not Python's hash())
+    first = hashlib.blake2b(seed + np.arange(10, 14, dtype=np.int64).tobytes(), digest_size=16).digest()
+    assert hashes[0] == first
+    assert hashes[1] == hashlib.blake2b(first + np.arange(14, 18, dtype=np.int64).tobytes(), digest_size=16).digest()
+    changed = key.extend([], [99] + tokens[1:], num_blocks=2)
+    assert changed[0] != hashes[0] and changed[1] != hashes[1]  # a block's hash covers the blocks before it
+    assert PrefixKey(cache_seed("model", "bfloat16"), 4).extend([], tokens, 2) != hashes  # the seed separates caches
+    # A head drafter's entries read the token after each block: it is in the hash, and a block waits for it.
+    ahead = PrefixKey(seed, 4, lookahead=1)
+    assert len(ahead.extend([], tokens[:8], 2)) == 1 and len(ahead.extend([], tokens[:9], 2)) == 2
+    other_next = ahead.extend([], tokens[:8] + [77], 2)
+    assert other_next[0] == ahead.extend([], tokens[:9], 2)[0] and other_next[1] != ahead.extend([], tokens[:9], 2)[1]
+    # extending a chain in place equals hashing at once; a lookup never covers the prompt's last token
+    part = key.extend([], tokens, 1)
+    assert key.extend(part, tokens, 2) == hashes
+    assert [key.max_hit_blocks(n) for n in (1, 4, 5, 8, 9)] == [0, 0, 1, 1, 2]
+
+
+def test_cached_blocks_are_shared_counted_and_evicted_least_recently_used():
+    alloc = BlockAllocator(6)
+    a = BlockTable(alloc, 4)
+    a.ensure_capacity(12)  # blocks 0, 1, 2
+    hashes = [b"h0", b"h1", b"h2"]
+    for blk, h in zip(a.blocks.tolist(), hashes):
+        assert alloc.register(blk, h)
+    assert not alloc.register(5, b"h0")  # another block holds h0: the first one is kept
+    b = BlockTable(alloc, 4)
+    found = alloc.lookup([b"h0", b"h1", b"zz", b"h2"])
+    assert found == [0, 1]  # the longest cached chain only
+    b.adopt(found)
+    assert [alloc.ref_count(i) for i in range(3)] == [2, 2, 1] and b.num_registered == 2
+    b.ensure_capacity(9)  # one more block of its own
+    assert b.blocks.tolist() == [0, 1, 3] and alloc.num_free == 2
+    a.release()  # blocks 0, 1 still held by b; block 2 is cached and free
+    assert [alloc.ref_count(i) for i in range(3)] == [1, 1, 0] and alloc.num_free == 3
+    b.release()  # 3 was never registered: free list; 1, then 0 join the LRU after 2
+    assert alloc.num_free == 6 and alloc.num_cached == 3 and all(alloc.ref_count(i) == 0 for i in range(6))
+    # sharing a free cached block takes it off the LRU (and the free count)
+    c = BlockTable(alloc, 4)
+    c.adopt(alloc.lookup([b"h0"]))
+    assert alloc.num_free == 5 and alloc.num_unheld([1, 2]) == 2
+    # empty blocks go first (4, 5, 3), then the least recently freed cached ones: 2, then 1 (0 is held)
+    assert alloc.allocate(3) == [3, 4, 5] and alloc.evictions == 0
+    assert alloc.allocate(1) == [2] and alloc.lookup([b"h0", b"h1", b"h2"]) == [0, 1]
+    assert alloc.allocate(1) == [1] and alloc.lookup([b"h0", b"h1"]) == [0] and alloc.evictions == 2
+    with pytest.raises(OutOfBlocksError, match="asked for 1 KV-cache blocks with 0 of 6 free"):
+        alloc.allocate(1)
+    with pytest.raises(RuntimeError, match="freed more often"):
+        alloc.free([1, 1])

@@ -83,6 +83,7 @@ def test_preempted_requests_still_equal_transformers(target, reference, guard, k
     s = eng.stats()
     assert s["preemptions"] > 0 and s["generated_tokens"] == len(PROMPTS) * MAX_TOKENS
     assert eng.allocator.num_free == 43  # every block came back
+    assert s["prefix_cache"]["hit_tokens"] > 0  # recomputations found blocks they had registered before preemption
     if kind:
         assert guard["tight"] > 0  # some draft step wrote the last position its request owned
 

@@ -323,6 +323,13 @@ def test_metrics_parse_as_prometheus_text(server, client):
     assert m["draftgraph_forwards{key=target/none}"] > 0  # mode NONE: every forward runs without a graph
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"draftgraph_{h}_count"] > 0
+    # the same long prompt twice: the second finds the first one's full blocks in the prefix cache
+    long = " ".join([PROMPTS[1]] * 12)
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=long, max_tokens=2, temperature=0)
+    after = metrics(server)
+    assert after["draftgraph_prefix_cache_hit_tokens"] - m["draftgraph_prefix_cache_hit_tokens"] >= 16
+    assert after["draftgraph_prefix_cache_query_tokens"] > after["draftgraph_prefix_cache_hit_tokens"]
 
 
 def test_no_chat_template_is_a_clear_400(ckpts):

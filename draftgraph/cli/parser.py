@@ -126,6 +126,12 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         "so the host's work overlaps the GPU's)",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt from its start (default: full KV blocks are kept and shared by later requests "
+        "whose tokens start the same, which prefill only the rest; off by itself for hybrid models)",
+    )
+    p.add_argument(
         "--check-addresses",
         action="store_true",
         default=envs.check_addresses(),

@@ -131,6 +131,10 @@ class CompileConfig:
     # real acceptance, so step times are real. Greedy requests only (a sampled one is refused); logged as a
     # WARNING and labelled in stats(). () = off: real acceptance. runtime/rejection.py: synthetic_accept.
     synthetic_acceptance: tuple[float, ...] = ()
+    # Automatic prefix caching (runtime/prefix_cache.py): full KV blocks are kept after their requests end and
+    # shared by later requests whose tokens start the same, which then prefill only the rest. Off for hybrid
+    # models (Gated DeltaNet state is per request). False: every prompt is prefilled from its start.
+    prefix_caching: bool = True
 
     def __post_init__(self):
         check_synthetic_acceptance(self.synthetic_acceptance)
@@ -141,6 +145,8 @@ class CompileConfig:
             )
         if not isinstance(self.kv_grow_in_place, bool):
             raise TypeError(f"kv_grow_in_place={self.kv_grow_in_place!r} must be True (default) or False")
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching={self.prefix_caching!r} must be True (default) or False")
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
         if self.mode in FOLDED_MODES:
             ours, why = FOLDED_MODES[self.mode]
@@ -233,6 +239,7 @@ class ResolvedConfig:
     ops: OpChoices = DEFAULT_OPS  # the kernels models and runtime use on CUDA (recorded in artifacts)
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
     synthetic_acceptance: tuple[float, ...] = ()  # pinned conditional acceptance rates (benchmarks only); () = off
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (runtime/prefix_cache.py)
 
     @property
     def lookahead(self) -> int:
@@ -355,10 +362,12 @@ def resolve(
         ops=config.ops or DEFAULT_OPS,
         kv_grow_in_place=config.kv_grow_in_place,
         synthetic_acceptance=synthetic,
+        prefix_caching=config.prefix_caching,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
-        "max_model_len %d, %d KV blocks of %d; piece graph sizes %s, FULL request counts %s (CUDA graphs %s)",
+        "max_model_len %d, %d KV blocks of %d (prefix caching %s); piece graph sizes %s, FULL request counts %s "
+        "(CUDA graphs %s)",
         rc.mode.value,
         device,
         attention,
@@ -368,6 +377,7 @@ def resolve(
         max_len,
         blocks,
         rc.block_size,
+        "on" if rc.prefix_caching else "off",
         list(sizes) or "none",
         list(full_sizes) or "none",
         "on" if graphs else "off",

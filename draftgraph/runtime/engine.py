@@ -21,6 +21,7 @@ from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
 from draftgraph.runtime.memory import MemoryPlan, measure_and_plan
+from draftgraph.runtime.prefix_cache import prefix_key
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
@@ -95,8 +96,15 @@ class Engine:
         )
         # Linear-attention layers (Qwen3.5): their per-request state rings; admitted requests get their rows.
         self.states = attach_state_caches(self.runner, rc.max_num_seqs, self.k)
+        # Prefix caching (runtime/prefix_cache.py): None when off, asked or for a hybrid model (logged).
+        prefix = prefix_key(target, drafter, rc, self.k, hybrid=self.states is not None)
         self.scheduler = Scheduler(
-            rc.max_num_seqs, rc.max_num_batched_tokens, self.allocator, rc.block_size, StepWrites.of(drafter, self.k)
+            rc.max_num_seqs,
+            rc.max_num_batched_tokens,
+            self.allocator,
+            rc.block_size,
+            StepWrites.of(drafter, self.k),
+            prefix,
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
         self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
@@ -353,6 +361,7 @@ class Engine:
             "seconds": 0.0,
         }
         self.runner.forwards.reset()
+        self.scheduler.reset_stats()
 
     def stats(self) -> dict:
         """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,
@@ -381,6 +390,8 @@ class Engine:
             if self.config.lazy_capture:  # graphs appear as steps need them: read the pool now
                 s["compile"]["graph_memory_bytes"] = self.compiled.ctx.memory_bytes() or 0
         s["kv_blocks"] = self.config.num_kv_blocks
+        # Prompt tokens (and full blocks) looked up in the prefix cache and found there (runtime/prefix_cache.py).
+        s["prefix_cache"] = self.scheduler.prefix_stats.as_dict(self.allocator.num_cached, self.allocator.evictions)
         if self.memory_plan is not None:
             s["memory"] = self.memory_plan.as_dict()
         return s

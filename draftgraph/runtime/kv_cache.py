@@ -8,6 +8,7 @@ block table per request (drafter row i at the slot of target position i, runtime
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -134,39 +135,118 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list of cache blocks shared by all requests of one model."""
+    """The cache blocks of one engine, shared by all requests: reference counts, a free list, and (prefix caching,
+    runtime/prefix_cache.py) the blocks registered under a hash with the LRU order of those no request holds.
+
+    A block is held (count > 0), free and cached (count 0, registered: its contents kept for a later request
+    whose prefix hashes the same, in `_lru`), or free and empty (`_free`). `allocate` takes empty blocks first,
+    then evicts the least recently freed cached ones; `num_free` counts both kinds."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._ref = [0] * num_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no request holds, oldest first
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an `allocate` may hand out: empty ones and cached ones no request holds."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a hash (held or not)."""
+        return len(self._block_of)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
+        if n > self.num_free:
             raise OutOfBlocksError(
-                f"asked for {n} KV-cache blocks with {len(self._free)} of {self.num_blocks} free; "
+                f"asked for {n} KV-cache blocks with {self.num_free} of {self.num_blocks} free; "
                 "raise num_blocks (or lower max_num_seqs / max_model_len)"
             )
-        return [self._free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # evict the least recently freed cached block
+                b, _ = self._lru.popitem(last=False)
+                del self._block_of[self._hash_of.pop(b)]
+                self.evictions += 1
+            self._ref[b] = 1
+            out.append(b)
+        return out
 
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+    def free(self, blocks) -> None:
+        """Drop one reference to each block. A block no request holds any more stays cached if registered (the
+        last blocks of `blocks` become the first to be evicted: they are the least likely to be shared), else
+        returns to the free list."""
+        for b in reversed(list(blocks)):
+            self._ref[b] -= 1
+            if self._ref[b] < 0:
+                raise RuntimeError(f"KV block {b} freed more often than it was allocated or shared")
+            if self._ref[b]:
+                continue
+            if b in self._hash_of:
+                self._lru[b] = None
+            else:
+                self._free.append(b)
+
+    # ---- prefix caching ----------------------------------------------------------------------------
+
+    def lookup(self, hashes) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (a chain: block i's hash covers blocks 0..i)."""
+        out = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_unheld(self, blocks) -> int:
+        """How many of these cached blocks no request holds (sharing them takes them off `num_free`)."""
+        return sum(1 for b in blocks if not self._ref[b])
+
+    def share(self, blocks) -> None:
+        """One more reference to each of these cached blocks (a request that found them by `lookup`)."""
+        for b in blocks:
+            if not self._ref[b]:
+                del self._lru[b]
+            self._ref[b] += 1
+
+    def register(self, block: int, h: bytes) -> bool:
+        """Name a held block, whose every cache entry is final, by its chain hash; False when another block
+        holds that hash already (two requests computed the same prefix at once: the first one's is kept)."""
+        if h in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[h] = block
+        self._hash_of[block] = h
+        return True
 
 
 class BlockTable:
     """The blocks one request owns, grown on demand; shrinking is by length only (no copies). The ids are kept
     in a numpy array (`blocks`: a read-only view), so that every step's metadata build copies a request's row in
     one call (runtime/attn_metadata.py) instead of converting a list id by id: at long contexts that conversion
-    was most of the build's host time."""
+    was most of the build's host time.
+
+    With prefix caching the table may start with shared cached blocks (`adopt`), and remembers its request's
+    chain hashes (`hashes`: they depend on tokens only, which never change, so they outlive a release) and how
+    many of its blocks were registered (`num_registered`)."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator = allocator
         self.block_size = block_size
         self._ids = np.empty(0, dtype=np.int64)
         self._n = 0
+        self.hashes: list[bytes] = []
+        self.num_registered = 0
 
     @property
     def blocks(self) -> np.ndarray:
@@ -183,7 +263,18 @@ class BlockTable:
         needed = self.blocks_needed(num_tokens)
         if not needed:
             return
-        new = self.allocator.allocate(needed)
+        self._append(self.allocator.allocate(needed))
+
+    def adopt(self, cached: list[int]) -> None:
+        """Start an empty table with cached blocks found by `BlockAllocator.lookup` (shared here)."""
+        if self._n:
+            raise RuntimeError(f"adopt() starts an empty table; this one holds {self._n} blocks")
+        self.allocator.share(cached)
+        self._append(cached)
+        self.num_registered = len(cached)
+
+    def _append(self, new: list[int]) -> None:
+        needed = len(new)
         if self._n + needed > len(self._ids):  # doubling: a request's table is copied O(log n) times
             grown = np.empty(max(16, 2 * len(self._ids), self._n + needed), dtype=np.int64)
             grown[: self._n] = self._ids[: self._n]
@@ -194,3 +285,4 @@ class BlockTable:
     def release(self) -> None:
         self.allocator.free(self.blocks.tolist())
         self._n = 0
+        self.num_registered = 0

@@ -13,6 +13,11 @@ keeps its last token and pending drafts, and its slot (the device buffers holdin
 probabilities are indexed by it): its recomputation ends without sampling, and its next step verifies
 exactly the drafts it would have verified, so no output is lost, duplicated or changed. No new request is
 admitted in a step that preempted.
+
+Prefix caching (runtime/prefix_cache.py): a request admitted from the waiting queue (new, or to be recomputed)
+first looks its tokens up; the cached blocks found start its block table and its prefill starts after them.
+Running requests register their blocks as they become final (at each schedule, and when they finish or are
+preempted), so a preempted request usually finds most of its own blocks again.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from draftgraph.runtime.kv_cache import BlockAllocator, BlockTable
+from draftgraph.runtime.prefix_cache import PrefixCacheStats, PrefixKey
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.step_writes import StepWrites
 
@@ -32,6 +38,9 @@ class ScheduledChunk:
     # This chunk finishes the prompt and the step samples the request's next token (False for the last chunk
     # of a preempted decode's recomputation: its next token and drafts are known already).
     last: bool
+    # The request's first chunk since it was admitted (new, or recomputed after a preemption): its per-slot state
+    # (penalties, linear-attention rows) is written before the step. It starts after any cached prefix.
+    first: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,10 @@ class Scheduler:
         allocator: BlockAllocator,
         block_size: int,
         writes: StepWrites,
+        prefix: PrefixKey | None = None,  # prefix caching on: how blocks are named
     ):
+        self.prefix = prefix
+        self.reset_stats()
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.allocator = allocator
@@ -62,6 +74,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    def reset_stats(self) -> None:
+        """Count prefix-cache lookups afresh (Engine.reset_stats)."""
+        self.prefix_stats = PrefixCacheStats(enabled=self.prefix is not None)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse a request that could not run even alone in the cache."""
@@ -87,6 +103,8 @@ class Scheduler:
         preempted: set[int] = set()
         budget = self.budget
         decodes = []
+        for r in self.running:
+            self._register(r)
         for r in list(self.running):
             if r.prefilling or id(r) in preempted:
                 continue
@@ -107,30 +125,64 @@ class Scheduler:
             r = self.waiting[0]
             if r.slot < 0 and not self._free_slots:
                 break
-            n, samples = self._chunk_size(r, budget)
             table = r.block_table or BlockTable(self.allocator, self.block_size)
-            slots = self.writes.slots(r.num_computed, n, samples)
-            if table.blocks_needed(slots) > self.allocator.num_free:
+            hits = self._lookup(r, table)  # r.num_computed is 0 here: new, or preempted
+            start = len(hits) * self.block_size
+            n, samples = self._chunk_size(r, budget, start)
+            slots = self.writes.slots(start, n, samples)
+            # sharing cached blocks nobody holds takes them off the free count too
+            if table.blocks_needed(slots) - len(hits) > self.allocator.num_free - self.allocator.num_unheld(hits):
                 break  # running requests are never preempted for a new one
+            if self.prefix is not None:
+                self.prefix_stats.record(r.prefill_len, self.block_size, len(hits))
             r.block_table = table
+            table.adopt(hits)
+            r.num_computed = start
             table.ensure_capacity(slots)
             if r.slot < 0:
                 r.slot = self._free_slots.pop()
             self.running.append(self.waiting.popleft())
-            prefills.append(ScheduledChunk(r, n, samples))
+            prefills.append(ScheduledChunk(r, n, samples, first=True))
             budget -= n
         return ScheduledBatch(decodes, prefills, len(preempted))
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
+        self._register(req)
         req.block_table.release()
         self._free_slots.append(req.slot)
         req.slot = -1
 
-    def _chunk_size(self, r: Request, budget: int) -> tuple[int, bool]:
-        """Tokens of r's prompt to prefill now, and whether the step then samples its next token."""
-        n = min(r.prefill_len - r.num_computed, budget)
-        return n, r.num_computed + n == r.prefill_len and not r.resumes_decode
+    def _chunk_size(self, r: Request, budget: int, start: int | None = None) -> tuple[int, bool]:
+        """Tokens of r's prompt to prefill now from `start` (r.num_computed by default), and whether the step
+        then samples its next token."""
+        start = r.num_computed if start is None else start
+        n = min(r.prefill_len - start, budget)
+        return n, start + n == r.prefill_len and not r.resumes_decode
+
+    def _lookup(self, r: Request, table: BlockTable) -> list[int]:
+        """The cached blocks r's prefill may start from (none without prefix caching): the longest cached chain of
+        its tokens' full blocks, short of its last prefill token."""
+        if self.prefix is None:
+            return []
+        limit = self.prefix.max_hit_blocks(r.prefill_len)
+        return self.allocator.lookup(self.prefix.extend(table.hashes, r.tokens, limit)[:limit])
+
+    def _register(self, r: Request) -> None:
+        """Register r's blocks that became final (runtime/prefix_cache.py: every position < num_computed is an
+        accepted token in every cache, and a block's hash reads `lookahead` tokens past it)."""
+        if self.prefix is None or r.block_table is None:
+            return
+        table = r.block_table
+        full = min(r.num_computed // self.block_size, len(table.blocks))
+        if full <= table.num_registered:
+            return
+        hashes = self.prefix.extend(table.hashes, r.tokens, full)
+        full = min(full, len(hashes))
+        blocks = table.blocks
+        for i in range(table.num_registered, full):
+            self.allocator.register(int(blocks[i]), hashes[i])
+        table.num_registered = max(table.num_registered, full)
 
     def _grow(self, r: Request, slots: int, scheduled: set[int], preempted: set[int]) -> bool:
         """Give r blocks for `slots` positions, preempting the latest admitted running requests not scheduled
@@ -150,6 +202,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """Free r's blocks and put it at the front of the waiting queue for recomputation; it keeps its slot."""
         self.running.remove(r)
+        self._register(r)
         r.block_table.release()
         if not r.prefilling:  # decoding: recompute all but the last token, which the next verify feeds
             r.prefill_len = len(r.tokens) - 1

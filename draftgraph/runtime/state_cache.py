@@ -94,8 +94,9 @@ class StateSlots:
         self.caches = caches
 
     def admit(self, chunks: list[ScheduledChunk]) -> None:
-        """Before a step: each chunk starting at position 0 (a new or recomputed request) gets its row."""
-        firsts = [(c.req.block_table.blocks[0], c.req.slot) for c in chunks if c.req.num_computed == 0]
+        """Before a step: each request just admitted (new, or recomputed: from position 0, as prefix caching is off for
+        these models) gets its row."""
+        firsts = [(c.req.block_table.blocks[0], c.req.slot) for c in chunks if c.first]
         if not firsts:
             return
         blocks, rows = zip(*firsts)

@@ -174,8 +174,8 @@ class StepRunner:
         last_chunks = [c for c in chunks if c.last]
         sampled = decodes + [c.req for c in last_chunks]
         nd = len(decodes)
-        # A request starting at position 0 (new, or recomputed after a preemption) gets its slot's penalty state.
-        self.penalties.admit([c.req for c in chunks if c.req.num_computed == 0])
+        # A request just admitted (new, or recomputed after a preemption) gets its slot's penalty state.
+        self.penalties.admit([c.req for c in chunks if c.first])  # their first chunk may start after a cached prefix
 
         uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         if uniform is not None and self.uniform is not None:

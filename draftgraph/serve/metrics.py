@@ -2,7 +2,7 @@
 
 Counted by the server as requests go (tokens, latency histograms), and read from the engine at each scrape
 (`EngineSnapshot`, taken in the engine thread: requests running and waiting, KV blocks, and `engine.stats()`'s
-acceptance and per-dispatch-key forwards, which count since the server started).
+acceptance, prefix-cache lookups and per-dispatch-key forwards, which count since the server started).
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class ServerMetrics:
         self.fallbacks = Gauge(p + "graph_fallbacks", "forwards without a graph in a graph mode, by key", ["key"],
                                registry=r)  # fmt: skip
         self.steps = Gauge(p + "engine_steps", "engine steps run", registry=r)
+        self.prefix_query = Gauge(p + "prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache",
+                                  registry=r)  # fmt: skip
+        self.prefix_hit = Gauge(p + "prefix_cache_hit_tokens", "prompt tokens found in the prefix cache (not "
+                                "prefilled)", registry=r)  # fmt: skip
         self.ttft = Histogram(p + "time_to_first_token_seconds", "time to first token", buckets=LATENCY_BUCKETS,
                               registry=r)  # fmt: skip
         self.tpot = Histogram(p + "time_per_output_token_seconds", "time per output token after the first",
@@ -92,6 +96,9 @@ class ServerMetrics:
         self.verify_steps.set(s.get("verify_steps", 0))
         self.accepted_tokens.set(s.get("accepted_tokens", 0))
         self.steps.set(s.get("steps", 0))
+        prefix = s.get("prefix_cache", {})
+        self.prefix_query.set(prefix.get("query_tokens", 0))
+        self.prefix_hit.set(prefix.get("hit_tokens", 0))
         self.engine_generated.set(s.get("generated_tokens", 0))
         hist, verify = s.get("acceptance_histogram", []), s.get("verify_steps", 0)
         for i in range(max(len(hist) - 1, 0)):  # position i accepted in the steps that accepted more than i

@@ -95,6 +95,12 @@ def merge_stats(replicas: list[dict]) -> dict:
         for r in replicas:
             total.update(r[key])
         s[key] = dict(sorted(total.items()))
+    if all("prefix_cache" in r for r in replicas):  # each replica's own cache: lookups and blocks added up
+        pc = dict(replicas[0]["prefix_cache"])
+        for key in ("query_tokens", "hit_tokens", "query_blocks", "hit_blocks", "cached_blocks", "evictions"):
+            pc[key] = sum(r["prefix_cache"][key] for r in replicas)
+        pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0
+        s["prefix_cache"] = pc
     s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
     s["mean_accepted_length"] = 1 + s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
     s["tokens_per_second"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
