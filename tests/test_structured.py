@@ -1,0 +1,203 @@
+"""Structured output under speculation (runtime/grammar.py; CPU, a draft model at K = 3, NONE and FULL_AND_PIECEWISE,
+the checkpoint, tokenizer and engines of tests/test_stop_strings.py).
+
+Oracle: a greedy loop over transformers' logits of the same weights, masked by a fresh xgrammar matcher per token
+(no speculation): the engine's greedy structured outputs equal it token for token, so every verify row was masked
+after the drafts before it. Every structured output matches its regex / validates against its schema / parses by
+its grammar and finishes with "stop"; a request without a grammar in the same batch gives transformers' plain
+greedy tokens; uniform batches with grammars run the one-graph step's "_grammar" variants."""
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+import draftgraph as dg
+from draftgraph.runtime import grammar as grammar_mod
+from draftgraph.runtime.grammar import GrammarState, parsed_grammar, xgrammar
+from tests.test_stop_strings import ckpt, engine  # noqa: F401 - the module's fixtures, reused
+
+K = 3
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"enum": ["fox", "dog"]},
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+REGEX = "(yes|no)-[a-c]{1,3}"
+EBNF = 'root ::= item ("," item){0,2}\nitem ::= "fox" | "dog" | [0-9]'
+EBNF_AS_REGEX = "(fox|dog|[0-9])(,(fox|dog|[0-9])){0,2}"
+PROMPTS = ["hello world", "the quick brown fox", "speculative decoding", "hello world"]
+PARAMS = [
+    dg.SamplingParams(max_tokens=24, regex=REGEX, ignore_eos=True),  # no eos: ends on the tokenizer's </s>
+    dg.SamplingParams(max_tokens=48, json_schema=SCHEMA),
+    dg.SamplingParams(max_tokens=24, grammar=EBNF, temperature=0.8, seed=3),
+    dg.SamplingParams(max_tokens=12),  # no grammar: plain greedy, as alone
+]
+ARRIVALS = [0, 0, 1, 1]  # mixed steps (prefills beside verifies) first, uniform verify batches after
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bool [rows, vocab] from xgrammar's int32 bitmask words (bit j of word w: token 32 w + j)."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def masked_greedy(hf, tok, prompt: str, p: dg.SamplingParams, stops: list[int], vocab: int) -> list[int]:
+    """transformers' greedy tokens, masked at each position by a matcher advanced through the output so far."""
+    xgr = xgrammar()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(info).compile_grammar(parsed_grammar(*p.structured)), override_stop_tokens=stops
+    )
+    ids, out = tok(prompt).input_ids, []
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    while len(out) < p.max_tokens and not matcher.is_terminated():
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0, -1]
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        t = int(logits.masked_fill(~allowed_tokens(bitmask, vocab)[0], float("-inf")).argmax())
+        assert matcher.accept_token(t)
+        out.append(t)
+    return out
+
+
+def check_schema(value, schema=SCHEMA) -> None:
+    try:
+        import jsonschema
+    except ImportError:  # by hand: the required keys and their types
+        assert isinstance(value, dict) and set(value) == set(schema["required"])
+        assert isinstance(value["ok"], bool) and value["tag"] in ("fox", "dog")
+        assert isinstance(value["n"], int) and not isinstance(value["n"], bool) and 0 <= value["n"] <= 99
+        return
+    jsonschema.validate(value, schema)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):  # noqa: F811
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt[0], local_files_only=True).eval()
+
+
+@pytest.fixture(scope="module")
+def run(engine):  # noqa: F811
+    """The mixed batch, then the JSON request alone (batch 1)."""
+    mixed = engine.generate(PROMPTS, PARAMS, ARRIVALS)
+    stats = engine.stats()
+    alone = engine.generate([PROMPTS[1]], PARAMS[1])[0]
+    return mixed, stats, alone, engine.stats()
+
+
+def test_structured_outputs_match_and_equal_masked_greedy(engine, ckpt, hf, run):  # noqa: F811
+    tok, vocab = ckpt[1], engine.vocab_size
+    mixed, stats, alone, alone_stats = run
+    eos = sorted(engine.eos_token_ids)
+    # regex (ignore_eos: the grammar ends on the tokenizer's eos); the schema; the sampled EBNF
+    assert re.fullmatch(REGEX, mixed[0].text) and mixed[0].finish_reason == "stop"
+    assert mixed[0].token_ids[-1] == tok.eos_token_id
+    assert mixed[0].token_ids == masked_greedy(hf, tok, PROMPTS[0], PARAMS[0], [tok.eos_token_id], vocab)
+    for out in (mixed[1], alone):
+        check_schema(json.loads(out.text))
+        assert out.finish_reason == "stop" and out.token_ids[-1] in eos
+        assert out.token_ids == masked_greedy(hf, tok, PROMPTS[1], PARAMS[1], eos, vocab)
+    assert re.fullmatch(EBNF_AS_REGEX, mixed[2].text) and mixed[2].finish_reason == "stop"
+    # the request without a grammar: transformers' plain greedy, as alone
+    ids = torch.tensor([tok(PROMPTS[3]).input_ids])
+    with torch.no_grad():
+        plain = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                            min_new_tokens=12, eos_token_id=None)[0, ids.shape[1] :].tolist()  # fmt: skip
+    assert mixed[3].token_ids == plain and mixed[3].finish_reason == "length"
+    assert stats["draft_tokens"] > 0 and alone_stats["verify_steps"] > 0
+
+
+def test_uniform_batches_with_grammars_run_the_one_graph_step(engine, run):  # noqa: F811
+    _, stats, _, alone_stats = run
+    if engine.config.mode.value == "NONE":
+        assert stats["fallbacks"] == 0 and not any(key.startswith("step/") for key in stats["dispatch"])
+        return
+    # On the CPU no graph replays: every forward is a fallback counted under the key it was dispatched to. Uniform
+    # verify batches dispatched the whole step with grammar masks (sampled while the EBNF request ran, greedy
+    # after; batch 1 alone), never the verify on its own (target/full/...).
+    for s, variants in ((stats, ("/sample_grammar", "/greedy_grammar")), (alone_stats, ("/greedy_grammar",))):
+        assert set(s["dispatch"]) <= {"target/none", "drafter/none", "step/none"}
+        steps = [key for key in s["fallbacks_by_key"] if key.startswith(f"step/q{K + 1}/b")]
+        for v in variants:
+            assert any(key.endswith(v) for key in steps), steps
+        assert not any(key.startswith("target/full/") for key in s["fallbacks_by_key"])
+    assert any(key.startswith(f"step/q{K + 1}/b1/") for key in alone_stats["fallbacks_by_key"])
+
+
+def test_verify_rows_follow_the_drafts_before_them(ckpt):  # noqa: F811
+    """Row i of a request's bitmask is its matcher's after drafts 0..i-1; a draft the grammar refuses ends the walk
+    (its row forbids it, later rows allow everything); the matcher is back where it was; rows of requests without a
+    grammar allow everything; `apply` puts -inf exactly on the forbidden tokens."""
+    tok = ckpt[1]
+    vocab = len(tok) + 20  # the model's vocabulary may be larger than the tokenizer's
+    state = GrammarState(rows=8, vocab_size=vocab, device="cpu")
+    p = dg.SamplingParams(regex=REGEX)
+
+    class Req:
+        def __init__(self, drafts, grammar):
+            self.drafts, self.grammar = drafts, grammar
+
+    good = [t for s in ("n", "o", "-") for t in tok.encode(s, add_special_tokens=False)]
+    assert len(good) == K
+    bad = [good[0], tok.encode("x", add_special_tokens=False)[0], good[1]]
+    a = Req(good, state.matcher(tok, p, frozenset({1}), 0))
+    b = Req(bad, state.matcher(tok, p, frozenset({1}), 1))
+    state.fill([(a, K + 1), (b, K + 1)], 8)
+    got = allowed_tokens(state.bitmask, vocab)
+    xgr = xgrammar()
+    ref = xgr.GrammarMatcher(state._compiled[("regex", REGEX)], override_stop_tokens=[1])
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    for i in range(K + 1):
+        ref.fill_next_token_bitmask(mask, 0)
+        assert torch.equal(got[i], allowed_tokens(mask, vocab)[0]), i
+        if i < K:
+            assert ref.accept_token(good[i])
+    assert got[3].sum() < vocab and got[4].sum() < vocab  # "n-" and the start: masked
+    assert not got[5, bad[1]] and got[6].all() and got[7].all()  # "x" refused after "n": nothing after it masked
+    for r in (a, b):  # rolled back: accepts "no-a" from the start
+        assert all(r.grammar.matcher.accept_token(t) for t in tok.encode("no-a", add_special_tokens=False))
+    state.fill([(Req([], None), 1), (a, 1)], 2)
+    assert state.bitmask[0].eq(-1).all() and not allowed_tokens(state.bitmask[1:2], vocab)[0].all()
+    logits = torch.randn(2, vocab)
+    masked = state.apply(logits)
+    allowed = allowed_tokens(state.bitmask[:2], vocab)
+    assert torch.equal(masked[allowed], logits[allowed]) and masked[~allowed].eq(float("-inf")).all()
+
+
+def test_structured_params_are_checked(monkeypatch):
+    p = dg.SamplingParams(json_schema=SCHEMA)
+    assert json.loads(p.json_schema) == SCHEMA and p.structured[0] == "json_schema"
+    assert hash(p) == hash(dg.SamplingParams(json_schema=json.dumps(SCHEMA)))  # kept as JSON text: hashable
+    assert dg.SamplingParams().structured is None
+    cases = [
+        (dict(regex="a", grammar=EBNF), r"regex and grammar are all set; give at most one"),
+        (dict(regex="(ab"), r"regex='\(ab' is not a regular expression xgrammar can compile: .*parenthesis"),
+        (dict(regex=""), r"regex='' must be a non-empty string"),
+        (dict(json_schema={"type": "objectx"}), r"json_schema=.* is not a JSON schema .*Unsupported type"),
+        (dict(json_schema='{"type": '), r"json_schema=.* is not valid JSON"),
+        (dict(json_schema=[1, 2]), r"json_schema=\[1, 2\] must be a JSON schema object"),
+        (dict(grammar="root ::= foo"), r"grammar=.* is not an EBNF grammar .*Rule \"foo\" is not defined"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            dg.SamplingParams(**kwargs)
+    monkeypatch.setitem(__import__("sys").modules, "xgrammar", None)
+    grammar_mod.parsed_grammar.cache_clear()
+    with pytest.raises(ImportError, match=r"pip install draftgraph\[structured\]"):
+        dg.SamplingParams(regex="b+")
+    monkeypatch.undo()
+    grammar_mod.parsed_grammar.cache_clear()
+
+
+def test_structured_output_needs_the_tokenizer(engine):  # noqa: F811
+    bare = dg.compile_model(engine.target, None, dg.CompileConfig(num_speculative_tokens=0, progress=False))
+    with bare, pytest.raises(ValueError, match=r"regex needs the engine's tokenizer"):
+        bare.add_request([1, 2], dg.SamplingParams(regex="a+"))
