@@ -178,7 +178,7 @@ def test_structured_params_are_checked(monkeypatch):
     assert hash(p) == hash(dg.SamplingParams(json_schema=json.dumps(SCHEMA)))  # kept as JSON text: hashable
     assert dg.SamplingParams().structured is None
     cases = [
-        (dict(regex="a", grammar=EBNF), r"regex and grammar are all set; give at most one"),
+        (dict(regex="a", grammar=EBNF), r"regex and grammar are set together; give at most one"),
         (dict(regex="(ab"), r"regex='\(ab' is not a regular expression xgrammar can compile: .*parenthesis"),
         (dict(regex=""), r"regex='' must be a non-empty string"),
         (dict(json_schema={"type": "objectx"}), r"json_schema=.* is not a JSON schema .*Unsupported type"),

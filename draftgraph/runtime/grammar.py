@@ -53,7 +53,7 @@ def xgrammar():
 
 def _message(e: Exception) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return _XGR_PREFIX.sub("", lines[0] if lines else type(e).__name__)
+    return _XGR_PREFIX.sub("", lines[0] if lines else type(e).__name__).rstrip(".")
 
 
 _EXAMPLES = {
@@ -88,7 +88,7 @@ def check_structured(params) -> None:
     kept as JSON text so the params stay hashable."""
     given = [f for f in STRUCTURED_FIELDS if getattr(params, f) is not None]
     if len(given) > 1:
-        raise ValueError(f"{' and '.join(given)} are all set; give at most one of json_schema, regex and grammar")
+        raise ValueError(f"{' and '.join(given)} are set together; give at most one of json_schema, regex and grammar")
     if not given:
         return
     kind = given[0]
