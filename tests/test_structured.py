@@ -201,3 +201,24 @@ def test_structured_output_needs_the_tokenizer(engine):  # noqa: F811
     bare = dg.compile_model(engine.target, None, dg.CompileConfig(num_speculative_tokens=0, progress=False))
     with bare, pytest.raises(ValueError, match=r"regex needs the engine's tokenizer"):
         bare.add_request([1, 2], dg.SamplingParams(regex="a+"))
+
+
+def test_server_fields_map_onto_the_params():
+    """OpenAI's response_format and vLLM's guided_* fields (serve/protocol.py), without a server."""
+    from draftgraph.serve.protocol import ServeError, sampling_params
+
+    read = lambda **body: sampling_params(body, 16).structured  # noqa: E731
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    assert read(response_format=fmt) == ("json_schema", json.dumps(SCHEMA))
+    assert read(response_format={"type": "json_object"}) == ("json_schema", '{"type": "object"}')
+    assert read(response_format={"type": "text"}) is None and read() is None
+    assert read(guided_json=json.dumps(SCHEMA)) == ("json_schema", json.dumps(SCHEMA))
+    assert read(guided_regex=REGEX) == ("regex", REGEX) and read(guided_grammar=EBNF) == ("grammar", EBNF)
+    for body, param in [
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": "json"}, "response_format"),
+        ({"guided_json": {"type": "nope"}}, "guided_json"),
+    ]:
+        with pytest.raises(ServeError) as e:
+            sampling_params(body, 16)
+        assert e.value.status == 400 and e.value.param == param, e.value.body()
