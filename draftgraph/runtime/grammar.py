@@ -25,9 +25,10 @@ step (whose draft loop runs on the device in the same graph), so drafts are not 
 target's mask. A drafter close to the target then proposes what the unmasked target prefers, which the grammar
 often refuses: before each step, a greedy request's refused drafts are replaced on the host by the first token of
 the text the grammar forces there (`repair`; forced keys and punctuation of a JSON schema: acceptance 0.02 -> 0.78
-in tests/test_structured.py's setting). Greedy output does not depend on the drafts; sampled requests keep theirs
-(their acceptance needs the drafter's probability of each). Only steps with a grammar wait for the host between
-steps (the next verify's rows need the drafts the last step proposed): runtime/engine.py does not overlap them.
+with a draft model that copies a random target). Greedy output does not depend on the drafts; sampled requests
+keep theirs (their acceptance needs the drafter's probability of each). Only steps with a grammar wait for the host
+between steps (the next verify's rows need the drafts the last step proposed): runtime/engine.py does not overlap
+them.
 """
 
 from __future__ import annotations
