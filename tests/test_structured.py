@@ -197,6 +197,7 @@ def test_structured_params_are_checked(monkeypatch):
         (dict(json_schema={"type": "objectx"}), r"json_schema=.* is not a JSON schema .*Unsupported type"),
         (dict(json_schema='{"type": '), r"json_schema=.* is not valid JSON"),
         (dict(json_schema=[1, 2]), r"json_schema=\[1, 2\] must be a JSON schema object"),
+        (dict(regex="a+", min_tokens=2, max_tokens=4), r"min_tokens=2 with regex: .* leave min_tokens at 0"),
         (dict(grammar="root ::= foo"), r"grammar=.* is not an EBNF grammar .*Rule \"foo\" is not defined"),
     ]
     for kwargs, match in cases:

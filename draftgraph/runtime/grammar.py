@@ -98,6 +98,11 @@ def check_structured(params) -> None:
         return
     kind = given[0]
     spec = getattr(params, kind)
+    if params.min_tokens:
+        raise ValueError(
+            f"min_tokens={params.min_tokens} with {kind}: once the {kind} is complete it allows only a stop token, "
+            "which min_tokens holds back, leaving no token to choose; leave min_tokens at 0"
+        )
     if kind == "json_schema":
         if isinstance(spec, str):
             try:
