@@ -117,6 +117,85 @@ def test_structured_outputs_match_and_equal_masked_greedy(engine, ckpt, hf, run)
     assert stats["draft_tokens"] > 0 and alone_stats["acceptance_rate"] > 0.5, alone_stats["acceptance_rate"]
 
 
+SAMPLED_REGEX = "a-[a-c]b-[a-c]"  # forced stretches ("a-", "b-") around two free letters: 9 outcomes
+
+
+def exact_outcomes(hf, tok, prompt: str, regex: str, stops: list[int], vocab: int) -> dict[str, float]:
+    """{text: probability} of sampling at temperature 1 from transformers' logits masked by the grammar, by walking
+    every token path the grammar allows (with probability above 1e-9) to its stop token."""
+    xgr = xgrammar()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(parsed_grammar("regex", regex)),
+                                 override_stop_tokens=stops)  # fmt: skip
+    bitmask, out = xgr.allocate_token_bitmask(1, vocab), {}
+
+    def walk(ids: list[int], prob: float) -> None:
+        if matcher.is_terminated():
+            text = tok.decode(ids[len(prefix) :], skip_special_tokens=True)
+            out[text] = out.get(text, 0.0) + prob
+            return
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        p = torch.softmax(logits.masked_fill(~allowed_tokens(bitmask, vocab)[0], float("-inf")), -1)
+        for t in (p > 1e-9).nonzero().flatten().tolist():
+            assert matcher.accept_token(t)
+            walk(ids + [t], prob * float(p[t]))
+            matcher.rollback(1)
+
+    prefix = tok(prompt).input_ids
+    walk(prefix, 1.0)
+    return out
+
+
+def test_one_hot_draft_distribution_keeps_sampling_exact():
+    """A replaced draft t of a sampled request gets q = one-hot(t) (GrammarState.repair): the token emitted at its
+    row still follows the (masked) target p, whether p(t) is large or small."""
+    from scipy.stats import chisquare
+
+    from draftgraph.runtime.rejection import rejection_sample
+    from draftgraph.runtime.sampler import SamplingTensors
+
+    b, v = 20000, 6
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, float("-inf"), -1.0])  # token 4: masked by the grammar
+    p = torch.softmax(logits, -1)
+    st = SamplingTensors(torch.ones(b), torch.zeros(b, dtype=torch.long), torch.ones(b), torch.arange(b), (False,))
+    positions = torch.arange(2).expand(b, 2) + 7
+    for t in (3, 5):  # a likely and an unlikely proposal
+        q = torch.zeros(b, 1, v)
+        q[..., t] = 1.0
+        tokens, _ = rejection_sample(logits.expand(b, 2, v), torch.full((b, 1), t), q, st, positions, False)
+        counts = torch.bincount(tokens[:, 0], minlength=v).float()
+        assert counts[4] == 0
+        keep = p > 0
+        assert chisquare(counts[keep], p[keep] * b).pvalue > 1e-3, (t, counts, p * b)
+
+
+def test_sampled_outputs_follow_the_masked_target(engine, ckpt, hf):  # noqa: F811
+    """Sampled requests with a grammar in the engine (drafts refused in the forced stretches replaced, with a one-hot
+    draft distribution): the outputs' frequencies pass a chi-square against the masked target's exact distribution
+    (FULL_AND_PIECEWISE: the one-graph step's sampled variant; NONE's sampled rows are those of the mixed batch)."""
+    from scipy.stats import chisquare
+
+    if engine.config.mode.value == "NONE":
+        pytest.skip("the sampled one-graph step is FULL_AND_PIECEWISE's; NONE samples the mixed batch's EBNF request")
+    tok, n = ckpt[1], 80
+    expected = exact_outcomes(hf, tok, PROMPTS[0], SAMPLED_REGEX, sorted(engine.eos_token_ids), engine.vocab_size)
+    assert len(expected) == 9 and abs(sum(expected.values()) - 1) < 1e-4
+    params = [dg.SamplingParams(max_tokens=12, regex=SAMPLED_REGEX, temperature=1.0, seed=s) for s in range(n)]
+    outs = engine.generate([PROMPTS[0]] * n, params)
+    assert all(o.finish_reason == "stop" and re.fullmatch(SAMPLED_REGEX, o.text) for o in outs)
+    big = [t for t in sorted(expected) if expected[t] * n >= 5]  # outcomes expected under 5 times: pooled
+    observed = [sum(o.text == t for o in outs) for t in big]
+    want = [expected[t] * n for t in big]
+    if n - sum(want) > 1e-6:
+        observed, want = observed + [n - sum(observed)], want + [n - sum(want)]
+    assert sum(observed) == n  # nothing outside the outcomes
+    result = chisquare(observed, want)
+    assert result.pvalue > 1e-3, (big, observed, [round(w, 1) for w in want])
+    assert engine.stats()["accepted_tokens"] > 0
+
+
 def test_uniform_batches_with_grammars_run_the_one_graph_step(engine, run):  # noqa: F811
     _, stats, _, alone_stats = run
     if engine.config.mode.value == "NONE":

@@ -23,12 +23,12 @@ greedy picks an allowed token, and rejection sampling stays lossless with respec
 The drafter proposes from its raw logits: the state after a step's new token is known on the host only after the
 step (whose draft loop runs on the device in the same graph), so drafts are not masked; exactness comes from the
 target's mask. A drafter close to the target then proposes what the unmasked target prefers, which the grammar
-often refuses: before each step, a greedy request's refused drafts are replaced on the host by the first token of
-the text the grammar forces there (`repair`; forced keys and punctuation of a JSON schema: acceptance 0.02 -> 0.78
-with a draft model that copies a random target). Greedy output does not depend on the drafts; sampled requests
-keep theirs (their acceptance needs the drafter's probability of each). Only steps with a grammar wait for the host
-between steps (the next verify's rows need the drafts the last step proposed): runtime/engine.py does not overlap
-them.
+often refuses: before each step, a request's refused drafts are replaced on the host by the first token of the
+text the grammar forces there (`repair`; forced keys and punctuation of a JSON schema: acceptance 0.02 -> 0.78
+with a draft model that copies a random target). Greedy output does not depend on the drafts; a sampled request's
+replaced draft gets a one-hot draft distribution, so its acceptance stays lossless. Only steps with a grammar wait
+for the host between steps (the next verify's rows need the drafts the last step proposed): runtime/engine.py does
+not overlap them.
 """
 
 from __future__ import annotations
@@ -146,10 +146,11 @@ class RequestGrammar:
 
     def repaired(self, drafts: list[int]) -> list[int]:
         """`drafts` with each one the grammar refuses replaced by the first token of the text the grammar forces
-        there (xgrammar's jump-forward string), where it forces some: a greedy request's drafts are only guesses
-        (the target's greedy choice is the output whatever they are), and a forced token is a better guess than a
-        refused one, which the target rejects for sure. Drafts after one that cannot be replaced stay as they are."""
-        m, out, walked = self.matcher, list(drafts), 0
+        there (xgrammar's jump-forward string), where it forces some: drafts are only proposals (a greedy output is
+        the target's choice whatever they are; a sampled one keeps its distribution when the proposal's probability
+        is known: `GrammarState.repair`), and a forced token is a better one than a refused token, which the target
+        rejects for sure. Drafts after one that cannot be replaced stay as they are."""
+        m, out, walked = self.matcher, [int(d) for d in drafts], 0
         for i, d in enumerate(out):
             if m.is_terminated():
                 break
@@ -232,12 +233,22 @@ class GrammarState:
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stops), request_id, encode)
 
-    def repair(self, decodes) -> None:
-        """Before a step: the drafts of greedy requests with a grammar, repaired (`RequestGrammar.repaired`). Sampled
-        requests keep theirs: their acceptance needs the probability the drafter drew each one with."""
+    def repair(self, decodes, draft_probs: torch.Tensor | None) -> None:
+        """Before a step: the drafts of requests with a grammar, repaired (`RequestGrammar.repaired`). A sampled
+        request's replaced draft gets a one-hot draft distribution (its row of `draft_probs` [slots, K, V], which
+        its acceptance reads): a deterministic proposal t is accepted with probability p(t) and on rejection the
+        residual is p without t, so the emitted token still follows the masked target p."""
         for r in decodes:
-            if r.grammar is not None and r.params.temperature <= 0 and r.drafts:
-                r.drafts = r.grammar.repaired(r.drafts)
+            if r.grammar is None or not r.drafts:
+                continue
+            new = r.grammar.repaired(r.drafts)
+            if r.params.temperature > 0:
+                if draft_probs is None:
+                    continue
+                for j in (j for j, (a, b) in enumerate(zip(r.drafts, new)) if a != b):
+                    draft_probs[r.slot, j].zero_()
+                    draft_probs[r.slot, j, new[j]] = 1.0
+            r.drafts = new
 
     def fill(self, layout, num_rows: int) -> None:
         """The bitmask rows of a step, sent to the device: `layout` lists (request, rows) in row order (a verify:

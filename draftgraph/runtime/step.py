@@ -179,8 +179,8 @@ class StepRunner:
         nd = len(decodes)
         # A request starting at position 0 (new, or recomputed after a preemption) gets its slot's penalty state.
         self.penalties.admit([c.req for c in chunks if c.req.num_computed == 0])
-        if any(r.grammar is not None for r in decodes):  # runtime/grammar.py: refused greedy drafts -> forced tokens
-            self.grammar.repair(decodes)
+        if any(r.grammar is not None for r in decodes):  # runtime/grammar.py: refused drafts -> forced tokens
+            self.grammar.repair(decodes, self.proposer.draft_probs if self.proposer is not None else None)
 
         uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         if uniform is not None and self.uniform is not None:
