@@ -181,7 +181,10 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)} needs the engine's tokenizer, and it has none; {HOW_TO_GIVE}")
         if params.structured is not None and self.tokenizer is None:
-            raise ValueError(f"{params.structured[0]} needs the engine's tokenizer, and it has none; {HOW_TO_GIVE}")
+            raise ValueError(
+                f"{params.structured[0]} needs the engine's tokenizer, and it has none (a rank of a tensor- or "
+                f"data-parallel engine sees token ids only: not supported there yet); {HOW_TO_GIVE}"
+            )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab}) and can never stop")
