@@ -20,6 +20,11 @@ Variants, compiled in this one process and measured side by side:
 * `logprobs`, `penalties`, `pen+lp`: `overlap`'s engine, its requests asking for the top 5 logprobs, for
   repetition 1.1 / presence 0.3 / frequency 0.2 penalties and a logit bias, or for both (the one-graph step's
   "_logprobs" / "_penalties" variants, captured by their first step).
+* `json`: `overlap`'s engine, every request with a JSON schema (one string property: the output stays inside the
+  string for the whole run), the one-graph step's "_grammar" variants: the host fills each verify row's bitmask
+  between steps, so these steps are not overlapped. The engine's tokenizer is a 300-token byte-level BPE trained
+  here (the built-in pair has none), the bitmask spans the target's whole vocabulary: the device's masking costs
+  what it would with a real tokenizer, xgrammar's host fill less (its token-mask cache is over 300 tokens).
 A variant with other OpChoices gets its own model pair built with them (the target's weights shared).
 Then a profiler pass over steady steps of the first variant's engine: graph replays, kernels outside graphs.
 
@@ -67,7 +72,22 @@ PARAMS = {  # name: SamplingParams fields of every request, on `overlap`'s engin
     "logprobs": dict(logprobs=5),
     "penalties": PENALTIES,
     "pen+lp": dict(PENALTIES, logprobs=5),
+    "json": dict(json_schema={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
 }
+
+
+def bench_tokenizer():
+    """A 300-token byte-level BPE with an eos (structured output needs the engine's tokenizer)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", '{"text": "hello, world"}'] * 10, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
 _pairs: dict[OpChoices, tuple] = {}
@@ -85,7 +105,8 @@ def engine(spec: bool, sizes, k, ctx, variant: str):
     fields = dict(VARIANTS[variant])
     target, drafter = pair(fields.get("ops", DEFAULT_OPS))
     drafter = drafter if spec else None
-    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, **fields)
+    tokenizer = bench_tokenizer() if variant == "overlap" else None  # for the `json` variant
+    eng = full_engine(target, drafter, max(sizes), k, ctx, sizes=sizes, tokenizer=tokenizer, **fields)
     name = f"{'spec' if drafter is not None else 'plain'} {variant}"
     print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
     return eng

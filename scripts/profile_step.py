@@ -25,9 +25,9 @@ from draftgraph.runtime.profiling import profile_steps
 from scripts.bench_piecewise import build_pair, copy_bandwidth
 
 
-def engine(target, drafter, b, k, ctx, inductor_options=None, sizes=None, **over):
+def engine(target, drafter, b, k, ctx, inductor_options=None, sizes=None, tokenizer=None, **over):
     """A FULL-mode CUDA engine graphing batch sizes `sizes` (default: b alone); `over`: more CompileConfig
-    fields (scripts/bench_step.py: one_graph_step)."""
+    fields (scripts/bench_step.py: one_graph_step); `tokenizer`: the engine's (bench_step's json variant)."""
     sizes = tuple(sizes) if sizes else (b,)
     max_b = max(sizes)
     cfg = dg.CompileConfig(
@@ -43,7 +43,7 @@ def engine(target, drafter, b, k, ctx, inductor_options=None, sizes=None, **over
         inductor_options=inductor_options,
         **over,
     )
-    return dg.compile_model(target, drafter, cfg)
+    return dg.compile_model(target, drafter, cfg, tokenizer=tokenizer)
 
 
 def profile(eng, b, ctx, steps=10):

@@ -248,6 +248,38 @@ def test_penalties_and_logit_bias_reach_the_engine(client, ckpts, engine):
     assert got.choices[0].token_ids == [forced] * 4
 
 
+def test_response_format_and_guided_fields_reach_the_engine(client, engine):
+    """OpenAI's response_format (json_schema) and vLLM's guided_regex: the served text validates / matches, finishes
+    with "stop", and its tokens equal engine.generate with the same SamplingParams; bad values are 400s that name
+    the field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["fox", "dog"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "json please"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0,
+                                         response_format=fmt)  # fmt: skip
+    value = json.loads(got.choices[0].message.content)
+    assert set(value) == {"ok", "tag"} and isinstance(value["ok"], bool) and value["tag"] in ("fox", "dog")
+    assert got.choices[0].finish_reason == "stop"
+    ref = engine.generate([PROMPTS[1]], dg.SamplingParams(max_tokens=16, regex="(yes|no)-[a-c]{1,3}"))[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                    extra_body={"guided_regex": "(yes|no)-[a-c]{1,3}"})  # fmt: skip
+    assert got.choices[0].token_ids == ref.token_ids and got.choices[0].finish_reason == ref.finish_reason == "stop"
+    cases = [
+        (dict(extra_body={"response_format": {"type": "xml"}}), "response_format={'type': 'xml'} must be",
+         "response_format"),
+        (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}),
+         "is not a JSON schema xgrammar can compile", "response_format"),
+        (dict(extra_body={"guided_regex": "(ab"}), "is not a regular expression", "guided_regex"),
+        (dict(extra_body={"guided_regex": "a", "guided_grammar": "root ::= \"a\""}), "set together", "guided_grammar"),
+    ]  # fmt: skip
+    for kw, message, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, **kw)
+        err = e.value.body
+        assert e.value.status_code == 400 and message in err["message"] and err["param"] == param, (kw, err)
+
+
 def test_32_concurrent_streams_each_get_their_own_text(server, ckpts, reference):
     tok = ckpts[2]
     # Request i: prompt i % 3, i % 5 + 4 tokens (the reference's first tokens: greedy decoding is a prefix).

@@ -171,6 +171,8 @@ class Engine:
         req.stop_ids = (frozenset() if params.ignore_eos else self._eos) | frozenset(params.stop_token_ids)
         if params.stop:
             req.stops = StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        if params.structured is not None:  # runtime/grammar.py: its matcher, compiled for the engine's tokenizer
+            req.grammar = self.runner.grammar.matcher(self.tokenizer, params, req.stop_ids, req.id)
         self._next_id += 1
         self.scheduler.add(req)
         return req.id
@@ -193,6 +195,11 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)} needs the engine's tokenizer, and it has none; {HOW_TO_GIVE}")
+        if params.structured is not None and self.tokenizer is None:
+            raise ValueError(
+                f"{params.structured[0]} needs the engine's tokenizer, and it has none (a rank of a tensor- or "
+                f"data-parallel engine sees token ids only: not supported there yet); {HOW_TO_GIVE}"
+            )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} lie outside the vocabulary [0, {vocab}) and can never stop")
@@ -231,6 +238,8 @@ class Engine:
             self.states.admit(batch.prefills)
         t0 = time.perf_counter()
         defer = self.config.overlap_steps and self.lockstep is None and not batch.prefills
+        # a grammar's next bitmask needs this step's drafts on the host (runtime/grammar.py): not overlapped
+        defer = defer and not any(r.grammar is not None for r in batch.decodes)
         result = self.runner.run(batch, defer=defer)
         self._stats["seconds"] += time.perf_counter() - t0
         self._stats["steps"] += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftgraph.runtime.grammar import STRUCTURED_FIELDS, RequestGrammar, check_structured
 from draftgraph.runtime.kv_cache import BlockTable
 from draftgraph.runtime.logprobs import MAX_LOGPROBS, RowLogprobs
 from draftgraph.runtime.penalties import MAX_LOGIT_BIAS
@@ -43,6 +44,13 @@ class SamplingParams:
     # {token id: bias in [-100, 100]} added to the logit (OpenAI's); kept as a tuple of (id, bias) pairs sorted by
     # id so the params stay hashable; ids are checked against the vocabulary when the request is added.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output (runtime/grammar.py, through xgrammar: `pip install draftgraph[structured]`), at most one: a
+    # JSON schema (a dict, or its JSON text; kept as JSON text; compact whitespace), a regular expression, or an EBNF
+    # grammar in xgrammar's syntax. The output follows it exactly (also under speculation) and ends with "stop" at
+    # the stop token (eos, else stop_token_ids) the grammar allows once complete. Needs the engine's tokenizer.
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -63,6 +71,12 @@ class SamplingParams:
             )
         check_penalties(self)
         check_logit_bias(self)
+        check_structured(self)
+
+    @property
+    def structured(self) -> tuple[str, str] | None:
+        """(field, its text) of the structured output asked for (runtime/grammar.py), or None."""
+        return next(((f, getattr(self, f)) for f in STRUCTURED_FIELDS if getattr(self, f) is not None), None)
 
     @property
     def uses_logits_processing(self) -> bool:
@@ -117,6 +131,7 @@ class Request:
     num_accepted_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None  # one per output token, when params.logprobs is set
     cumulative_logprob: float = 0.0
+    grammar: RequestGrammar | None = None  # the matcher of params.structured (runtime/grammar.py), set when added
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -147,7 +162,8 @@ class Request:
     ) -> None:
         """Append emitted tokens up to max_tokens or the first stop token (kept in the output); with
         `logprobs` (one per emitted token) and params.logprobs set, their entries alongside. A stop string the
-        output text comes to contain ends the request at the token that completes it."""
+        output text comes to contain ends the request at the token that completes it, and so does a stop token
+        that terminates the request's grammar."""
         for i, tok in enumerate(new_tokens):
             self.tokens.append(tok)
             self.output.append(tok)
@@ -156,7 +172,8 @@ class Request:
                     raise RuntimeError(f"request {self.id} asked for logprobs but its step gathered none")
                 self.logprobs.append(logprobs[i].entry(tok, self.params.logprobs))
                 self.cumulative_logprob += logprobs[i].chosen
-            if tok in stop_ids or (self.stops is not None and self.stops.push(tok)):
+            ended = self.grammar is not None and self.grammar.advance(tok)
+            if ended or tok in stop_ids or (self.stops is not None and self.stops.push(tok)):
                 self.finish_reason = "stop"
                 return
             if len(self.output) >= self.params.max_tokens:

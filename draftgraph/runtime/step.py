@@ -23,6 +23,7 @@ from draftgraph.runtime.attn_metadata import MetadataBuilder, RequestSlice
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatcher
 from draftgraph.runtime.drafting import advance
 from draftgraph.runtime.forwards import Forwards
+from draftgraph.runtime.grammar import GrammarState
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.logprobs import RowLogprobs, gather_logprobs, packed_size, unpack
 from draftgraph.runtime.penalties import PenaltyState
@@ -161,6 +162,9 @@ class StepRunner:
         capacity = shape.max_num_seqs * (2 * self.k + 2) + packed_size(rows, tc.vocab_size)
         self.host = HostCopy(capacity, self.device)  # the step's one wait
         self.penalties = PenaltyState(shape.max_num_seqs, tc.vocab_size, self.device)  # per-slot logits processing
+        # Structured output's bitmask rows (runtime/grammar.py): every verify row of the largest padded uniform batch
+        grammar_rows = max((*dispatcher.full_reqs, shape.max_num_seqs)) * (self.k + 1)
+        self.grammar = GrammarState(grammar_rows, tc.vocab_size, self.device)
         self.uniform = UniformStep(self) if shape.one_graph_step else None
 
     # ---- the step --------------------------------------------------------------------------------
@@ -176,6 +180,8 @@ class StepRunner:
         nd = len(decodes)
         # A request just admitted (new, or recomputed after a preemption) gets its slot's penalty state.
         self.penalties.admit([c.req for c in chunks if c.first])  # their first chunk may start after a cached prefix
+        if any(r.grammar is not None for r in decodes):  # runtime/grammar.py: refused drafts -> forced tokens
+            self.grammar.repair(decodes, self.proposer.draft_probs if self.proposer is not None else None)
 
         uniform = self.shapes.verify if nd and not chunks else None  # every request verifies 1 + K tokens
         if uniform is not None and self.uniform is not None:
@@ -216,6 +222,9 @@ class StepRunner:
             dec_p = self.penalties.process(logits[: nd * (k + 1)].view(nd, k + 1, vocab), slots_t[:nd], drafts_t)
             pre_p = self.penalties.process(logits[nd * (k + 1) :, None], slots_t[nd:], None)[:, 0]
             logits = torch.cat([dec_p.view(nd * (k + 1), vocab), pre_p])
+        if any(r.grammar is not None for r in sampled):  # runtime/grammar.py: verify row i after drafts 0..i-1
+            self.grammar.fill([(r, k + 1) for r in decodes] + [(c.req, 1) for c in last_chunks], logits.shape[0])
+            logits = self.grammar.apply(logits)
         dec_logits = logits[: nd * (k + 1)].view(nd, k + 1, vocab)
         dec_pos = positions[: nd * (k + 1)].view(nd, k + 1) + 1  # positions the verify rows predict
         if k:

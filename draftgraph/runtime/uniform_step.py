@@ -12,9 +12,11 @@ In FULL modes on CUDA it is one graph per (padded request count, variant): `Grap
 request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
 When a request of the batch asks for logit bias, min_tokens or penalties, the "_penalties" variants (before
 "_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it) and count
-the emitted tokens in the slot buffers. Only "greedy" and "sample" are captured at warm-up; every variant with a
-suffix is captured at the first step that needs it, so engines whose requests never ask for logprobs or
-penalties capture no more graphs than that.
+the emitted tokens in the slot buffers. When a request asks for structured output, the "_grammar" variants (after
+"_penalties", before "_logprobs") set the tokens its grammar forbids to -inf on every verify row (the bitmask the
+host filled before the launch, row i after drafts 0..i-1: runtime/grammar.py). Only "greedy" and "sample" are
+captured at warm-up; every variant with a suffix is captured at the first step that needs it, so engines whose
+requests never ask for logprobs, penalties or structured output capture no more graphs than that.
 Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
 the step's own named buffers
 (`StepBuffers`: input ids, request slots, cached lengths, valid rows, sampling parameters), filled on the host
@@ -37,6 +39,7 @@ from draftgraph.ops.attention.uniform_metadata import uniform_metadata
 from draftgraph.runtime.device_tables import DeviceTables
 from draftgraph.runtime.dispatcher import BatchDescriptor, Dispatch
 from draftgraph.runtime.drafting import SAMPLING_FIELDS, draft_loop
+from draftgraph.runtime.grammar import GrammarState
 from draftgraph.runtime.logprobs import gather_logprobs
 from draftgraph.runtime.penalties import PenaltyState
 from draftgraph.runtime.rejection import rejection_sample
@@ -61,15 +64,24 @@ _GREEDY = SamplingTensors(None, None, None, None, (True,))  # type: ignore[arg-t
 _SAMPLE_PAD = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0)  # padding rows draw from a plain softmax
 LOGPROBS_SUFFIX = "_logprobs"
 PENALTIES_SUFFIX = "_penalties"
+GRAMMAR_SUFFIX = "_grammar"
 # The step's variants: the draft loop's (greedy or sampled; captured at warm-up), each also with logits processing
-# (runtime/penalties.py), logprobs gathered, or both (captured at the first step that asks for one).
-STEP_VARIANTS = tuple(v + p + lp for v in LOOP_VARIANTS for p in ("", PENALTIES_SUFFIX) for lp in ("", LOGPROBS_SUFFIX))
+# (runtime/penalties.py), grammar masks (runtime/grammar.py), logprobs gathered, or any of them together (captured at
+# the first step that asks for them).
+STEP_VARIANTS = tuple(
+    v + p + g + lp
+    for v in LOOP_VARIANTS
+    for p in ("", PENALTIES_SUFFIX)
+    for g in ("", GRAMMAR_SUFFIX)
+    for lp in ("", LOGPROBS_SUFFIX)
+)
 
 
-def step_variant(sampled: bool, logprobs: bool, penalties: bool = False) -> str:
+def step_variant(sampled: bool, logprobs: bool, penalties: bool = False, grammar: bool = False) -> str:
     return (
         LOOP_VARIANTS[1 if sampled else 0]
         + (PENALTIES_SUFFIX if penalties else "")
+        + (GRAMMAR_SUFFIX if grammar else "")
         + (LOGPROBS_SUFFIX if logprobs else "")
     )
 
@@ -97,8 +109,11 @@ class UniformStep:
         )
         self.tables = DeviceTables(runner.shape.max_num_seqs, runner.shape.max_blocks_per_req, dev)
         self.penalties: PenaltyState = runner.penalties
+        self.grammar: GrammarState = runner.grammar
         self.fns = {
-            v: self._body(v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX), PENALTIES_SUFFIX in v)
+            v: self._body(
+                v.startswith("sample"), v.endswith(LOGPROBS_SUFFIX), PENALTIES_SUFFIX in v, GRAMMAR_SUFFIX in v
+            )  # fmt: skip
             for v in STEP_VARIANTS
         }
         self.k = k
@@ -142,8 +157,11 @@ class UniformStep:
         host (`HostCopy.start`), which `Launched.ticket` waits for."""
         sampled = not all(x.params.temperature <= 0 for x in decodes)
         penalties = any(x.params.uses_logits_processing for x in decodes)
-        variant = step_variant(sampled, any(x.params.logprobs is not None for x in decodes), penalties)
+        grammar = any(x.grammar is not None for x in decodes)
+        variant = step_variant(sampled, any(x.params.logprobs is not None for x in decodes), penalties, grammar)
         x = self.inputs(decodes, d, sampled)
+        if grammar:  # the bitmask rows after each request's drafts (never relaunched: runtime/engine.py)
+            self.grammar.fill([(r, self.r.shapes.verify) for r in decodes], d.num_reqs * self.r.shapes.verify)
         key = GraphKey.step(self.r.shapes.verify, d.num_reqs, variant)
         return self._replay(Launched(list(decodes), d.num_reqs, key, x, None))
 
@@ -151,6 +169,8 @@ class UniformStep:
         """The next step of the same requests, launched before the host has read `last`: the step advanced its
         own inputs (next tokens and lengths) on the device, so nothing is sent but blocks the requests gained
         (their tables must hold this step's rows: runtime/engine.py grows them first)."""
+        if GRAMMAR_SUFFIX in last.key.variant:
+            raise RuntimeError("a step with a grammar cannot be relaunched: its bitmask needs the last step's drafts")
         self.tables.update(last.decodes)
         return self._replay(Launched(last.decodes, last.num_reqs, last.key, last.x, None))
 
@@ -176,7 +196,7 @@ class UniformStep:
 
     # ---- the device side --------------------------------------------------------------------------
 
-    def _body(self, sampled: bool, logprobs: bool, penalties: bool = False):
+    def _body(self, sampled: bool, logprobs: bool, penalties: bool = False, grammar: bool = False):
         def step(x: dict) -> torch.Tensor:
             r, k = self.r, self.k
             ids, slots = x["input_ids"], x["slots"]
@@ -191,6 +211,8 @@ class UniformStep:
             draft_ids = ids.view(b, k + 1)[:, 1:]
             # Logits processing sees verify row i after drafts 0..i-1; logprobs keep the raw logits.
             chosen = self.penalties.process(logits, slots, draft_ids if k else None) if penalties else logits
+            if grammar:  # row i's bitmask after drafts 0..i-1 (filled by the host before the launch)
+                chosen = self.grammar.apply(chosen)
             if not k:
                 tokens = sample(chosen[:, 0], st, predicts[:, 0], r.shape.race_kernel)
                 accepted = torch.zeros_like(tokens)

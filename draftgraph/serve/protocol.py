@@ -15,7 +15,6 @@ UNSUPPORTED = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
 }
@@ -114,6 +113,46 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if lp else None
 
 
+RESPONSE_FORMATS = (
+    "{'type': 'text'}, {'type': 'json_object'} (any JSON object) or {'type': 'json_schema', 'json_schema': "
+    "{'name': ..., 'schema': {...}}}"
+)
+# vLLM's extra-body fields of structured output -> SamplingParams' (runtime/grammar.py)
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
+
+
+def structured(body: dict) -> dict:
+    """SamplingParams' json_schema / regex / grammar from OpenAI's `response_format` or vLLM's guided_json /
+    guided_regex / guided_grammar (at most one of them); {} when none asks for structured output. The values
+    themselves are checked by SamplingParams."""
+    out, given = {}, []
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ServeError(400, f"response_format={str(rf)[:80]} must be {RESPONSE_FORMATS}", "response_format")
+        if kind == "json_object":
+            out["json_schema"], given = {"type": "object"}, ["response_format"]
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise ServeError(
+                    400, f"response_format.json_schema={str(js)[:80]} needs a 'schema' object: {RESPONSE_FORMATS}",
+                    "response_format",
+                )  # fmt: skip
+            out["json_schema"], given = schema, ["response_format"]
+    for name, field in GUIDED.items():
+        if body.get(name) is not None:
+            given.append(name)
+            out[field] = body[name]
+    if len(given) > 1:
+        raise ServeError(400, f"{' and '.join(given)} are set together; give one form of structured output", given[1])
+    if given:
+        out["_source"] = given[0]
+    return out
+
+
 def sampling_params(body: dict, default_max_tokens: int, chat: bool = False):
     """SamplingParams from the body (its ValueErrors are the engine's messages: the caller answers 400)."""
     import draftgraph as dg
@@ -129,6 +168,8 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool = False):
     ids = body.get("stop_token_ids") or []
     max_tokens = _int(body, "max_completion_tokens", None)
     max_tokens = _int(body, "max_tokens", max_tokens if max_tokens is not None else default_max_tokens)
+    guided = structured(body)
+    source = guided.pop("_source", None)  # the body field a structured-output error names
     try:
         return dg.SamplingParams(
             max_tokens=max_tokens,
@@ -146,9 +187,12 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool = False):
             repetition_penalty=_float(body, "repetition_penalty", 1.0),
             min_tokens=_int(body, "min_tokens", 0),
             logit_bias=body.get("logit_bias") or {},
+            **guided,
         )
     except ValueError as e:
-        raise ServeError(400, str(e)) from e
+        raise ServeError(400, str(e), source if str(e).split("=")[0] in guided else None) from e
+    except ImportError as e:  # xgrammar missing (runtime/grammar.py): the server cannot honour it
+        raise ServeError(400, str(e), source) from e
 
 
 def common(body: dict) -> tuple[int, bool, bool]:
