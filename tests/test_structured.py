@@ -242,7 +242,9 @@ def test_verify_rows_follow_the_drafts_before_them(ckpt):  # noqa: F811
         if i < K:
             assert ref.accept_token(good[i])
     assert got[3].sum() < vocab and got[4].sum() < vocab  # "n-" and the start: masked
-    assert not got[5, bad[1]] and got[6].all() and got[7].all()  # "x" refused after "n": nothing after it masked
+    n = len(tok)  # rows after a refused draft allow every id of the tokenizer; the head's padding ids never
+    assert not got[5, bad[1]] and got[6, :n].all() and got[7, :n].all()  # "x" refused after "n": no mask after it
+    assert not got[:8, n:].any()  # the LM head's padding ids (past the tokenizer's) are in no grammar's output
     for r in (a, b):  # rolled back: accepts "no-a" from the start
         assert all(r.grammar.matcher.accept_token(t) for t in tok.encode("no-a", add_special_tokens=False))
     state.fill([(Req([], None), 1), (a, 1)], 2)
