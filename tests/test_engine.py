@@ -46,7 +46,7 @@ def reference(target):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_lossless_greedy_every_drafter_and_k(target, reference, kind, k):
     prompts, params, arrivals = ragged(16)
@@ -55,8 +55,8 @@ def test_lossless_greedy_every_drafter_and_k(target, reference, kind, k):
     assert [o.token_ids for o in outs] == reference
     s = eng.stats()
     assert s["draft_tokens"] == k * s["verify_steps"] and s["verify_steps"] > 0
-    # The copy drafters and the truncated draft model reach real, partial acceptance, so the accepted
-    # and the rejected paths both ran.
+    # The copy drafters, the truncated draft model and prompt lookup (a random model's outputs repeat) reach
+    # real, partial acceptance, so the accepted and the rejected paths both ran.
     assert 0 < s["accepted_tokens"] < s["draft_tokens"]
     assert sum(s["acceptance_histogram"]) == s["verify_steps"]
 
