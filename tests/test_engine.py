@@ -61,6 +61,20 @@ def test_lossless_greedy_every_drafter_and_k(target, reference, kind, k):
     assert sum(s["acceptance_histogram"]) == s["verify_steps"]
 
 
+def test_ngram_accepts_on_a_prompt_it_repeats(target):
+    """Prompt lookup on a repetitive workload: each prompt holds the target's own continuation of it, then the
+    prompt again; the output stays the target's alone and most drafts are accepted."""
+    prompts, _, _ = ragged(4)
+    params = dg.SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in engine(target, None, k=0).generate(prompts, [params] * 4)]
+    repeated = [p + c + p for p, c in zip(prompts, plain)]
+    ref = [o.token_ids for o in engine(target, None, k=0).generate(repeated, [params] * 4)]
+    eng = engine(target, "ngram", k=3, ngram_min=1, ngram_max=3)
+    assert [o.token_ids for o in eng.generate(repeated, [params] * 4)] == ref
+    s = eng.stats()
+    assert s["accepted_tokens"] > 0.3 * s["draft_tokens"] and eng.drafter is None  # no drafter model
+
+
 @pytest.mark.parametrize("batch", [1, 5, 16])
 def test_lossless_batch_sizes_all_at_once(target, reference, batch):
     prompts, params, _ = ragged(16)
