@@ -49,7 +49,7 @@ def test_ngram_is_lossless_and_runs_in_the_one_graph_step(target):
     eng.reset_stats()
     assert [o.token_ids for o in eng.generate(repeated, [greedy] * 8)] == ref
     s = eng.stats()
-    assert s["accepted_tokens"] > 0.3 * s["draft_tokens"], s["acceptance_histogram"]
+    assert s["accepted_tokens"] > 0.25 * s["draft_tokens"], s["acceptance_histogram"]
 
     # Sampled requests: the sampled one-graph step (one-hot q in the acceptance) replays, nothing falls back.
     sampled = [dg.SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)]
