@@ -113,3 +113,5 @@ def test_ngram_settings_are_checked():
     with pytest.raises(ValueError, match="drafter_kind='eagle'"):
         is_ngram("ngram", "eagle")
     assert is_ngram("ngram", None) and not is_ngram(None, None)
+    with pytest.raises(ValueError, match="one-process engines only"):  # before any worker starts
+        dg.compile_model(object(), "ngram", dg.CompileConfig(tensor_parallel_size=2))
