@@ -63,6 +63,13 @@ def compile_model(
     if launch is not None:
         return join_launch(launch, request)
     if request.config.tensor_parallel_size * request.config.data_parallel_size > 1:
+        from draftgraph.models.drafters.ngram import is_ngram
+
+        if is_ngram(drafter, config.drafter_kind):
+            raise ValueError(
+                "drafter='ngram' runs in one-process engines only for now (tensor_parallel_size x data_parallel_size "
+                "= 1); use a model drafter with several ranks, or one rank"
+            )
         from draftgraph.workers.driver import start_workers
 
         return start_workers(request)

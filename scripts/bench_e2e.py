@@ -12,12 +12,17 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     tokens, against its bandwidth floor: the bytes read once per step (plain: target layers + LM head +
     KV; spec: that + K x (drafter layers + LM head + drafter KV)) over the measured copy bandwidth. Unlike
     bench_full.py's step floor this counts the target's LM head.
+(d) `--ngram`: instead of (a)-(c), plain decoding against the n-gram drafter (drafter="ngram", prompt lookup,
+    no drafter model) on the target alone, on a repetitive workload: each prompt is a random text X, the
+    target's own greedy continuation G of it (`--new-tokens`), then X again, so the text to produce is in the
+    prompt (as when rewriting or editing it); tokens/s, accepted drafts per step, speedup, tokens equal.
 Wall times: synchronize + perf_counter around whole generate() calls, medians of `--runs` after a warm-up.
 Correctness: leading greedy tokens equal between our plain and speculative runs and transformers' generate
 (asserted in float32, i.e. `--tiny`; bf16 may differ by rounding, so only counted there).
 
 Usage: python scripts/bench_e2e.py            (CUDA, the 1B pair)
        python scripts/bench_e2e.py --tiny     (smoke test: the tiny pair in float32, CPU or CUDA)
+       python scripts/bench_e2e.py --ngram    (d): plain against prompt lookup on a repetitive workload
 """
 
 from __future__ import annotations
@@ -102,6 +107,50 @@ def build_engines(target, drafter, args, device) -> dict:
     return engines
 
 
+def ngram_bench(target, spec, args, device) -> None:
+    """(d): plain decoding against the n-gram drafter on prompts X + G + X (G: the target's greedy continuation of
+    X), at each batch of `--batches`; prints tokens/s, accepted drafts per step, speedup and equal tokens."""
+    k, n, b_max = args.k, args.new_tokens, max(args.batches)
+    base = dict(
+        max_num_seqs=b_max, max_num_batched_tokens=max(b_max * (k + 1), 2048),
+        max_model_len=2 * args.prompt_len + 2 * n + 2 * k + 2, gpu_memory_utilization=0.0, progress=False,
+    )  # fmt: skip
+    engines = {}
+    for name, d in (("plain", None), ("ngram", "ngram")):
+        extra = {"num_speculative_tokens": k, "ngram_max": args.ngram_max} if d is not None else {}
+        if device.type == "cuda":
+            rows = (1, k + 1) if d is not None else (1,)
+            extra["capture_sizes"] = tuple(sorted({b * q for b in args.batches for q in rows}))
+            extra["full_capture_sizes"] = tuple(args.batches)
+        t0 = time.perf_counter()
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra))
+        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randint(0, spec.vocab_size, (b_max, args.prompt_len), generator=g).tolist()
+    params = dg.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    conts = [o.token_ids for o in engines["plain"].generate(xs, params)]
+    prompts = [x + c + x for x, c in zip(xs, conts)]
+    res, tokens = {}, {}
+    for b in args.batches:
+        for name, eng in engines.items():
+            sec, outs = timed_runs(lambda e=eng, ps=prompts[:b]: e.generate(ps, params), device, args.runs)
+            s = eng.stats()
+            res[name, b] = (b * n / sec, s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0)
+            tokens[name, b] = [o.token_ids for o in outs]
+    print(
+        f"\n{versions(device)}; {str(target.cfg.dtype).removeprefix('torch.')}, greedy, K={k}, n-gram sizes "
+        f"1..{args.ngram_max}\n(d) generate(): {n} new tokens after X + G + X ({2 * args.prompt_len + n} tokens; G = "
+        f"the target's own {n}-token continuation of X), tokens/s (median of {args.runs})"
+    )
+    hdr = f"{'B':>4} | {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} | {'accepted/step':>13} | ngram = plain"
+    print(hdr + "\n" + "-" * len(hdr))
+    for b in args.batches:
+        (p, _), (s_, acc) = res["plain", b], res["ngram", b]
+        same, total = leading_matches(tokens["ngram", b], tokens["plain", b])
+        print(f"{b:>4} | {p:>11.1f} {s_:>11.1f} {s_ / p:>7.2f} | {acc:>13.2f} | {same}/{total} tokens")
+    print(f"\nngram engine forwards by artifact (last call): {engines['ngram'].stats()['dispatch']}")
+
+
 def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:
     """transformers' static-cache decoding, compiled the way transformers does it itself: with a static cache,
     generate() compiles the decoding forward (its CompileConfig: fullgraph, mode "reduce-overhead", i.e. CUDA
@@ -179,6 +228,8 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=30, help="timed steps per batch size in (c)")
     ap.add_argument("--runs", type=int, default=None, help="timed generate() runs (default 3; tiny: 1)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache compiled decoding")
+    ap.add_argument("--ngram", action="store_true", help="(d) only: plain against prompt lookup, repetitive prompts")
+    ap.add_argument("--ngram-max", type=int, default=3, help="(d): the longest n-gram matched (default 3)")
     args = ap.parse_args()
     tiny = args.tiny
     args.batches = [int(x) for x in (args.batches or ("1,4" if tiny else "1,8,32")).split(",")]
@@ -199,6 +250,9 @@ def main():
     hf, target, drafter = acceptance_pair(spec, dtype=dtype, device=device, attn_impl=attn)
     sync(device)
     print(f"built the pair ({spec.num_layers} layers, drafter {spec.draft_layers}) in {time.perf_counter() - t0:.1f} s")
+    if args.ngram:  # (d) alone: the target without its drafter
+        ngram_bench(target, spec, args, device)
+        return
     bw = bandwidth(device)
     engines = build_engines(target, drafter, args, device)
     k, n = args.k, args.new_tokens

@@ -76,6 +76,8 @@ def copy_eagle3(target: CausalLM, draft_vocab: int | None = None):
 def make_drafter(kind: str, target: CausalLM):
     from draftgraph.models.drafters.loader import truncated_draft_model
 
+    if kind == "ngram":  # prompt lookup: no model, selected by name (models/drafters/ngram.py)
+        return "ngram"
     if kind == "draft_model":
         return truncated_draft_model(target, target.cfg.num_layers - 1)
     if kind == "eagle3_reduced":  # EAGLE-3 over a reduced draft vocabulary (5/8 of the target's, through d2t)

@@ -46,6 +46,8 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     assert config.mode == "auto" and config.max_model_len == 128 and config.gpu_memory_utilization == 0.5
     assert config.overlap_steps and not _config(parser.parse_args(["generate", "--no-overlap-steps"])).overlap_steps
     assert config.prefix_caching
+    args = parser.parse_args(["generate", "--drafter", "ngram", "--ngram-min", "2", "--ngram-max", "4"])
+    assert args.drafter == "ngram" and (_config(args).ngram_min, _config(args).ngram_max) == (2, 4)
     for command in ("generate", "serve", "build"):  # the commands that build an engine
         extra = {"generate": [], "serve": [], "build": ["--out", "x"]}[command]
         assert not _config(parser.parse_args([command, "--no-prefix-caching", *extra])).prefix_caching
@@ -62,6 +64,7 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
         (["--max-num-seqs", "0"], "max_num_seqs=0 must be at least 1"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 must lie in (0, 1)"),
         (["--block-size", "12"], "block_size=12 must be a power of two"),
+        (["--drafter", "ngram", "--ngram-max", "0"], "1 <= ngram_min <= ngram_max <= 16"),
     ],
 )
 def test_bad_values_fail_before_anything_is_built(flags, message, capsys, monkeypatch):

@@ -46,7 +46,7 @@ def reference(target):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "ngram"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_lossless_greedy_every_drafter_and_k(target, reference, kind, k):
     prompts, params, arrivals = ragged(16)
@@ -55,10 +55,24 @@ def test_lossless_greedy_every_drafter_and_k(target, reference, kind, k):
     assert [o.token_ids for o in outs] == reference
     s = eng.stats()
     assert s["draft_tokens"] == k * s["verify_steps"] and s["verify_steps"] > 0
-    # The copy drafters and the truncated draft model reach real, partial acceptance, so the accepted
-    # and the rejected paths both ran.
+    # The copy drafters, the truncated draft model and prompt lookup (a random model's outputs repeat) reach
+    # real, partial acceptance, so the accepted and the rejected paths both ran.
     assert 0 < s["accepted_tokens"] < s["draft_tokens"]
     assert sum(s["acceptance_histogram"]) == s["verify_steps"]
+
+
+def test_ngram_accepts_on_a_prompt_it_repeats(target):
+    """Prompt lookup on a repetitive workload: each prompt holds the target's own continuation of it, then the
+    prompt again; the output stays the target's alone and most drafts are accepted."""
+    prompts, _, _ = ragged(4)
+    params = dg.SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in engine(target, None, k=0).generate(prompts, [params] * 4)]
+    repeated = [p + c + p for p, c in zip(prompts, plain)]
+    ref = [o.token_ids for o in engine(target, None, k=0).generate(repeated, [params] * 4)]
+    eng = engine(target, "ngram", k=3, ngram_min=1, ngram_max=3)
+    assert [o.token_ids for o in eng.generate(repeated, [params] * 4)] == ref
+    s = eng.stats()
+    assert s["accepted_tokens"] > 0.3 * s["draft_tokens"] and eng.drafter is None  # no drafter model
 
 
 @pytest.mark.parametrize("batch", [1, 5, 16])

@@ -73,3 +73,45 @@ def test_one_trace_for_every_history():
         lens = torch.randint(0, 17, (4,), generator=g)
         assert [t.tolist() for t in fn(hist, lens)] == [t.tolist() for t in ngram_propose(hist, lens, 3, 1, 3)]
     assert counts["frames"] == 1  # no recompiles, no graph breaks (fullgraph)
+
+
+def test_state_records_emitted_tokens_and_proposes_from_them():
+    """NgramState (runtime/ngram_state.py): admitted prompts, then each step's emitted tokens (the first
+    num_emitted of each row; padding rows into the scratch row) appended on the device; proposals equal the
+    reference over the host's view of each history."""
+    from types import SimpleNamespace
+
+    from draftgraph.runtime.ngram_state import NgramState
+
+    k, rng = 3, random.Random(5)
+    state = NgramState(max_num_seqs=4, max_model_len=40, k=k, n_min=1, n_max=3, device="cpu")
+    hist = {0: [1, 2, 3, 4, 1, 2], 2: [5, 6, 5]}
+    state.admit([SimpleNamespace(slot=s, tokens=t) for s, t in hist.items()])
+    for _ in range(6):
+        tokens = torch.tensor([[rng.randrange(1, 7) for _ in range(k + 1)] for _ in range(3)])
+        emitted = torch.tensor([rng.randrange(1, k + 2), rng.randrange(1, k + 2), 4])
+        slots = torch.tensor([0, 2, state.scratch])  # the last row pads the batch
+        drafts = state.step(slots, tokens, emitted)
+        for row, s in enumerate((0, 2)):
+            hist[s] += tokens[row, : emitted[row]].tolist()
+            assert drafts[row].tolist() == reference(hist[s], k, 1, 3, 0)[0]
+    assert state.lengths[:3].tolist() == [len(hist[0]), 0, len(hist[2])]
+
+
+def test_ngram_settings_are_checked():
+    import draftgraph as dg
+    from draftgraph.models.drafters.ngram import is_ngram
+
+    with pytest.raises(ValueError, match="1 <= ngram_min <= ngram_max <= 16"):
+        dg.CompileConfig(ngram_min=0)
+    with pytest.raises(ValueError, match="ngram_min=4, ngram_max=2"):
+        dg.CompileConfig(ngram_min=4, ngram_max=2)
+    with pytest.raises(TypeError, match="ngram_max=2.5 must be an int"):
+        dg.CompileConfig(ngram_max=2.5)
+    with pytest.raises(ValueError, match="drafter_kind='ngram' needs drafter='ngram'"):
+        is_ngram("/some/checkpoint", "ngram")
+    with pytest.raises(ValueError, match="drafter_kind='eagle'"):
+        is_ngram("ngram", "eagle")
+    assert is_ngram("ngram", None) and not is_ngram(None, None)
+    with pytest.raises(ValueError, match="one-process engines only"):  # before any worker starts
+        dg.compile_model(object(), "ngram", dg.CompileConfig(tensor_parallel_size=2))

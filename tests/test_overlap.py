@@ -45,7 +45,7 @@ def run(target, drafter, mode, sampled, stops, **kw):
     return [(o.token_ids, o.finish_reason) for o in outs], eng.stats(), eng
 
 
-@pytest.mark.parametrize("kind", ["eagle", "draft_model", None])
+@pytest.mark.parametrize("kind", ["eagle", "draft_model", "ngram", None])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_overlapped_steps_give_the_same_tokens(target, kind, sampled):
     drafter = make_drafter(kind, target) if kind else None

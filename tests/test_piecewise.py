@@ -159,7 +159,7 @@ def test_pass_manager_dumps_and_uuid(tmp_path, target):
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
-@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model", "ngram"])
 def test_lossless_suite_in_full_modes_on_cpu(target, reference, mode, kind):
     """The FULL dispatch path (uniform batches padded by request count) without graphs on the CPU."""
     prompts, params, arrivals = ragged(16)
@@ -167,6 +167,10 @@ def test_lossless_suite_in_full_modes_on_cpu(target, reference, mode, kind):
     assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == reference
     c = eng.compiled.counters
     assert c.traces["target"] == 1 and not c.graphs_captured
+    if kind == "ngram":  # no drafter model: no drafter trace or forward; uniform batches run the one-graph step
+        keys = eng.stats()["dispatch"]
+        assert "drafter" not in c.traces and not any(key.startswith("drafter") for key in keys)
+        assert any(key.startswith("step/") for key in keys) and eng.stats()["accepted_tokens"] > 0
     # FULL graphs are keyed by request count; piece sizes exist only where PIECEWISE dispatches
     assert eng.config.full_capture_sizes == (1, 2, 4, 8)
     assert eng.config.capture_sizes == (SIZES if mode == "FULL_AND_PIECEWISE" else ())

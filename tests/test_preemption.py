@@ -71,7 +71,7 @@ def guard(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("kind", [None, "eagle", "draft_model"])
+@pytest.mark.parametrize("kind", [None, "eagle", "draft_model", "ngram"])
 def test_preempted_requests_still_equal_transformers(target, reference, guard, kind):
     # K=3: a request needs at most 20 + 14 - 2 + 2K (+1 for a draft model) = 39 positions, so 44 blocks of
     # one token (43 usable) hold one request at its longest but not five: they must be preempted.
@@ -84,7 +84,7 @@ def test_preempted_requests_still_equal_transformers(target, reference, guard, k
     assert s["preemptions"] > 0 and s["generated_tokens"] == len(PROMPTS) * MAX_TOKENS
     assert eng.allocator.num_free == 43  # every block came back
     assert s["prefix_cache"]["hit_tokens"] > 0  # recomputations found blocks they had registered before preemption
-    if kind:
+    if kind and kind != "ngram":  # (the n-gram drafter writes no KV: runtime/ngram_state.py)
         assert guard["tight"] > 0  # some draft step wrote the last position its request owned
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from draftgraph.compiler.config import DTYPES, CUDAGraphMode, ResolvedConfig, re
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
 from draftgraph.models.drafters.loader import load_drafter
+from draftgraph.models.drafters.ngram import NGRAM, is_ngram
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices, check_op_choices
 from draftgraph.ops.collectives.op import SINGLE, ExpertGroups, ParallelGroup
 from draftgraph.runtime.drafting import Chooser, fused_loop_fn
@@ -76,9 +78,17 @@ def build_engine(
     its tensor-parallel group `tp`, with expert parallelism its expert-parallel groups `ep`, and across
     replicas the CPU group its steps agree over, `lockstep_group`: runtime/lockstep.py)."""
     target, drafter, config, artifacts = request.target, request.drafter, request.config, request.artifacts
+    if is_ngram(drafter, config.drafter_kind):  # models/drafters/ngram.py: no checkpoint, no model
+        if tp.world_size > 1 or ep is not None or lockstep_group:
+            raise ValueError(
+                "drafter='ngram' runs in one-process engines only for now (tensor_parallel_size x "
+                "data_parallel_size = 1); use a model drafter with several ranks, or one rank"
+            )
+        config = replace(config, drafter_kind=NGRAM)
+        request = replace(request, config=config)
     tok = resolve_tokenizer(request.tokenizer, target)  # before any weight is read: a bad tokenizer fails fast
     # Everything that can be checked without weights is, before any are loaded (preflight.py).
-    check_checkpoints(target, drafter)
+    check_checkpoints(target, None if config.drafter_kind == NGRAM else drafter)
     tcfg = target_config(target, DTYPES.get(config.dtype))
     auto_from = artifact_mode(artifacts) if artifacts is not None and config.mode == "auto" else None
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
@@ -116,7 +126,7 @@ def _assemble(request: BuildRequest, rc: ResolvedConfig, tp, ep, pool) -> tuple:
 
         notes.append(shard_experts(model, ep, request.target))
     draft: Drafter | None = None
-    if request.drafter is not None:
+    if request.drafter is not None and rc.ngram is None:  # the n-gram drafter has no model (runtime/ngram_state.py)
         draft_tp = tp if rc.draft_tensor_parallel_size > 1 else SINGLE
         draft = load_drafter(
             request.drafter, model, kind=config.drafter_kind, device=rc.device, attn_impl=rc.attention,

@@ -31,6 +31,8 @@ def _config(args, **over):
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         drafter_kind=args.drafter_kind,
+        ngram_min=getattr(args, "ngram_min", 1),
+        ngram_max=getattr(args, "ngram_max", 3),
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
         compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
         compile_backend=args.compile_backend,

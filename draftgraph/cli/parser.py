@@ -13,7 +13,12 @@ MODES = ["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]  # CUDAGraph
 
 def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     p.add_argument("--target", help="target checkpoint directory (default: the built-in model pair)")
-    p.add_argument("--drafter", help="drafter checkpoint directory (default: the built-in drafter)")
+    p.add_argument(
+        "--drafter",
+        help="drafter checkpoint directory, or 'ngram' for prompt lookup with no model (default: the built-in drafter)",
+    )
+    p.add_argument("--ngram-min", type=int, default=1, help="--drafter ngram: the shortest n-gram matched (default 1)")
+    p.add_argument("--ngram-max", type=int, default=3, help="--drafter ngram: the longest n-gram matched (default 3)")
     p.add_argument(
         "--drafter-kind",
         choices=["eagle", "eagle3", "mtp", "draft_model"],

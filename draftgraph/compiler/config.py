@@ -69,6 +69,9 @@ class CompileConfig:
     # None = auto: 0.9 on CUDA unless num_kv_blocks is set, off on the CPU.
     gpu_memory_utilization: float | None = None
     drafter_kind: str | None = None  # None = detect from the drafter's checkpoint
+    # drafter="ngram" (prompt lookup, models/drafters/ngram.py): the n-gram lengths matched, longest first.
+    ngram_min: int = 1
+    ngram_max: int = 3
     seed: int = 0  # seeds requests that give none
     # Ranks the target is split over (> 1: compile_model starts one worker process per device, workers/).
     tensor_parallel_size: int = 1
@@ -138,6 +141,7 @@ class CompileConfig:
 
     def __post_init__(self):
         check_synthetic_acceptance(self.synthetic_acceptance)
+        check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.ops is not None and not isinstance(self.ops, OpChoices):
             raise TypeError(
                 f"ops={self.ops!r} must be an OpChoices or None (every draftgraph kernel); e.g. "
@@ -240,6 +244,7 @@ class ResolvedConfig:
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
     synthetic_acceptance: tuple[float, ...] = ()  # pinned conditional acceptance rates (benchmarks only); () = off
     prefix_caching: bool = True  # full KV blocks kept and shared across requests (runtime/prefix_cache.py)
+    ngram: tuple[int, int] | None = None  # the n-gram drafter's (ngram_min, ngram_max); None: another or no drafter
 
     @property
     def lookahead(self) -> int:
@@ -346,7 +351,7 @@ def resolve(
         capture_sizes=sizes,
         full_capture_sizes=full_sizes,
         graphs_enabled=graphs,
-        fuse_draft_loop=full and k > 0 and fuse_loop(config),
+        fuse_draft_loop=full and k > 0 and config.drafter_kind != "ngram" and fuse_loop(config),  # n-gram: no loop
         one_graph_step=full and config.one_graph_step,
         overlap_steps=full and config.one_graph_step and config.overlap_steps,
         lazy_capture=graphs and config.capture == "lazy",
@@ -363,6 +368,7 @@ def resolve(
         kv_grow_in_place=config.kv_grow_in_place,
         synthetic_acceptance=synthetic,
         prefix_caching=config.prefix_caching,
+        ngram=(config.ngram_min, config.ngram_max) if has_drafter and config.drafter_kind == "ngram" else None,
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -426,6 +432,21 @@ def check_data_parallel(dp: int, tp: int, expert_parallel: bool) -> None:
             f"expert_parallel=True with tensor_parallel_size={tp} and data_parallel_size={dp}: experts are split "
             "across the tp x dp ranks, so it needs at least two (e.g. --tp 2 --expert-parallel or --dp 2 "
             "--expert-parallel), or turn expert_parallel off"
+        )
+
+
+MAX_NGRAM = 16  # the longest n-gram the n-gram drafter matches: each size is one comparison over the history per step
+
+
+def check_ngram_sizes(n_min: int, n_max: int) -> None:
+    """CompileConfig.ngram_min / ngram_max (drafter="ngram"): 1 <= ngram_min <= ngram_max <= MAX_NGRAM."""
+    for name, n in (("ngram_min", n_min), ("ngram_max", n_max)):
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"{name}={n!r} must be an int (an n-gram length in tokens), e.g. {name}=3")
+    if not 1 <= n_min <= n_max <= MAX_NGRAM:
+        raise ValueError(
+            f"ngram_min={n_min}, ngram_max={n_max}: the n-gram sizes must satisfy 1 <= ngram_min <= ngram_max <= "
+            f"{MAX_NGRAM}; e.g. ngram_min=1, ngram_max=3"
         )
 
 

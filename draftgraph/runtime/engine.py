@@ -84,6 +84,8 @@ class Engine:
             kv_grows_in_place and rc.kv_grow_in_place,
             rc.ops.race_sampler,
             rc.synthetic_acceptance,
+            ngram=rc.ngram,  # the n-gram drafter (runtime/ngram_state.py): no drafter model, K drafts per step
+            max_model_len=rc.max_model_len,
         )
         self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
         dispatcher = Dispatcher(
@@ -103,7 +105,7 @@ class Engine:
             rc.max_num_batched_tokens,
             self.allocator,
             rc.block_size,
-            StepWrites.of(drafter, self.k),
+            StepWrites(self.k, 0) if rc.ngram else StepWrites.of(drafter, self.k),  # n-gram: verify rows only
             prefix,
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json

@@ -3,7 +3,8 @@
 Greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the target's
 next token. Sampling rows accept draft x with probability min(1, p(x) / q(x)); at the first rejection
 they emit a draw from normalize(max(p - q, 0)); when all K drafts pass they emit a draw from p at K+1.
-That output has exactly the target's distribution p (Leviathan et al. 2023; Chen et al. 2023).
+That output has exactly the target's distribution p (Leviathan et al. 2023; Chen et al. 2023). Deterministic
+drafts (the n-gram drafter) pass no q: it is one-hot at each draft (accept with p(x); recover from p without x).
 
 Pinned acceptance (CompileConfig.synthetic_acceptance, benchmarks only): `synthetic_accept` draws the decision
 instead, draft i accepted iff every earlier one was and u_i < rate_i, in the same graphs (see its docstring).
@@ -23,7 +24,7 @@ SALT_SYNTHETIC = 0x27D4EB2F  # pinned acceptance's uniforms: a stream of their o
 def rejection_sample(
     target_logits: torch.Tensor,  # [B, K+1, V]
     draft_ids: torch.Tensor,  # [B, K] target-vocabulary ids
-    draft_probs: torch.Tensor | None,  # [B, K, V] processed draft distribution q (None when all greedy)
+    draft_probs: torch.Tensor | None,  # [B, K, V] draft distribution q; None: all greedy, or one-hot (deterministic)
     st: SamplingTensors,  # per request
     positions: torch.Tensor,  # [B, K+1] position of each token the verify rows predict
     race_kernel: bool,  # OpChoices.race_sampler: the recovered draw's kernel (sampler.sample_from_probs)
@@ -43,7 +44,9 @@ def rejection_sample(
     p = probabilities(target_logits.reshape(b * k1, vocab), st.repeat(k1)).view(b, k1, vocab)
     q = draft_probs
     p_draft = p[:, :k].gather(-1, draft_ids[..., None])[..., 0]  # [B, K]
-    q_draft = q.gather(-1, draft_ids[..., None])[..., 0]
+    # Deterministic drafts (the n-gram drafter, q None): q is one-hot at each draft, so q(x) = 1 and the residual
+    # max(p - onehot(x), 0) is p with x removed.
+    q_draft = q.gather(-1, draft_ids[..., None])[..., 0] if q is not None else torch.ones_like(p_draft)
     u = uniform_noise(st.seeds.repeat_interleave(k), positions[:, :k].reshape(-1), SALT_ACCEPT).view(b, k)
     accept = (u * q_draft <= p_draft).long()  # u <= p/q without dividing by a zero q
     accepted = accept.cumprod(-1).sum(-1)  # [B]
@@ -54,8 +57,11 @@ def rejection_sample(
     rows = accepted[:, None, None].expand(b, 1, vocab)
     p_row = p.gather(1, rows)[:, 0]  # [B, V]
     if k:
-        q_row = q.gather(1, rows.clamp_max(k - 1))[:, 0]
-        residual = (p_row - q_row).clamp_min(0)
+        if q is not None:
+            q_row = q.gather(1, rows.clamp_max(k - 1))[:, 0]
+            residual = (p_row - q_row).clamp_min(0)
+        else:  # one-hot q: the rejected draft's probability removed
+            residual = p_row.scatter(1, draft_ids.gather(1, accepted.clamp_max(k - 1)[:, None]), 0.0)
         mass = residual.sum(-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_row)
         p_row = torch.where((accepted == k)[:, None], p_row, residual)  # row K: the bonus draw from p

@@ -26,6 +26,7 @@ from draftgraph.runtime.forwards import Forwards
 from draftgraph.runtime.grammar import GrammarState
 from draftgraph.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from draftgraph.runtime.logprobs import RowLogprobs, gather_logprobs, packed_size, unpack
+from draftgraph.runtime.ngram_state import NgramState
 from draftgraph.runtime.penalties import PenaltyState
 from draftgraph.runtime.proposer import Proposer, Verified
 from draftgraph.runtime.rejection import rejection_sample
@@ -53,6 +54,8 @@ class RunnerShape:
     kv_grows_in_place: bool = False
     race_kernel: bool = True  # OpChoices.race_sampler: eager draws on CUDA take the Triton race (sampler.py)
     synthetic_acceptance: tuple[float, ...] = ()  # pinned acceptance rates (benchmarks; runtime/rejection.py)
+    ngram: tuple[int, int] | None = None  # the n-gram drafter's (n_min, n_max) (runtime/ngram_state.py), no model
+    max_model_len: int = 0  # the n-gram drafter's history length
 
 
 def _reserve_blocks(device: torch.device, target: KVCacheSpec, draft: KVCacheSpec | None) -> int:
@@ -115,7 +118,11 @@ class StepRunner:
         self.target_fn = compiled.target if compiled else target
         self.drafter_fn = (compiled.drafter if compiled else None) or drafter
         max_tokens = max(shape.max_num_batched_tokens, *shape.capture_sizes, 1)
-        self.k = shape.num_speculative_tokens if drafter is not None else 0
+        self.k = shape.num_speculative_tokens if drafter is not None or shape.ngram else 0
+        # The n-gram drafter: per-slot token history and proposal on the device (runtime/ngram_state.py).
+        self.ngram = None
+        if shape.ngram and self.k:
+            self.ngram = NgramState(shape.max_num_seqs, shape.max_model_len, self.k, *shape.ngram, device)
         bs, nb = shape.block_size, shape.num_kv_blocks
         tc = target.cfg
         target_spec = KVCacheSpec.for_model(tc, tc.num_layers, nb, bs)
@@ -180,6 +187,8 @@ class StepRunner:
         nd = len(decodes)
         # A request just admitted (new, or recomputed after a preemption) gets its slot's penalty state.
         self.penalties.admit([c.req for c in chunks if c.first])  # their first chunk may start after a cached prefix
+        if self.ngram is not None:  # and their n-gram history: prompt (and output when recomputed)
+            self.ngram.admit([c.req for c in chunks if c.first])
         if any(r.grammar is not None for r in decodes):  # runtime/grammar.py: refused drafts -> forced tokens
             self.grammar.repair(decodes, self.proposer.draft_probs if self.proposer is not None else None)
 
@@ -230,7 +239,7 @@ class StepRunner:
         if k:
             draft_ids = input_ids[: nd * (k + 1)].view(nd, k + 1)[:, 1:]
             q = None
-            if not st_dec.all_greedy:
+            if not st_dec.all_greedy and self.ngram is None:  # n-gram drafts: one-hot q (q None, rejection.py)
                 q = self.proposer.probs_for([r.slot for r in decodes])
             dec_tokens, accepted = rejection_sample(dec_logits, draft_ids, q, st_dec, dec_pos, self.shape.race_kernel,
                                                     self.shape.synthetic_acceptance)  # fmt: skip
@@ -248,7 +257,12 @@ class StepRunner:
         with_lp = wants_logprobs(sampled)
         if with_lp:  # every sampled row's logprobs at the token it emits (before the drafts: a fixed offset)
             parts.append(gather_logprobs(raw_logits, torch.cat([dec_tokens.flatten(), pre_tokens])))
-        if k and (sampled or chunks):  # drafter KV for prompt chunks is written even when nothing samples
+        if self.ngram is not None and sampled:  # the emitted tokens join the histories, then the lookup
+            slots_ng = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
+            self.ngram.record(slots_ng[:nd], dec_tokens, accepted + 1)
+            self.ngram.record(slots_ng[nd:], pre_tokens[:, None], torch.ones_like(pre_tokens))
+            parts.append(self.ngram.propose(slots_ng).flatten())
+        elif k and self.ngram is None and (sampled or chunks):  # drafter KV for prompt chunks is written anyway
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
             parts.append(self.proposer.propose(v).flatten())

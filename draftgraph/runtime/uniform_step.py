@@ -127,7 +127,9 @@ class UniformStep:
     def applies(self, d: Dispatch) -> bool:
         if d.runtime != "FULL":
             return False
-        return self.k == 0 or self.r.proposer.hidden_kind or self.dispatch_first(d) is not None
+        if self.k == 0 or self.r.ngram is not None:  # the n-gram drafter runs no forward (runtime/ngram_state.py)
+            return True
+        return self.r.proposer.hidden_kind or self.dispatch_first(d) is not None
 
     # ---- the host side ----------------------------------------------------------------------------
 
@@ -221,13 +223,16 @@ class UniformStep:
                 self._advance(x, accepted, tokens)
                 lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
-            q = r.proposer.draft_probs[slots] if sampled else None
+            q = r.proposer.draft_probs[slots] if sampled and r.ngram is None else None  # n-gram: one-hot q
             tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel,
                                                 r.shape.synthetic_acceptance)  # fmt: skip
             if penalties:
                 self.penalties.record(slots, tokens, accepted + 1)
             y = tokens.gather(1, accepted[:, None])[:, 0]
-            drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
+            if r.ngram is not None:  # prompt lookup over the slots' histories, with this step's tokens appended
+                drafts = r.ngram.step(slots, tokens, accepted + 1)
+            else:
+                drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
             lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []
             packed = torch.cat([accepted, tokens.flatten(), drafts.flatten(), *lp])
             self._advance(x, accepted, torch.cat([y[:, None], drafts], dim=1).flatten())
