@@ -11,7 +11,7 @@
 # automatic count, half the cores, at most 8, in every process).
 # Each test phase over a second is appended to $OUT/test_times.txt as it ends (tests/gpu/conftest.py).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # wheels carried to the device: their --target dir
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 export DRAFTGRAPH_TEST_TIMES=$OUT/test_times.txt
