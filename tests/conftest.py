@@ -10,6 +10,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # a third off each interpreted kernel: tests/triton_interpreter.py
+    from tests.triton_interpreter import install
+
+    install()
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `pytest -n N`'s processes: a core each, not N threads each
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 

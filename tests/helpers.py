@@ -155,47 +155,77 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict) -> list[str]:
     take). `signature`: the non-constexpr arguments' types ("*bf16", "i64", ...); every other argument is a
     constexpr from `constexprs`. Returns the stages compiled ("ttir", ... "cubin"). Skips the calling test
     (with the reason) where this Triton has no CUDA backend or no ptxas, checked before compiling; any error
-    of the compile itself fails the test with the compiler's message."""
+    of the compile itself fails the test with the compiler's message. Several kernels: `compile_many_for_sm90`
+    (one process for all: its start and imports cost more than most compiles)."""
+    return compile_many_for_sm90([(kernel, signature, constexprs)])[0].stages()
+
+
+class Sm90Compile:
+    """One kernel's result from `compile_many_for_sm90`: `stages()` returns the stages compiled, or fails the
+    calling test with the compiler's message (each test fails for its own kernel only)."""
+
+    def __init__(self, name: str, stages: list[str] | None, error: str | None):
+        self.name, self._stages, self.error = name, stages, error
+
+    def stages(self) -> list[str]:
+        if self.error is not None:
+            raise AssertionError(f"{self.name} does not compile for sm_90:\n{self.error[-3000:]}")
+        return self._stages
+
+
+def compile_many_for_sm90(jobs: list[tuple]) -> list[Sm90Compile]:
+    """`compile_for_sm90` for several (kernel, signature, constexprs) in one fresh Python (a module-scoped
+    fixture compiles a file's kernels once; each test checks its own). Skips the caller where sm_90 cannot be
+    compiled here; a kernel that does not compile is reported in its own result, the others still compile."""
     import json
     import subprocess
     import sys
 
     import pytest
 
-    fn = getattr(kernel, "fn", kernel)
-    fn = getattr(fn, "fn", fn)  # JITFunction -> Python function
-    code = f"""
-import json, sys, importlib
+    specs, names = [], []
+    for kernel, signature, constexprs in jobs:
+        fn = getattr(kernel, "fn", kernel)
+        fn = getattr(fn, "fn", fn)  # JITFunction -> Python function
+        specs.append([fn.__module__, fn.__name__, signature, constexprs])
+        names.append(fn.__name__)
+    code = """
+import json, sys, importlib, traceback
 import triton
 from triton.backends import backends
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 target = GPUTarget("cuda", 90, 32)
 if not any(b.compiler.supports_target(target) for b in backends.values()):
-    print(json.dumps({{"skip": f"Triton {{triton.__version__}} has no CUDA backend (backends: {{sorted(backends)}})"}}))
+    print(json.dumps({"skip": f"Triton {triton.__version__} has no CUDA backend (backends: {sorted(backends)})"}))
     sys.exit(0)
 try:
     ptxas = triton.knobs.nvidia.ptxas.path  # the sm_90 assembler the CUDA backend calls
 except RuntimeError as e:
-    print(json.dumps({{"skip": f"Triton {{triton.__version__}} finds no ptxas: {{e}}"}}))
+    print(json.dumps({"skip": f"Triton {triton.__version__} finds no ptxas: {e}"}))
     sys.exit(0)
-kernel = getattr(importlib.import_module({fn.__module__!r}), {fn.__name__!r})
-signature, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-sig = {{name: signature.get(name, "constexpr") for name in kernel.arg_names}}
-compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
-print(json.dumps(sorted(compiled.asm)))
+results = []
+for module, name, signature, constexprs in json.loads(sys.argv[1]):
+    try:
+        kernel = getattr(importlib.import_module(module), name)
+        sig = {arg: signature.get(arg, "constexpr") for arg in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
+        results.append({"stages": sorted(compiled.asm)})
+    except Exception:
+        results.append({"error": traceback.format_exc()})
+print(json.dumps(results))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(signature), json.dumps(constexprs)], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(specs)], env=env, capture_output=True, text=True,
+                         timeout=300 * len(jobs))  # fmt: skip
     if out.returncode != 0:
-        raise AssertionError(f"{fn.__name__} does not compile for sm_90:\n{out.stderr[-3000:]}")
+        raise AssertionError(f"{', '.join(names)}: the sm_90 compile process failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if isinstance(got, dict):
-        pytest.skip(f"cannot compile {fn.__name__} for sm_90 here: {got['skip']}")
-    return got
+        pytest.skip(f"cannot compile {', '.join(names)} for sm_90 here: {got['skip']}")
+    return [Sm90Compile(name, r.get("stages"), r.get("error")) for name, r in zip(names, got)]
 
 
 def within(seconds: float, what: str, fn, *args, **kwargs):

@@ -82,11 +82,14 @@ def test_sampling_launchers_do_not_specialise_on_rows(monkeypatch):
     recorders = _record(monkeypatch, sampling_triton, "_top_k_pass", "_top_p_pass", "_write")
     vocab = 4 * sampling_triton.MIN_CHUNK  # choose_splits gives 1 to 4 programs per row here
     g = torch.Generator().manual_seed(0)
-    for rows, splits in ((1, 4), (3, 1), (2, 3)):  # splits as choose_splits picks them from the row count
+    # rows 1 and 2 (the grid only: no kernel argument follows the rows), splits 4, 1 and 3 (S = 1, a power of
+    # two, another): few programs, since the interpreter runs each of the 2 * 8 + 1 launches' programs in Python
+    for rows, splits in ((1, 4), (2, 1), (1, 3)):
         logits = torch.randn(rows, vocab, generator=g).to(DEVICE)
         temp, top_k, top_p = (torch.full((rows,), v).to(DEVICE) for v in (0.9, 20.0, 0.8))
+        # count / write steps of 1024 columns (the default; fewer interpreted steps than 256), mass steps of 256
         probs = sampling_triton.probabilities_triton(logits, temp, top_k.long(), top_p, splits=splits,
-                                                     blocks=(256, 256))  # fmt: skip
+                                                     blocks=(1024, 256))  # fmt: skip
         assert torch.allclose(probs.sum(-1), torch.ones(rows, device=DEVICE), atol=1e-5)
     assert len(recorders["_top_k_pass"].calls) == 3 * 32 // sampling_triton.BITS  # every pass launched
     _check(recorders)
@@ -96,14 +99,14 @@ def test_argmax_launchers_do_not_specialise_on_rows(monkeypatch):
     recorders = _record(monkeypatch, triton_argmax, "_stage1", "_stage2")
     g = torch.Generator().manual_seed(1)
     for rows, chunk in ((1, 256), (5, 512), (2, 384)):  # the rule's chunk falls as the rows grow
-        logits = torch.randn(rows, 4096, generator=g).to(DEVICE)
+        logits = torch.randn(rows, 2048, generator=g).to(DEVICE)  # 8, 4 and 6 chunks: two stages each
         assert torch.equal(triton_argmax.argmax_triton(logits, chunk=chunk).cpu(), logits.argmax(-1).cpu())
     _check(recorders)
 
 
 def test_split_kv_launchers_do_not_specialise_on_the_split_count(monkeypatch):
     recorders = _record(monkeypatch, sk, "_split_kv_kernel", "_merge_kernel")
-    q, k_cache, v_cache, meta = make_batch([40, 130], [1, 3])
+    q, k_cache, v_cache, meta = make_batch([130], [1])  # one decode row (and the padding): programs = rows x S
     args = (meta.block_tables, meta.token_req, meta.token_kv_len, HEAD_DIM**-0.5, 0)
     outs = [ta.attend_triton(q, k_cache, v_cache, *args, num_splits=s) for s in (2, 16, 3)]
     for out in outs[1:]:

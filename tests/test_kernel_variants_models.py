@@ -113,7 +113,8 @@ def _run_steps(model, steps, rec):
             assert torch.isfinite(hidden).all()
 
 
-def _steps(prompt: int = 2):
+def _steps(prompt: int = 1):
+    """A first token of each of 16 requests (a 16-token step itself), then DECODES: the shapes under test."""
     return [[(r, prompt) for r in range(16)], *DECODES]
 
 

@@ -26,6 +26,12 @@ from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 
 
+@pytest.fixture(scope="module")
+def engine_graphs():
+    """One engine's traced graphs for the tests that read them (built once: a build is most of each test)."""
+    return _engine_graphs()
+
+
 def _engine_graphs():
     target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
     config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=4,
@@ -37,8 +43,8 @@ def _engine_graphs():
     return [gm for b in (c.target.backend, c.drafter.backend, c.loop_backend) for gm, _ in b.traces]
 
 
-def test_calls_from_an_engine_run_on_zero_inputs():
-    gms = _engine_graphs()
+def test_calls_from_an_engine_run_on_zero_inputs(engine_graphs):
+    gms = engine_graphs
     assert len(gms) == 4  # target, drafter, the greedy and the sampled loop
     in_graphs = Counter(
         str(n.target).split(".")[1] for gm in gms for n in gm.graph.nodes if "draftgraph" in str(n.target)
@@ -59,10 +65,10 @@ def test_calls_from_an_engine_run_on_zero_inputs():
 SKIPPED = ["draftgraph::paged_attention: a torch.strided tensor on cpu"]
 
 
-def test_the_thread_runs_each_distinct_call_once():
+def test_the_thread_runs_each_distinct_call_once(engine_graphs):
     if async_compile_mode() is None:
         pytest.skip(f"Triton {triton.__version__} has no AsyncCompileMode: nothing compiles ahead with it")
-    gms = _engine_graphs()
+    gms = engine_graphs
     ahead = KernelsAhead("cpu", threads=2)
     for gm in gms + gms:  # a repeat is not run again
         ahead.submit(op_calls(gm, devices=("cpu",)))
@@ -73,8 +79,8 @@ def test_the_thread_runs_each_distinct_call_once():
     assert done == {"calls": 2, "kernels": 0, "failed": 0, "skipped": SKIPPED}, done
 
 
-def test_submodules_are_searched():
-    gm = _engine_graphs()[0]
+def test_submodules_are_searched(engine_graphs):
+    gm = engine_graphs[0]
     split = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     split.add_submodule("inner", gm)  # a call inside a submodule (a piece) counts like one at the top
     assert op_calls(split, devices=("cpu",)) == op_calls(gm, devices=("cpu",)) != []
@@ -110,18 +116,32 @@ def test_launch_compiles_only_when_ahead():
     assert k.log[1][2:] == ((3,), {"BLOCK": 16})
 
 
+@pytest.fixture(scope="module")
+def step_engine():
+    """fuse_draft_loop -> an engine with FULL capture sizes 1, 2 and 8, built at its first use and shared by the
+    step-sampling tests (the race test reads the "auto" one too)."""
+    built = {}
+
+    def get(fuse):
+        if fuse not in built:
+            target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
+            config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
+                                      max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8),
+                                      compile_backend="eager", progress=False, fuse_draft_loop=fuse)  # fmt: skip
+            built[fuse] = dg.compile_model(target, make_drafter("eagle", target), config)
+        return built[fuse]
+
+    return get
+
+
 @pytest.mark.parametrize("fuse", ["auto", True])
-def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
+def test_the_step_sampling_calls_are_written_by_hand_and_run(step_engine, fuse):
     """runtime/warmup.py seeds the one-graph step's token-choice calls before any graph names them: argmax and
     sampling probabilities over B x (K + 1) rows of the target's logits per FULL capture size B, and over B rows
     of the drafter's when the draft loop runs unfused in the step (auto; a fused loop's trace names its own)."""
     from draftgraph.runtime.warmup import step_sampling_calls
 
-    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
-    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
-                              max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
-                              progress=False, fuse_draft_loop=fuse)  # fmt: skip
-    engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    engine = step_engine(fuse)
     calls = [c for c in step_sampling_calls(engine) if c["op"] != "draftgraph::race_sample"]  # (the next test's)
     sizes = sorted(engine.config.full_capture_sizes)
     rows = sorted({b * 4 for b in sizes} | (set(sizes) if fuse == "auto" else set()))  # (8 rows: both, once)
@@ -135,7 +155,7 @@ def test_the_step_sampling_calls_are_written_by_hand_and_run(fuse):
         run_op_call(json.loads(json.dumps(call)), "cpu")
 
 
-def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch):
+def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch, step_engine):
     """The one-graph step's draws (the Triton race, ops/sampling/triton_race.py) are seeded too: one row per
     request, per FULL capture size, over the target's and the unfused drafter's vocabularies; with
     OpChoices(race_sampler=False) (the torch ops), none."""
@@ -144,11 +164,8 @@ def test_the_race_kernel_calls_join_unless_opted_out(monkeypatch):
     from draftgraph.ops.choices import OpChoices
     from draftgraph.runtime.warmup import step_sampling_calls
 
-    target = CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96))
-    config = dg.CompileConfig(mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8,
-                              max_num_batched_tokens=64, full_capture_sizes=(1, 2, 8), compile_backend="eager",
-                              progress=False)  # fmt: skip
-    engine = dg.compile_model(target, make_drafter("eagle", target), config)
+    assert dg.CompileConfig().fuse_draft_loop == "auto"  # the default: the engine built for "auto" is this one
+    engine = step_engine("auto")
     with monkeypatch.context() as m:  # the engine as resolved with the race sampler off
         m.setattr(engine, "config", replace(engine.config, ops=OpChoices(race_sampler=False)))
         assert not any(c["op"] == "draftgraph::race_sample" for c in step_sampling_calls(engine))

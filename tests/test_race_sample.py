@@ -13,21 +13,23 @@ from draftgraph.ops.sampling.triton_race import race_triton
 from draftgraph.runtime.sampler import SALT_DRAFT, SALT_TARGET, sample_from_probs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPLITS = [(None, None), (100, 32), (37, 16), (60, 64)]  # as tests/test_argmax.py: one stage, then two
+SPLITS = [(None, None), (100, 32), (37, 16), (60, 64)]  # one stage; then two: 2, 5 and 3 chunks of a 160-column row
 
 
-def rows(vocab: int = 701) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Peaked and flat rows, a top-k-like row of zeros but 3 columns, a one-column row, a NaN row (nothing kept),
-    with seeds and positions past 32 bits (the hash keeps their low 32 bits, as the reference's masks do)."""
+def rows(vocab: int = 160) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Peaked and flat rows, a top-k-like row of zeros but 3 columns (in the first, a middle and the last chunk
+    of every split), a one-column row, a NaN row (nothing kept), with seeds and positions past 32 bits (the hash
+    keeps their low 32 bits, as the reference's masks do). Few rows and columns: the interpreter runs each
+    (row, chunk) program's steps in Python, so the cost is rows x chunks x steps."""
     g = torch.Generator().manual_seed(0)
-    probs = torch.softmax(torch.randn(12, vocab, generator=g) * torch.linspace(0.1, 4, 12)[:, None], -1)
-    probs[8] = 0
-    probs[8, [5, 350, 700]] = torch.tensor([0.2, 0.3, 0.5])
-    probs[9] = 0
-    probs[9, 123] = 1.0
-    probs[10] = float("nan")
-    seeds = torch.tensor([0, 1, 2, 3, 2**31 - 1, 2**40 + 9, 11, 12, 13, 14, 15, 16])
-    positions = torch.tensor([0, 1, 2**32 + 5, 3, 4, 5, 2**45, 7, 8, 9, 10, 11])
+    probs = torch.softmax(torch.randn(8, vocab, generator=g) * torch.linspace(0.1, 4, 8)[:, None], -1)
+    probs[5] = 0
+    probs[5, [5, 80, vocab - 1]] = torch.tensor([0.2, 0.3, 0.5])
+    probs[6] = 0
+    probs[6, 123] = 1.0
+    probs[7] = float("nan")
+    seeds = torch.tensor([0, 2**31 - 1, 2, 2**40 + 9, 4, 5, 6, 7])
+    positions = torch.tensor([0, 1, 2**32 + 5, 3, 2**45, 5, 6, 7])
     return probs, seeds, positions
 
 
@@ -38,12 +40,12 @@ def test_kernel_draws_the_reference_tokens(chunk, block, salt):
     want = race_reference(probs, seeds, positions, salt)
     got = race_triton(probs.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), salt, chunk=chunk, block=block)
     assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), (got, want)
-    assert got[8] in (5, 350, 700) and got[9] == 123 and got[10] == 0  # zeros never win; a NaN row: its first
+    assert got[5] in (5, 80, 159) and got[6] == 123 and got[7] == 0  # zeros never win; a NaN row: its first
 
 
 def test_many_rows_and_the_op_on_each_device():
     g = torch.Generator().manual_seed(1)
-    probs = torch.softmax(torch.randn(40, 257, generator=g), -1)
+    probs = torch.softmax(torch.randn(40, 97, generator=g), -1)  # chunks of 64 and 33 columns: steps of 32 and 1
     seeds, positions = torch.randint(0, 2**62, (40,), generator=g), torch.randint(0, 2**20, (40,), generator=g)
     want = race_reference(probs, seeds, positions, SALT_TARGET)
     got = race_triton(probs.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), SALT_TARGET, chunk=64, block=32)

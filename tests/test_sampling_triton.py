@@ -53,7 +53,8 @@ def test_ties_across_splits():
     temp = torch.tensor([1.0, 1.0, 0.9, 1.3, 0.0, 1.0])
     top_k = torch.tensor([200, 50, 0, 400, 0, 3])
     top_p = torch.tensor([1.0, 0.3, 0.6, 0.95, 1.0, 0.0])  # row 5: top_p 0 keeps nothing (NaN, as the sort)
-    ours, ref = both(logits, temp, top_k, top_p, splits=3, blocks=(64, 32))
+    # chunks of 256 columns (the splits at 256 and 512), each 2 count steps and 4 mass steps
+    ours, ref = both(logits, temp, top_k, top_p, splits=3, blocks=(128, 64))
     assert_same(ours, ref)
     kept = (ref > 0).sum(-1).tolist()
     # row 0: 200 of ~175 + ~175 tied; row 1: 50 of the 100 tied at 3.0 (p = 0.02 each), then ~0.3 / 0.02 of them
