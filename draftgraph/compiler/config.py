@@ -1,4 +1,8 @@
-"""CompileConfig (what a user sets) and ResolvedConfig (every "auto" made concrete, in one place)."""
+"""CompileConfig (what a user sets) and ResolvedConfig (every "auto" made concrete, in one place).
+
+Over 500 lines on purpose: the user's fields, their checks and `resolve()` stay side by side, so that a new option's
+meaning, its error message and how "auto" resolves are read and changed together (the project's one place where
+configuration is resolved)."""
 
 from __future__ import annotations
 

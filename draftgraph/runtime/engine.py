@@ -1,4 +1,7 @@
-"""The speculative decoding engine: requests in, steps run, outputs and statistics out."""
+"""The speculative decoding engine: requests in, steps run, outputs and statistics out.
+
+About 500 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
+the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache)."""
 
 from __future__ import annotations
 
