@@ -63,8 +63,17 @@ def _entry(rank, fn, world_size, init_file, args):
 
 def spawn(fn, world_size, tmp_path, *args):
     """Run fn(tp, *args) on `world_size` processes; a rank's exception or exit fails the test, and so does a
-    hang: ranks still running after JOIN_TIMEOUT_S are named in the failure, then killed."""
-    ctx = mp.spawn(_entry, (fn, world_size, str(tmp_path / "rendezvous"), args), nprocs=world_size, join=False)
+    hang: ranks still running after JOIN_TIMEOUT_S are named in the failure, then killed. The ranks are forked
+    by multiprocessing's fork server, which imported this module's imports (torch, transformers, draftgraph)
+    once for the whole pytest process: spawned, each rank imported them again (seconds a rank)."""
+    mp.set_forkserver_preload(["draftgraph.workers.worker", "tests.test_tensor_parallel"])  # read at its start
+    ctx = mp.start_processes(
+        _entry,
+        (fn, world_size, str(tmp_path / "rendezvous"), args),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
+    )
     for _ in range(JOIN_TIMEOUT_S):  # join's own timeout: one second per round, returning early on any exit
         if ctx.join(timeout=1.0):
             return

@@ -8,6 +8,7 @@ and its exception or exit code, and terminates the others (which may be waiting 
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import weakref
 from dataclasses import replace
@@ -42,9 +43,15 @@ def _device_type(config: CompileConfig, world_size: int) -> str:
 
 
 def start_workers(request: BuildRequest) -> ParallelEngine:
-    """Start tensor_parallel_size x data_parallel_size ranks (torch.multiprocessing spawn), each building its
-    engine; return once all are ready (or raise WorkerError naming the first rank that failed). With
-    `request.build_dir`, each rank writes its artifacts into build_dir/rank-R once built (worker.setup_rank)."""
+    """Start tensor_parallel_size x data_parallel_size ranks, each building its engine; return once all are ready
+    (or raise WorkerError naming the first rank that failed). With `request.build_dir`, each rank writes its
+    artifacts into build_dir/rank-R once built (worker.setup_rank).
+
+    The ranks are forked from multiprocessing's fork server, which imported the worker's modules (torch,
+    transformers, draftgraph: about 3 s of a CPU core) once, when this process first started ranks: later
+    engines' ranks start without importing, and ranks beyond the core count do not import in turn. The server
+    never touches CUDA (each rank initialises its own device). Each rank applies this process's environment as
+    it is now (RankSpec.env): the server's is the one it started with."""
     import torch.multiprocessing as mp
 
     config = request.config
@@ -55,8 +62,9 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     tmp = tempfile.TemporaryDirectory(prefix="draftgraph-workers-")
     target_ref, drafter_ref = portable_sources(request.target, request.drafter, tmp.name)
     portable = replace(request, target=target_ref, drafter=drafter_ref, tokenizer=False)
-    spec = RankSpec(world, f"file://{tmp.name}/init", device_type, portable)
-    ctx = mp.get_context("spawn")
+    spec = RankSpec(world, f"file://{tmp.name}/init", device_type, portable, env=tuple(os.environ.items()))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
     procs, conns = [], []
     for rank in range(world):
         ours, theirs = ctx.Pipe()

@@ -1,4 +1,4 @@
-"""Model sources as something a spawned process can open: checkpoint directories pass as paths; transformers
+"""Model sources as something a rank's process can open: checkpoint directories pass as paths; transformers
 model objects are saved once with save_pretrained; draftgraph objects (CausalLM, Drafter, other modules) are
 pickled together into one file, so tensors a drafter shares with its target stay shared on every rank."""
 

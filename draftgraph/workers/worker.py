@@ -26,7 +26,7 @@ from draftgraph.workers.sources import open_sources
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What every rank is started with (pickled by spawn)."""
+    """What every rank is started with (pickled to the fork server's child, driver.start_workers)."""
 
     world_size: int  # data_parallel_size x tensor_parallel_size
     init_method: str  # "file://..." (a file in the driver's temporary directory)
@@ -34,6 +34,7 @@ class RankSpec:
     # The build request, its target and drafter as SourceRefs (sources.py) and no tokenizer (the driver's)
     request: BuildRequest
     timeout_s: float = 600.0  # a collective waiting longer than this raises (a peer died or hung)
+    env: tuple[tuple[str, str], ...] = ()  # the driver's environment when it started the ranks
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,12 @@ def run_command(engine, name: str, args: tuple) -> tuple[str, Any]:
 
 
 def worker_main(rank: int, spec: RankSpec, conn) -> None:
-    """The process's entry point (spawned by driver.start_workers)."""
+    """The process's entry point (forked by the fork server for driver.start_workers)."""
     import torch.distributed as dist
 
+    if spec.env:  # the driver's environment now, not the fork server's from when it started
+        os.environ.clear()
+        os.environ.update(spec.env)
     _exit_with_parent()
     try:
         if spec.device_type == "cuda":
