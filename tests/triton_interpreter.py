@@ -12,6 +12,7 @@ slower)."""
 from __future__ import annotations
 
 import threading
+import types
 
 _state = threading.local()
 
@@ -33,13 +34,29 @@ def install() -> bool:
         return True
     grid_call, fn_call = grid_cls.__call__, fn_cls.__call__
 
+    import triton.language as tl
+
+    # Triton's own helpers (tl.max, tl.sum, tl.zeros, tl.cumsum: triton/language/standard.py) see
+    # triton.language.core, not triton.language: a kernel's launch patches only the latter, so each of their calls
+    # patched core again (thousands per launch of a reduction kernel). The launch patches core too, once, and
+    # undoes it when it ends (Triton's helper calls never undo theirs).
+    core_only = types.FunctionType((lambda: None).__code__, {"core": tl.core})
+
     def launch(self, *args, **kwargs):
         outer = getattr(_state, "patched", None)
-        _state.patched = _language_modules(self.fn)  # what the launch's own patch covers (ti._patch_lang)
+        covered = _language_modules(self.fn)  # what the launch's own patch covers (ti._patch_lang)
+        scope = None
+        if outer is None and id(tl.core) not in covered:
+            scope = ti._patch_lang(core_only)
+            if hasattr(scope, "restore"):
+                covered |= {id(tl.core)}
+        _state.patched = covered
         try:
             return grid_call(self, *args, **kwargs)
         finally:
             _state.patched = outer
+            if hasattr(scope, "restore"):
+                scope.restore()  # after the launch's own restore: core's originals come back last
 
     def helper(self, *args, **kwargs):
         patched = getattr(_state, "patched", None)
