@@ -27,6 +27,8 @@ from draftgraph.workers.worker import RankSpec, worker_main
 
 __all__ = ["ParallelEngine", "WorkerError", "start_workers"]
 
+PEER_EXIT_WAIT_S = 2.0  # how long a rank's error waits for a peer's exit to show, which would be the cause
+
 
 def _device_type(config: CompileConfig, world_size: int) -> str:
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -149,7 +151,14 @@ class ParallelEngine(RankedEngine):
 
     def _fail(self, rank: int, what: str, error: str | None) -> None:
         if error is not None:  # a peer that died makes the others' collectives raise: name the dead one first
-            dead = [r for r, p in enumerate(self.procs) if r != rank and p.exitcode is not None]
+            peers = [p for r, p in enumerate(self.procs) if r != rank]
+            # A rank's exit code comes from the fork server once it has reaped it, a moment after the peer's
+            # collective saw the connection drop: wait that moment (a failure path only) before blaming `rank`.
+            running = [p.sentinel for p in peers if p.exitcode is None]
+            if running and len(running) == len(peers):
+                wait(running, timeout=PEER_EXIT_WAIT_S)
+            # (exit code 0: a peer that reported its own error and returned, not a cause)
+            dead = [r for r, p in enumerate(self.procs) if r != rank and p.exitcode not in (None, 0)]
             if dead:
                 error, rank = None, dead[0]
         proc = self.procs[rank]
