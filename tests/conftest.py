@@ -33,13 +33,14 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
-# The heaviest files (minutes of a 2-core CI machine, `--durations`, 2026-11-27), collected first: `-n 2 --dist
-# loadfile` hands files out in collection order, so one that comes last runs alone while the other process idles.
+# The heaviest files (a 2-core machine's `--durations`, 2026-11-27, with fork-server ranks), collected first: `-n 2
+# --dist loadfile` hands files out in collection order, so one that comes last runs alone while the other idles.
 HEAVY_FIRST = (
-    "test_draft_loop", "test_goldens", "test_artifacts", "test_piecewise", "test_deepseek", "test_tp_deepseek",
-    "test_tensor_parallel", "test_data_parallel", "test_penalties", "test_prefix_cache", "test_compile_pool",
-    "test_sampling", "test_text", "test_stats", "test_stop_strings", "test_deepseek_v32", "test_serve_parallel",
-    "test_expert_tensor_parallel", "test_rank_artifacts", "test_tp_qwen3_5", "test_tp_drafters", "test_kernel_variants",
+    "test_goldens", "test_deepseek", "test_draft_loop", "test_artifacts", "test_serve", "test_piecewise",
+    "test_artifacts_trust", "test_compile_pool", "test_serve_parallel", "test_penalties", "test_inspection",
+    "test_sampling", "test_launched", "test_sampling_triton", "test_engine", "test_deepseek_v32",
+    "test_tensor_parallel", "test_tp_deepseek", "test_data_parallel", "test_kernel_variants_models", "test_linear_op",
+    "test_overlap", "test_kernel_variants", "test_attention", "test_expert_tensor_parallel",
 )  # fmt: skip
 
 
