@@ -296,18 +296,12 @@ def pair():
     return target, copy_deepseek_mtp(target)
 
 
-def generate(
-    target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), temperature=0.0, artifacts=None,
-    requests=8, **config,
-):  # fmt: skip
-    """Tokens of `requests` ragged requests and the engine; `config`: more CompileConfig fields."""
+def mode_engine(
+    target, drafter, mode, k=3, backend="eager", sizes=(1, 2, 4, 8, 16, 32, 64, 72), artifacts=None, **config
+):
+    """The engine `generate` runs; `config`: more CompileConfig fields."""
     import draftgraph as dg
-    from tests.test_engine import ragged
 
-    prompts, params, arrivals = ragged(requests)
-    if temperature:
-        params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=temperature, seed=i)
-                  for i, p in enumerate(params)]  # fmt: skip
     cfg = dg.CompileConfig(
         mode=mode,
         num_speculative_tokens=k,
@@ -318,8 +312,39 @@ def generate(
         progress=False,
         **{"gpu_memory_utilization": 0.0, **config},  # on CUDA too: a cache of max_num_seqs requests
     )
-    eng = dg.compile_model(target, drafter, cfg, artifacts=artifacts, strict_artifacts=artifacts is not None)
-    return [o.token_ids for o in eng.generate(prompts, params, arrivals)], eng
+    return dg.compile_model(target, drafter, cfg, artifacts=artifacts, strict_artifacts=artifacts is not None)
+
+
+def run(eng, temperature=0.0, requests=8):
+    """Tokens of `requests` ragged requests on `eng`, greedy or sampled (seed i for request i)."""
+    import draftgraph as dg
+    from tests.test_engine import ragged
+
+    prompts, params, arrivals = ragged(requests)
+    if temperature:
+        params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+                  for i, p in enumerate(params)]  # fmt: skip
+    return [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+
+
+def generate(target, drafter, mode, temperature=0.0, requests=8, **build_args):
+    """Tokens of `requests` ragged requests and the engine (mode_engine's arguments in `build_args`)."""
+    eng = mode_engine(target, drafter, mode, **build_args)
+    return run(eng, temperature, requests), eng
+
+
+@pytest.fixture(scope="module")
+def mode_engines(pair):
+    """One engine per mode, built at its first use and shared by the greedy and sampled lossless cases: a build
+    traces, and both temperatures run the same graphs."""
+    built = {}
+
+    def get(mode):
+        if mode not in built:  # FULL: the fused loop inside the one-graph step; FULL_AND_PIECEWISE: auto (unfused)
+            built[mode] = mode_engine(*pair, mode, fuse_draft_loop=mode == "FULL")
+        return built[mode]
+
+    return get
 
 
 def test_mtp_drafter_is_a_deepseek_layer_from_the_checkpoint_layout(pair):
@@ -330,7 +355,7 @@ def test_mtp_drafter_is_a_deepseek_layer_from_the_checkpoint_layout(pair):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_lossless_in_every_mode(pair, temperature):
+def test_lossless_in_every_mode(pair, mode_engines, temperature):
     """Greedy: tokens equal plain decoding with the target alone, and transformers' generate() (so every compiled
     mode below is checked against an oracle we did not write). Both: every graph mode gives the tokens of mode NONE
     (sampling noise is per (seed, position), so the path a step takes cannot change them)."""
@@ -338,18 +363,19 @@ def test_lossless_in_every_mode(pair, temperature):
     from tests.test_engine import ragged
 
     target, drafter = pair
-    ref, eng = generate(target, drafter, "NONE", temperature=temperature)
+    eng = mode_engines("NONE")
+    ref = run(eng, temperature)
     if not temperature:  # sampled speculative decoding is lossless in distribution, not token for token
         assert ref == generate(target, None, "NONE", k=0)[0]
         prompts, params, _ = ragged(8)
         few = [0, 3, 6]  # the shortest continuations (4, 6 and 8 tokens): transformers' generate is slow per token
         want = hf_greedy(tiny_deepseek_model(), [prompts[i] for i in few], [params[i].max_tokens for i in few])
         assert [ref[i] for i in few] == want, "transformers"
-    accepted = eng.stats()["accepted_tokens"]
-    assert accepted > 0  # the copy drafter agrees with the target sometimes: acceptance paths run
+    assert eng.stats()["accepted_tokens"] > 0  # the copy drafter agrees with the target sometimes: acceptance ran
     for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
-        fuse = mode == "FULL"  # FULL: the fused loop inside the one-graph step; FULL_AND_PIECEWISE: auto (unfused)
-        out, eng = generate(target, drafter, mode, temperature=temperature, fuse_draft_loop=fuse)
+        fuse = mode == "FULL"
+        eng = mode_engines(mode)
+        out = run(eng, temperature)
         assert out == ref, mode
         c = eng.compiled.counters
         # target: 3 MLA ops -> 4 pieces and its input checks; drafter step: 1 -> 2 pieces and its checks; each
