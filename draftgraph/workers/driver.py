@@ -49,11 +49,10 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     (or raise WorkerError naming the first rank that failed). With `request.build_dir`, each rank writes its
     artifacts into build_dir/rank-R once built (worker.setup_rank).
 
-    The ranks are forked from multiprocessing's fork server, which imported the worker's modules (torch,
-    transformers, draftgraph: about 3 s of a CPU core) once, when this process first started ranks: later
-    engines' ranks start without importing, and ranks beyond the core count do not import in turn. The server
-    never touches CUDA (each rank initialises its own device). Each rank applies this process's environment as
-    it is now (RankSpec.env): the server's is the one it started with."""
+    CPU ranks are forked from multiprocessing's fork server, which imported the worker's modules (torch,
+    draftgraph: about 3 s of a core) once, when this process first started ranks: later engines' ranks start
+    without importing, and ranks beyond the core count do not import in turn. CUDA ranks are spawned. Each rank
+    applies this process's environment as it is now (RankSpec.env): the fork server's is the one it started with."""
     import torch.multiprocessing as mp
 
     config = request.config
@@ -65,7 +64,10 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     target_ref, drafter_ref = portable_sources(request.target, request.drafter, tmp.name)
     portable = replace(request, target=target_ref, drafter=drafter_ref, tokenizer=False)
     spec = RankSpec(world, f"file://{tmp.name}/init", device_type, portable, env=tuple(os.environ.items()))
-    ctx = mp.get_context("forkserver")
+    # CPU ranks (gloo) fork from the fork server. CUDA ranks are spawned: a process forked from one that has
+    # initialised the CUDA driver cannot use CUDA, and nothing yet checks on a GPU machine that no module the server
+    # imports does (a GPU host's cores import the ranks' modules side by side anyway).
+    ctx = mp.get_context("forkserver" if device_type == "cpu" else "spawn")
     ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
     procs, conns = [], []
     for rank in range(world):
