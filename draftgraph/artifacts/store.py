@@ -478,9 +478,10 @@ class _LazyArtifact:
         if self.fn is None:
             from torch._inductor import CompiledArtifact
 
+            from draftgraph.compiler.inductor_options import loading_in_process
             from draftgraph.compiler.piecewise import _cache_dir
 
-            with _cache_dir(str(self.cache)):
+            with _cache_dir(str(self.cache)), loading_in_process():
                 self.fn = CompiledArtifact.load(path=str(self.path), format="binary")
         return self.fn(*args)
 

@@ -414,7 +414,10 @@ class PendingPiece:
                 self.seconds = self.future.result(timeout=self.pool.timeout_s)  # a stuck worker: compile here
                 from torch._inductor import CompiledArtifact
 
-                self.fn = CompiledArtifact.load(path=self.path, format="binary")
+                from draftgraph.compiler.inductor_options import loading_in_process
+
+                with loading_in_process():
+                    self.fn = CompiledArtifact.load(path=self.path, format="binary")
                 with open(self.path, "rb") as f:  # kept: the pool's directory goes when the pool closes
                     self.data = f.read()
             except Exception as e:
