@@ -175,8 +175,8 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
         ("compiled", []),
         ("loaded", ["--artifacts", out, "--strict-artifacts", "--verify-key", str(key)]),
     ):
-        r = subprocess.run(
-            [sys.executable, "-m", "draftgraph", "generate", *common, "--max-tokens", "16", *extra],
+        r = subprocess.run(  # -v: the start-up timeline too (draftgraph/timeline.py)
+            [sys.executable, "-m", "draftgraph", "-v", "generate", *common, "--max-tokens", "16", *extra],
             capture_output=True,
             text=True,
             env=env,
@@ -184,6 +184,15 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
         )
         assert r.returncode == 0, r.stderr[-2000:]
         runs[name] = r.stdout
+        # the timeline's phases, each once and in the order a start passes them (CPU: no CUDA init, no compile
+        # workers, no KV sizing from device memory); the loaded run loads kernels instead of compiling
+        timeline = r.stderr[r.stderr.index("start-up timeline") :].splitlines()[1:]
+        phases = [row.split(" s  ", 2)[2].split(":")[0].strip() for row in timeline]
+        seconds = [float(row.split(" s ")[0]) for row in timeline]
+        expected = ["imports", "models", "weight load", "tracing", "compiles", "capture", "engine ready"]
+        expected[3:3] = ["kernel loads"] if extra else []
+        assert phases == [*expected, "first token", "exit"], timeline
+        assert seconds == sorted(seconds) and 0 < seconds[0] < seconds[-1] < 600, timeline
     assert "no trace, no Inductor compile" in runs["loaded"]
     first = [line for line in runs["compiled"].splitlines() if line.startswith("request ")]
     assert first and first == [line for line in runs["loaded"].splitlines() if line.startswith("request ")]

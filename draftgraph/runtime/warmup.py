@@ -158,7 +158,10 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         if graph_bytes is None:  # no allocator snapshot: fall back to what the device lost
             graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
-    timeline.mark("capture", "lazy" if rc.graphs_enabled and lazy else f"{counters.graphs_captured} graphs")
+    if not rc.graphs_enabled:
+        timeline.mark("capture", "CUDA graphs off")
+    else:
+        timeline.mark("capture", "lazy: each graph at its first step" if lazy else f"{counters.graphs_captured} graphs")
     reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:
