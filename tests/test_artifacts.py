@@ -171,12 +171,13 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path):
     assert "draft_loop: 2 trace(s)" in b.stdout and "SHA-256" in b.stdout
     assert f"signed {out}/manifest.sig" in b.stdout
     runs = {}
+    no_cache = ["--no-artifact-cache"]  # a fresh process: conftest's switch does not reach it
     for name, extra in (
         ("compiled", []),
         ("loaded", ["--artifacts", out, "--strict-artifacts", "--verify-key", str(key)]),
     ):
         r = subprocess.run(  # -v: the start-up timeline too (draftgraph/timeline.py)
-            [sys.executable, "-m", "draftgraph", "-v", "generate", *common, "--max-tokens", "16", *extra],
+            [sys.executable, "-m", "draftgraph", "-v", "generate", *common, "--max-tokens", "16", *no_cache, *extra],
             capture_output=True,
             text=True,
             env=env,

@@ -10,8 +10,11 @@ import time
 from typing import NoReturn
 
 from draftgraph import timeline
+from draftgraph.cli import artifact_cache
 from draftgraph.cli.parser import build_parser
 from draftgraph.cli.text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
+
+log = logging.getLogger("draftgraph")
 
 # Nothing above loads torch: `main` starts the compile workers first (_prestart_workers), then imports it.
 
@@ -152,6 +155,7 @@ def cmd_generate(args) -> int:
     if texts:
         generate_text(engine, texts, params, args.stream)
         print_report(engine.stats())
+        _cache(args, engine)
         return 0
     import torch
 
@@ -163,6 +167,7 @@ def cmd_generate(args) -> int:
     for out in outputs[: min(3, len(outputs))]:
         print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
     print_report(engine.stats())
+    _cache(args, engine)
     if args.profile:
         from draftgraph.runtime.profiling import profile_steps
 
@@ -175,17 +180,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _cache(args, engine) -> None:
+    """After the job's output: keep the compiled code for the next start with these flags (artifact_cache.py)."""
+    sys.stdout.flush()
+    if artifact_cache.store(args, engine) is not None:
+        timeline.mark("artifacts cached", "for the next start")
+
+
 def _engine(args, config, tokenizer):
     """The engine `generate` and `serve` run: the flags' models through compile_model; its report printed."""
     import draftgraph as dg
 
     target, drafter = _models(args)
     timeline.mark("models", "built-in pair" if not args.target else "")
+    cached = artifact_cache.lookup(args)  # generate: what the last start with these flags compiled
+    if cached is not None:
+        log.info("loading the compiled code the last start with these flags cached: %s", cached)
     engine = dg.compile_model(
         target,
         drafter,
         config,
-        artifacts=args.artifacts,
+        artifacts=args.artifacts or cached,
         strict_artifacts=args.strict_artifacts,
         tokenizer=tokenizer,
         verify_key=args.verify_key,
@@ -385,6 +400,8 @@ def _prestart_workers(args) -> None:
     settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
     driver's device node exists; where torch then finds none, the build closes the pool."""
     if args.command not in ("generate", "run", "serve") or args.mode == "NONE" or args.artifacts:
+        return
+    if artifact_cache.lookup(args) is not None:  # the last start's compiled code loads: nothing to compile
         return
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
         return

@@ -238,6 +238,12 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             "reading anything but their manifest",
         )
         p.add_argument(
+            "--no-artifact-cache",
+            action="store_true",
+            help="neither load nor keep compiled code in the artifact cache beside Inductor's (by default a start "
+            "with the same flags loads what the last one compiled: no trace, no compile; cli/artifact_cache.py)",
+        )
+        p.add_argument(
             "--profile",
             type=int,
             default=0,
