@@ -1,6 +1,7 @@
 """Startup: cold (trace, compile every piece for every capture size, capture) against warm (load the
-artifacts, capture), each in a fresh process, for the 1B-shaped pair of bench_piecewise.py in
-FULL_AND_PIECEWISE with auto capture sizes. Every process starts from empty Inductor and Triton caches.
+artifacts, capture), each in a fresh process, for a 1B-shaped pair (--pair: the realistic-acceptance pair of
+models/builtin.py by default, or bench_piecewise.py's with a random EAGLE head) in FULL_AND_PIECEWISE with auto
+capture sizes. Every process starts from empty Inductor and Triton caches.
 The cold one compiles and writes the artifacts; the warm ones load them with strict checking and capture
 every graph at start (warm) or each at the first step that needs it (warm_lazy). Both generate the same prompts,
 and their tokens are compared.
@@ -53,9 +54,14 @@ def phase(args) -> None:
 
     timeline.mark("imports")
     t_start = time.perf_counter()
-    target, drafter = build_pair()
+    if args.pair == "acceptance":  # Llama-3.2-1B's shape, its first 2 layers as the draft model (~2.5 of 4 accepted)
+        from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, acceptance_pair
+
+        _, target, drafter = acceptance_pair(LLAMA_1B_ACCEPTANCE, torch.bfloat16, device="cuda", attn_impl="triton")
+    else:  # the same target shape with a random 1-layer EAGLE head
+        target, drafter = build_pair()
     torch.cuda.synchronize()
-    timeline.mark("models", "the 1B pair on the GPU")
+    timeline.mark("models", f"the 1B pair ({args.pair}) on the GPU")
     import contextlib
 
     from scripts.sample_profile import SampleProfiler
@@ -119,6 +125,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument(
+        "--pair",
+        choices=["acceptance", "eagle"],
+        default="acceptance",
+        help="the 1B pair with real acceptance (models/builtin.py LLAMA_1B_ACCEPTANCE, default) or with a random "
+        "EAGLE head (bench_piecewise.py)",
+    )
     ap.add_argument("--phase", choices=["cold", "warm", "warm_lazy"])
     ap.add_argument("--dir")
     ap.add_argument("--compile-workers", type=int, default=None, help="CompileConfig.compile_workers (None: auto)")
@@ -141,7 +154,7 @@ def main():
             }
             env = {**os.environ, **caches, "PYTHONPATH": os.getcwd(), "PYTHONFAULTHANDLER": "1"}
             cmd = [sys.executable, "-m", "scripts.bench_startup", "--phase", name, "--dir", art]
-            cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs)]
+            cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs), "--pair", args.pair]
             if args.compile_workers is not None:
                 cmd += ["--compile-workers", str(args.compile_workers)]
             if args.sample:
