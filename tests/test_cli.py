@@ -5,6 +5,7 @@ import argparse
 import os
 
 import pytest
+import torch
 
 import draftgraph as dg
 from draftgraph.cli import main
@@ -111,7 +112,8 @@ def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(ar
 
 def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compiled(tmp_path, monkeypatch, capsys):
     """cli/artifact_cache.py: a `generate` that compiled keeps its code; the next start with the same flags loads it
-    (no trace, no compile) and generates the same tokens; with an entry there, no compile workers are started."""
+    (no trace, no compile) and generates the same tokens; with an entry there, no compile workers are started. The
+    built-in pair is read from its cached checkpoint, equal to the one built in memory."""
     from draftgraph.cli import artifact_cache
     from draftgraph.cli import commands as cli
     from draftgraph.compiler.pool import pool_lifetime
@@ -133,6 +135,16 @@ def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compil
     # The sampling flags are not in the key; the model and compile flags are.
     assert artifact_cache.entry_dir(parser.parse_args([*argv, "--max-tokens", "9"])) == entry
     assert artifact_cache.entry_dir(parser.parse_args([*argv, "-k", "2"])) != entry
+    # The built-in pair came from its cached checkpoint (no transformers import at a warm start): the same model
+    # as the one built in memory, weights and config.
+    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
+    from draftgraph.models.causal_lm import CausalLM
+
+    spec = BuiltinSpec()
+    cached, built = CausalLM.from_pretrained(artifact_cache.builtin_checkpoint(spec)), builtin_pair(spec)[0]
+    assert os.path.dirname(artifact_cache.builtin_checkpoint(spec)) == str(tmp_path / "cache")
+    assert cached.cfg == built.cfg and cached.state_dict().keys() == built.state_dict().keys()
+    assert all(torch.equal(v, built.state_dict()[k]) for k, v in cached.state_dict().items())
     # On a GPU, an entry to load means nothing to compile: the compile workers are not started.
     started = []
     monkeypatch.setattr(pool_lifetime, "prestart", lambda n, device: started.append((n, device)))

@@ -1,6 +1,7 @@
-"""`draftgraph generate` keeps the compiled code of an engine it compiled as artifacts (artifacts/store.py), and
-its next start with the same flags loads them: a warm start skips Dynamo's traces and Inductor's compiles, not
-only their cache lookups, and starts no compile workers (issue 44).
+"""The start-up caches of `draftgraph generate` (issue 44): the compiled code of an engine it compiled, kept as
+artifacts (artifacts/store.py) that the next start with the same flags loads, so that a warm start skips Dynamo's
+traces and Inductor's compiles, not only their cache lookups, and starts no compile workers; and the built-in
+pair's random weights, kept as a checkpoint, so that a start reads them without importing transformers (seconds).
 
 - Where: `draftgraph-artifacts/<key>/` in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else
   `<tmp>/torchinductor_<user>`, as Inductor decides): empty Inductor caches mean a cold start for both.
@@ -14,6 +15,10 @@ only their cache lookups, and starts no compile workers (issue 44).
 - Only where an artifact needs nothing outside its directory: CUDA (Inductor's binary artifacts and our bundled
   kernels), or the eager backend; one process (no --tp / --dp, no torchrun); `--no-artifact-cache` turns it off.
 - Trust: an entry holds compiled code, as Inductor's own cache entries beside it do; it is trusted as they are.
+- The built-in pair (`builtin_checkpoint`): the first start builds the transformers model (seeded) and writes it
+  with save_pretrained into `builtin-<key>/` (key: the spec, torch's and transformers' versions); every start,
+  that one too, reads the target from there, so cold and warm starts build the same model (same weights, same
+  config: their compiled code matches).
 """
 
 from __future__ import annotations
@@ -82,6 +87,40 @@ def lookup(args) -> str | None:
         return None
     path = entry_dir(args)
     return path if os.path.isfile(os.path.join(path, "manifest.json")) else None
+
+
+def builtin_enabled(args) -> bool:
+    """Whether the built-in pair comes from its cached checkpoint: `generate` of one process (several ranks load
+    their shares from transformers objects, cli/commands.py)."""
+    if not ENABLED or args.command not in ("generate", "run") or getattr(args, "no_artifact_cache", True):
+        return False
+    return getattr(args, "tp", 1) * getattr(args, "dp", 1) == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+
+
+def builtin_checkpoint(spec) -> str:
+    """The checkpoint directory of the built-in target for `spec`, written now when it is not there yet."""
+    from importlib.metadata import version
+
+    import draftgraph
+
+    versions = {name: version(name) for name in ("torch", "transformers")}  # their RNG and init make the weights
+    text = json.dumps({"spec": repr(spec), **versions, "draftgraph": draftgraph.__version__}, sort_keys=True)
+    path = os.path.join(cache_root(), "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from draftgraph.models.builtin import builtin_hf_target
+
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
+    try:
+        builtin_hf_target(spec).save_pretrained(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def store(args, engine) -> str | None:

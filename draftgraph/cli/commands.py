@@ -112,7 +112,14 @@ def _models(args):
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
         ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
-        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
+        if artifact_cache.builtin_enabled(args):  # the same weights, read without importing transformers
+            from draftgraph.models.causal_lm import CausalLM
+            from draftgraph.models.drafters.loader import truncated_draft_model
+
+            target = CausalLM.from_pretrained(artifact_cache.builtin_checkpoint(spec), ops=ops)
+            built_drafter = truncated_draft_model(target, spec.draft_layers)
+        else:
+            target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
 
