@@ -6,7 +6,8 @@ pair's random weights, kept as a checkpoint, so that a start reads them without 
 - Where: `draftgraph-artifacts/<key>/` in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else
   `<tmp>/torchinductor_<user>`, as Inductor decides): empty Inductor caches mean a cold start for both.
 - The key: a hash of the flags that decide what is built (the model and compile flags `generate` shares with
-  `build`; not the prompts or sampling) and draftgraph's version. Finding the entry needs no torch, so the
+  `build`; not the prompts or sampling), draftgraph's version and its sources' hash (an edit starts a new entry;
+  old ones stay, as Inductor's entries do). Finding the entry needs no torch, so the
   command decides before it imports torch whether to start compile workers.
 - Loading is `--artifacts` without `--strict-artifacts`: every check first (versions, GPU, resolved config,
   model shapes, draftgraph's sources, checksums, only listed files); on any mismatch the engine compiles, and
@@ -61,6 +62,15 @@ def _build_flags() -> list[str]:
     return sorted(a.dest for a in p._actions)
 
 
+def _code() -> dict:
+    """draftgraph's version and the hash of the sources compiled code depends on (artifacts/sources.py): an entry
+    of other code is never looked up (the manifest check would refuse it anyway, with a warning)."""
+    import draftgraph
+    from draftgraph.artifacts.sources import source_hash
+
+    return {"draftgraph": draftgraph.__version__, "sources": source_hash()}
+
+
 def eligible(args) -> bool:
     """Whether this command uses the cache: `generate` of one process that compiles, no --artifacts of its own."""
     if not ENABLED or args.command not in ("generate", "run") or getattr(args, "no_artifact_cache", True):
@@ -74,10 +84,8 @@ def eligible(args) -> bool:
 
 def entry_dir(args) -> str:
     """The cache entry for these flags (it may not exist)."""
-    import draftgraph
-
     values = {name: getattr(args, name, None) for name in _build_flags()}
-    text = json.dumps({"flags": values, "draftgraph": draftgraph.__version__}, sort_keys=True, default=str)
+    text = json.dumps({"flags": values, **_code()}, sort_keys=True, default=str)
     return os.path.join(cache_root(), hashlib.sha256(text.encode()).hexdigest()[:20])
 
 
@@ -101,10 +109,8 @@ def builtin_checkpoint(spec) -> str:
     """The checkpoint directory of the built-in target for `spec`, written now when it is not there yet."""
     from importlib.metadata import version
 
-    import draftgraph
-
     versions = {name: version(name) for name in ("torch", "transformers")}  # their RNG and init make the weights
-    text = json.dumps({"spec": repr(spec), **versions, "draftgraph": draftgraph.__version__}, sort_keys=True)
+    text = json.dumps({"spec": repr(spec), **versions, **_code()}, sort_keys=True)
     path = os.path.join(cache_root(), "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
