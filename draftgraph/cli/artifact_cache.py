@@ -109,7 +109,9 @@ def builtin_checkpoint(spec) -> str:
     """The checkpoint directory of the built-in target for `spec`, written now when it is not there yet."""
     from importlib.metadata import version
 
-    versions = {name: version(name) for name in ("torch", "transformers")}  # their RNG and init make the weights
+    import torch
+
+    versions = {"torch": torch.__version__, "transformers": version("transformers")}  # their RNG and init: the weights
     text = json.dumps({"spec": repr(spec), **versions, **_code()}, sort_keys=True)
     path = os.path.join(cache_root(), "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
     if os.path.isfile(os.path.join(path, "config.json")):

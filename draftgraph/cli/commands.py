@@ -112,16 +112,29 @@ def _models(args):
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
         ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
-        if artifact_cache.builtin_enabled(args):  # the same weights, read without importing transformers
+        checkpoint = _builtin_checkpoint(args, spec)
+        if checkpoint is not None:  # the same weights, read without importing transformers
             from draftgraph.models.causal_lm import CausalLM
             from draftgraph.models.drafters.loader import truncated_draft_model
 
-            target = CausalLM.from_pretrained(artifact_cache.builtin_checkpoint(spec), ops=ops)
+            target = CausalLM.from_pretrained(checkpoint, ops=ops)
             built_drafter = truncated_draft_model(target, spec.draft_layers)
         else:
             target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
+
+
+def _builtin_checkpoint(args, spec) -> str | None:
+    """The built-in target's cached checkpoint (artifact_cache.py), or None: not used by this command, or it could
+    not be written (logged; the pair is built in memory instead)."""
+    if not artifact_cache.builtin_enabled(args):
+        return None
+    try:
+        return artifact_cache.builtin_checkpoint(spec)
+    except Exception as e:  # noqa: BLE001 - a cache: the pair is built in memory instead
+        log.warning("the built-in pair's weights were not cached (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def cmd_generate(args) -> int:
