@@ -1,7 +1,8 @@
-"""The start-up caches of `draftgraph generate` (issue 44): the compiled code of an engine it compiled, kept as
-artifacts (artifacts/store.py) that the next start with the same flags loads, so that a warm start skips Dynamo's
-traces and Inductor's compiles, not only their cache lookups, and starts no compile workers; and the built-in
-pair's random weights, kept as a checkpoint, so that a start reads them without importing transformers (seconds).
+"""The start-up caches of `draftgraph generate` and `serve` (issue 44): the compiled code of an engine the command
+compiled, kept as artifacts (artifacts/store.py) that the next start with the same flags loads, so that a warm
+start skips Dynamo's traces and Inductor's compiles, not only their cache lookups, and starts no compile workers;
+and the built-in pair's random weights, kept as a checkpoint, so that a start reads them without importing
+transformers (seconds).
 
 - Where: `draftgraph-artifacts/<key>/` in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else
   `<tmp>/torchinductor_<user>`, as Inductor decides): empty Inductor caches mean a cold start for both.
@@ -37,6 +38,7 @@ import tempfile
 log = logging.getLogger("draftgraph")
 
 SUBDIR = "draftgraph-artifacts"
+COMMANDS = ("generate", "run", "serve")  # serve keeps the compiled code once its engine is built, before it serves
 ENABLED = True  # tests turn it off (tests/conftest.py): each test's generate compiles what it asks for
 
 
@@ -72,8 +74,9 @@ def _code() -> dict:
 
 
 def eligible(args) -> bool:
-    """Whether this command uses the cache: `generate` of one process that compiles, no --artifacts of its own."""
-    if not ENABLED or args.command not in ("generate", "run") or getattr(args, "no_artifact_cache", True):
+    """Whether this command uses the cache: `generate` (or `serve`) of one process that compiles, no --artifacts of
+    its own."""
+    if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
         return False
     if args.artifacts or args.verify_key or args.mode == "NONE":
         return False
@@ -98,9 +101,9 @@ def lookup(args) -> str | None:
 
 
 def builtin_enabled(args) -> bool:
-    """Whether the built-in pair comes from its cached checkpoint: `generate` of one process (several ranks load
-    their shares from transformers objects, cli/commands.py)."""
-    if not ENABLED or args.command not in ("generate", "run") or getattr(args, "no_artifact_cache", True):
+    """Whether the built-in pair comes from its cached checkpoint: `generate` or `serve` of one process (several
+    ranks load their shares from transformers objects, cli/commands.py)."""
+    if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
         return False
     return getattr(args, "tp", 1) * getattr(args, "dp", 1) == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
 

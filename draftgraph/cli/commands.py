@@ -201,7 +201,8 @@ def cmd_generate(args) -> int:
 
 
 def _cache(args, engine) -> None:
-    """After the job's output: keep the compiled code for the next start with these flags (artifact_cache.py)."""
+    """After generate's output (serve: once its engine is built): keep the compiled code for the next start with these
+    flags (artifact_cache.py)."""
     sys.stdout.flush()
     if artifact_cache.store(args, engine) is not None:
         timeline.mark("artifacts cached", "for the next start")
@@ -250,6 +251,7 @@ def cmd_serve(args) -> int:
 
     def make_engine():
         engine = _engine(args, config, tokenizer)
+        _cache(args, engine)  # (before serving: its dummy runs use the engine's buffers)
         print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
         if several and launch.rank == 0:
             engine.lead()
