@@ -494,18 +494,14 @@ def finish(rc: int, verbose: bool = False) -> NoReturn:
     timeline.mark("exit")
     if verbose:
         print(timeline.report(), file=sys.stderr)
-    inductor = sys.modules.get("torch._inductor.async_compile")
-    if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
-        import atexit
-
-        atexit.unregister(inductor.shutdown_compile_workers)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
     import atexit
 
-    atexit._run_exitfuncs()  # ours: prestarted pools, worker ranks, private caches (weakref.finalize too)
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
+        atexit.unregister(inductor.shutdown_compile_workers)
+    # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
+    # logging's flush, and any other library's.
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
