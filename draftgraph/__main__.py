@@ -1,5 +1,3 @@
-import sys
+from draftgraph.cli import run
 
-from draftgraph.cli import main
-
-sys.exit(main())
+run()

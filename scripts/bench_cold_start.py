@@ -1,12 +1,17 @@
-"""A new user's cold start, variant against variant: `draftgraph generate --device cuda` (the built-in pair, or
---args for another job) in a fresh process with empty Inductor and Triton caches, for each variant in turn,
-`--repeats` times, interleaved so that drift hits every variant alike. Reports each variant's median time to
-a ready engine (the CLI's "engine ready in" line), the compile workers' timeline (when they were ready, when
-the last piece was done, how long the engine waited: `-v` logs it), and the most processes and the highest
-one-minute load seen while it ran (compile workers that start pools of their own show up there).
+"""A new user's start, variant against variant, whole process: `draftgraph -v generate --device cuda` (the
+built-in pair, or --args for another job) timed from the shell, command to exit, in fresh processes:
+- cold: empty Inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR);
+- warm (--warm): the same command again on the caches the cold run filled;
+- artifacts (--artifacts): `draftgraph build --out DIR` (not timed as a start), then `generate --artifacts DIR`
+  on empty caches (--build-args: build's flags, the model's as generate gets them).
+Each run's start-up timeline (`-v` prints it: draftgraph/timeline.py, seconds since the process started) gives
+the phases; the table shows the whole process (wall clock around the command), the first token and the engine's
+"ready", medians over `--repeats` (variants interleaved so that drift hits every variant alike), the most
+processes and the highest one-minute load seen. The printed tokens and acceptance of every run are compared:
+a start-up change must not change them.
 
-Usage: python scripts/bench_cold_start.py --variant base: --variant t1:DRAFTGRAPH_WORKER_COMPILE_THREADS=1
-       [--variant w4::--compile-workers 4] [--repeats 2] [--args "--max-tokens 16"]
+Usage: python scripts/bench_cold_start.py --variant base: [--variant w0::--compile-workers 0] [--warm]
+       [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline]
 A variant is NAME:ENV=V,ENV=V:EXTRA CLI ARGS (either part may be empty).
 """
 
@@ -16,12 +21,15 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+TIMELINE_ROW = re.compile(r"^\s+([\d.]+) s\s+\+\s*[\d.]+ s\s+([^:\n]+)", re.M)
 
 
 def parse_variant(text: str) -> tuple[str, dict, list[str]]:
@@ -42,11 +50,16 @@ def process_count() -> int:
     return sum(1 for d in os.listdir("/proc") if d.isdigit())
 
 
-def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: float) -> dict:
-    env = dict(os.environ, **env_extra)
-    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cold-inductor-")
-    env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cold-triton-")
-    cmd = [sys.executable, "-m", "draftgraph", "-v", "generate", "--device", "cuda", *base_args, *extra]
+def fresh_caches(root: str) -> dict:
+    """Empty Inductor and Triton cache directories under `root` (a new pair each call)."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=root),
+        "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-", dir=root),
+    }
+
+
+def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
+    """One process, timed from the shell; its timeline phases, tokens and log lines."""
     peak = {"procs": 0, "load": 0.0}
     stop = threading.Event()
 
@@ -61,32 +74,29 @@ def run_once(env_extra: dict, extra: list[str], base_args: list[str], timeout: f
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        # the log first: its "compiled" line is the compiling warm-up's (the printed report may be the one
-        # after KV-cache sizing, which compiles nothing)
-        out, rc = proc.stderr + proc.stdout, proc.returncode
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
-        out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out, err, rc = text, "", "timeout"
     wall = time.perf_counter() - t0
     stop.set()
     sampler.join()
-    ready = re.search(r"engine ready in ([\d.]+) s", out)
-    since = re.search(r"\(([\d.]+) s since the command started\)", out)
-    pool = re.search(r"compile workers: .*", out)
+    phases = {}
+    for t, phase in TIMELINE_ROW.findall(err):
+        phases.setdefault(phase.strip(), float(t))  # the first mark of a phase
+    tokens = "\n".join(re.findall(r"^request \d+: .*$", out, re.M) + re.findall(r"^  \d: .*$", out, re.M))
     compiled = re.search(r"compiled \d+ pieces .*? in [\d.]+ s(?: \([^)]*\))?", out)
-    captured = re.findall(r"captured \d+ CUDA graphs in [\d.]+ s", out)  # twice where the KV sizing recaptures
-    sized = re.search(r"KV cache sized after capture: .*", out)
     return {
         "rc": rc,
-        "ready": float(ready.group(1)) if ready else None,
         "wall": wall,
-        "since_start": float(since.group(1)) if since else None,
-        "pool": pool.group(0) if pool else "",
+        "phases": phases,
+        "tokens": tokens,
+        "timeline": err[err.find("start-up timeline") :] if "start-up timeline" in err else "",
         "compiled": compiled.group(0) if compiled else "",
-        "captured": "; ".join(captured),
-        "sized": sized.group(0)[:300] if sized else "",
+        "pool": (re.search(r"compile workers: .*", err) or re.search(r"$^", "")).group(0),
         "procs": peak["procs"],
         "load": peak["load"],
-        "tail": "" if ready else out[-1500:],
+        "tail": "" if rc == 0 else (err + out)[-2500:],
     }
 
 
@@ -94,38 +104,73 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:ENV=V,...[:EXTRA ARGS]")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--args", default="--max-tokens 16", help="CLI arguments every variant gets")
+    ap.add_argument("--args", default="", help="CLI arguments every variant's generate gets")
+    ap.add_argument("--warm", action="store_true", help="also run each variant again on the caches its cold run filled")
+    ap.add_argument(
+        "--artifacts", action="store_true", help="also build artifacts, then generate from them (empty caches)"
+    )
+    ap.add_argument("--build-args", default="", help="`draftgraph build` arguments for --artifacts (its model flags)")
+    ap.add_argument("--timeline", action="store_true", help="print every run's start-up timeline")
     ap.add_argument("--timeout", type=float, default=200.0)
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
-    results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
-    for r in range(args.repeats):
-        for name, env, extra in variants:
-            res = run_once(env, extra, base_args, args.timeout)
-            results[name].append(res)
-            ready = "FAILED" if res["ready"] is None else f"{res['ready']:.1f} s"
-            since = "" if res["since_start"] is None else f"{res['since_start']:.1f} s since the command started, "
-            print(f"[{r + 1}/{args.repeats}] {name}: ready {ready} ({since}process {res['wall']:.1f} s, "
-                  f"rc {res['rc']}), "
-                  f"peak {res['procs']} processes, load {res['load']:.1f}", flush=True)  # fmt: skip
-            for key in ("compiled", "captured", "sized", "pool"):
-                if res[key]:
-                    print(f"    {res[key]}", flush=True)
-            if res["tail"]:
-                print("    " + res["tail"].replace("\n", "\n    "), flush=True)
-    print("\nvariant | median ready (s) | runs | since the command started (s) | peak processes")
-    print("---|---:|---|---|---:")
-    base = None
-    for name, _, _ in variants:
-        ready = [x["ready"] for x in results[name] if x["ready"] is not None]
-        med = statistics.median(ready) if ready else None
-        base = base if base is not None else med
-        ratio = f" ({med / base:.2f}x)" if med and base else ""
-        runs = ", ".join(f"{x:.1f}" for x in ready) or "failed"
-        procs = max(x["procs"] for x in results[name])
-        since = ", ".join(f"{x['since_start']:.1f}" for x in results[name] if x["since_start"] is not None) or "-"
-        print(f"{name} | {'-' if med is None else f'{med:.1f}'}{ratio} | {runs} | {since} | {procs}")
+    kinds = ["cold"] + (["warm"] if args.warm else []) + (["artifacts"] if args.artifacts else [])
+    results: dict[tuple[str, str], list[dict]] = {(n, k): [] for n, _, _ in variants for k in kinds}
+    generate = [sys.executable, "-m", "draftgraph", "-v", "generate", "--device", "cuda", *base_args]
+    root = tempfile.mkdtemp(prefix="bench-cold-start-")
+    try:
+        for r in range(args.repeats):
+            for name, env_extra, extra in variants:
+                env = dict(os.environ, **env_extra, **fresh_caches(root))
+                for kind in kinds:
+                    cmd, run_env = generate + extra, env  # warm: the caches the cold run filled
+                    if kind == "artifacts":
+                        out = os.path.join(tempfile.mkdtemp(dir=root), "artifacts")
+                        build = [sys.executable, "-m", "draftgraph", "build", "--device", "cuda", "--out", out,
+                                 *shlex.split(args.build_args)]  # fmt: skip
+                        t0 = time.perf_counter()
+                        b = subprocess.run(build, env=dict(env, **fresh_caches(root)), capture_output=True, text=True)
+                        print(f"[{r + 1}/{args.repeats}] {name} build: {time.perf_counter() - t0:.1f} s", flush=True)
+                        if b.returncode:
+                            print(f"build failed:\n{(b.stderr + b.stdout)[-2500:]}")
+                        cmd, run_env = cmd + ["--artifacts", out], dict(env, **fresh_caches(root))
+                    res = run_once(cmd, run_env, args.timeout)
+                    results[(name, kind)].append(res)
+                    p = {k: f"{v:.1f} s" for k, v in res["phases"].items()}
+                    print(
+                        f"[{r + 1}/{args.repeats}] {name} {kind}: whole process {res['wall']:.1f} s, first token "
+                        f"{p.get('first token', '-')}, engine ready {p.get('engine ready', '-')} (rc {res['rc']}), "
+                        f"peak {res['procs']} processes, load {res['load']:.1f}",
+                        flush=True,
+                    )
+                    for key in ("compiled", "pool"):
+                        if res[key]:
+                            print(f"    {res[key][:400]}", flush=True)
+                    if args.timeline and res["timeline"]:
+                        print("    " + res["timeline"].strip().replace("\n", "\n    "), flush=True)
+                    if res["tail"]:
+                        print("    " + res["tail"].replace("\n", "\n    "), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\nvariant | start | whole process (s) | first token (s) | engine ready (s) | runs (whole process) | tokens")
+    print("---|---|---:|---:|---:|---|---")
+    reference = None
+    for (name, kind), runs in results.items():
+        ok = [x for x in runs if x["rc"] == 0]
+
+        def med(key, ok=ok):
+            vals = [x["phases"][key] for x in ok if key in x["phases"]]
+            return f"{statistics.median(vals):.1f}" if vals else "-"
+
+        whole = f"{statistics.median(x['wall'] for x in ok):.1f}" if ok else "failed"
+        reference = reference if reference is not None else (ok[0]["tokens"] if ok else None)
+        same = all(x["tokens"] == reference for x in ok) if ok else False
+        runs_text = ", ".join(f"{x['wall']:.1f}" for x in runs)
+        print(f"{name} | {kind} | {whole} | {med('first token')} | {med('engine ready')} | {runs_text} | "
+              f"{'equal' if same else 'DIFFER'}")  # fmt: skip
+    if reference:
+        print("\ntokens of the first run (requests and acceptance histogram):\n" + reference)
 
 
 if __name__ == "__main__":

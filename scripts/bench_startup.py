@@ -1,9 +1,13 @@
 """Startup: cold (trace, compile every piece for every capture size, capture) against warm (load the
-artifacts, capture), each in a fresh process, for the 1B-shaped pair of bench_piecewise.py in
-FULL_AND_PIECEWISE with auto capture sizes. Every process starts from empty Inductor and Triton caches.
+artifacts, capture), each in a fresh process, for a 1B-shaped pair (--pair: the realistic-acceptance pair of
+models/builtin.py by default, or bench_piecewise.py's with a random EAGLE head) in FULL_AND_PIECEWISE with auto
+capture sizes. Every process starts from empty Inductor and Triton caches.
 The cold one compiles and writes the artifacts; the warm ones load them with strict checking and capture
 every graph at start (warm) or each at the first step that needs it (warm_lazy). Both generate the same prompts,
 and their tokens are compared.
+
+Each phase prints its process's start-up timeline (draftgraph/timeline.py; --timeline: every line), in
+seconds since that process started: engine ready, first token, and the whole process as the parent saw it.
 
 Usage: python scripts/bench_startup.py [--k 4] [--max-num-seqs 32] [--compile-workers N] [--phases cold,warm]
        [--sample warm_lazy,...]   those phases' engine build under the wall-clock sampling profiler (printed)
@@ -44,12 +48,20 @@ def phase(args) -> None:
     import torch
 
     import draftgraph as dg
+    from draftgraph import timeline
     from draftgraph.artifacts.store import CACHE, build_artifacts
     from scripts.bench_piecewise import build_pair
 
+    timeline.mark("imports")
     t_start = time.perf_counter()
-    target, drafter = build_pair()
+    if args.pair == "acceptance":  # Llama-3.2-1B's shape, its first 2 layers as the draft model (~2.5 of 4 accepted)
+        from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, acceptance_pair
+
+        _, target, drafter = acceptance_pair(LLAMA_1B_ACCEPTANCE, torch.bfloat16, device="cuda", attn_impl="triton")
+    else:  # the same target shape with a random 1-layer EAGLE head
+        target, drafter = build_pair()
     torch.cuda.synchronize()
+    timeline.mark("models", f"the 1B pair ({args.pair}) on the GPU")
     import contextlib
 
     from scripts.sample_profile import SampleProfiler
@@ -66,6 +78,7 @@ def phase(args) -> None:
             )
         torch.cuda.synchronize()
     ready = time.perf_counter() - t0
+    timeline.mark("engine ready")
     if isinstance(sampler, SampleProfiler):
         print(f"== {args.phase}: where the engine build's main thread was\n{sampler.report()}", file=sys.stderr)
     write_s = 0.0
@@ -100,8 +113,11 @@ def phase(args) -> None:
                 "warmup_s": {k: round(v, 2) for k, v in c.warmup_seconds.items()},
                 "report": engine.warm_up_report,
                 "tokens": [o.token_ids for o in outs],
+                "timeline": {name: round(t, 2) for name, t, _ in reversed(timeline.marks())},  # a phase's first
+                "timeline_text": timeline.report(),
             }
-        )
+        ),
+        flush=True,
     )
 
 
@@ -109,11 +125,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument(
+        "--pair",
+        choices=["acceptance", "eagle"],
+        default="acceptance",
+        help="the 1B pair with real acceptance (models/builtin.py LLAMA_1B_ACCEPTANCE, default) or with a random "
+        "EAGLE head (bench_piecewise.py)",
+    )
     ap.add_argument("--phase", choices=["cold", "warm", "warm_lazy"])
     ap.add_argument("--dir")
     ap.add_argument("--compile-workers", type=int, default=None, help="CompileConfig.compile_workers (None: auto)")
     ap.add_argument("--phases", default="cold,warm,warm_lazy", help="which phases to run, in order (cold first)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per phase before its stacks are dumped")
+    ap.add_argument("--timeline", action="store_true", help="print each phase's start-up timeline")
     ap.add_argument("--sample", default="", help="phases to run under the sampling profiler (comma-separated)")
     args = ap.parse_args()
     if args.phase:
@@ -130,7 +154,7 @@ def main():
             }
             env = {**os.environ, **caches, "PYTHONPATH": os.getcwd(), "PYTHONFAULTHANDLER": "1"}
             cmd = [sys.executable, "-m", "scripts.bench_startup", "--phase", name, "--dir", art]
-            cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs)]
+            cmd += ["--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs), "--pair", args.pair]
             if args.compile_workers is not None:
                 cmd += ["--compile-workers", str(args.compile_workers)]
             if args.sample:
@@ -151,6 +175,8 @@ def main():
                 print(err[err.index("== ") :])
             res[name] = json.loads(out.strip().splitlines()[-1])
             res[name]["process_s"] = round(time.perf_counter() - t0, 1)
+            # the process's teardown: from its last output line to its end (its start is a few ms before t0)
+            res[name]["exit_s"] = round(res[name]["process_s"] - max(res[name]["timeline"].values()), 1)
         files = sum(len(f) for _, _, f in os.walk(art))
         size = sum(os.path.getsize(os.path.join(d, x)) for d, _, fs in os.walk(art) for x in fs)
     cold = res["cold"]
@@ -160,8 +186,20 @@ def main():
             f"{r['phase']:>9}: engine ready in {r['ready_s']:7.2f} s, then generate {r['generate_s']:.2f} s "
             f"(capture {r['capture_s']} s, {r['graphs_captured']} graphs, {r['fallbacks']} fallbacks), "
             f"traces {r['traces']}, Inductor compiles {r['inductor_compiles']}; whole process {r['process_s']} s "
-            f"(model build {r['model_build_s']} s)"
+            f"(model build {r['model_build_s']} s; the process's exit after its output {r['exit_s']} s)"
         )
+        t = r["timeline"]
+        first = t.get("first token")
+        if first is not None and r["write_s"]:  # the cold phase writes the artifacts between ready and generate
+            first = f"{first} s ({first - r['write_s']:.2f} s without the artifacts' writing)"
+        elif first is not None:
+            first = f"{first} s"
+        print(
+            f"           since the process started: engine ready {t.get('engine ready', '-')} s, first token "
+            f"{first}, whole process {r['process_s']} s"
+        )
+        if args.timeline:
+            print("           " + r["timeline_text"].replace("\n", "\n           "))
         print(f"           {r['report']}")
         workers = f"compile workers {r['compile_workers']} ({r['worker_failures']} failed)"
         print(f"           {workers}, warm-up {r['warmup_s']}")

@@ -75,3 +75,12 @@ def _forget_compiled_code():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_artifact_cache(monkeypatch):
+    """The CLI's artifact cache (draftgraph/cli/artifact_cache.py) off: a test's `generate` compiles what it asks
+    for, whatever an earlier test or run left in the cache; the cache's own tests turn it back on."""
+    from draftgraph.cli import artifact_cache
+
+    monkeypatch.setattr(artifact_cache, "ENABLED", False)

@@ -170,9 +170,9 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     assert f"signed {out}/manifest.sig" in built
     assert main(["generate", *common, "--max-tokens", "16"]) == 0
     compiled = capsys.readouterr().out
-    loaded = subprocess.run(
-        [sys.executable, "-m", "draftgraph", "generate", *common, "--max-tokens", "16", "--artifacts", out,
-         "--strict-artifacts", "--verify-key", str(key)],
+    loaded = subprocess.run(  # -v: the start-up timeline too (draftgraph/timeline.py)
+        [sys.executable, "-m", "draftgraph", "-v", "generate", *common, "--max-tokens", "16", "--artifacts", out,
+         "--strict-artifacts", "--verify-key", str(key), "--no-artifact-cache"],  # conftest's switch stays here
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
@@ -180,6 +180,14 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     )  # fmt: skip
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert "no trace, no Inductor compile" in loaded.stdout
+    # the timeline's phases, each once and in the order a start passes them (CPU: no CUDA init, no compile
+    # workers, no KV sizing from device memory); loading artifacts, it loads kernels instead of compiling
+    timeline = loaded.stderr[loaded.stderr.index("start-up timeline") :].splitlines()[1:]
+    phases = [row.split(" s  ", 2)[2].split(":")[0].strip() for row in timeline]
+    seconds = [float(row.split(" s ")[0]) for row in timeline]
+    expected = ["imports", "models", "weight load", "kernel loads", "tracing", "compiles", "capture", "engine ready"]
+    assert phases == [*expected, "first token", "exit"], timeline
+    assert seconds == sorted(seconds) and 0 < seconds[0] < seconds[-1], timeline  # order, not speed
     first = [line for line in compiled.splitlines() if line.startswith("request ")]
     assert first and first == [line for line in loaded.stdout.splitlines() if line.startswith("request ")]
     assert main(["generate", *common, "-k", "2", "--artifacts", out, "--strict-artifacts"]) == 2

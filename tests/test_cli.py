@@ -2,8 +2,10 @@
 --version, the "auto" defaults, and bad values refused before any model is built."""
 
 import argparse
+import os
 
 import pytest
+import torch
 
 import draftgraph as dg
 from draftgraph.cli import main
@@ -106,3 +108,48 @@ def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(ar
     parser, _ = _parsers()
     cli._prestart_workers(parser.parse_args(argv))
     assert started == ([prestarts] if prestarts else [])
+
+
+def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compiled(tmp_path, monkeypatch, capsys):
+    """cli/artifact_cache.py: a `generate` that compiled keeps its code; the next start with the same flags loads it
+    (no trace, no compile) and generates the same tokens; with an entry there, no compile workers are started. The
+    built-in pair is read from its cached checkpoint, equal to the one built in memory."""
+    from draftgraph.cli import artifact_cache
+    from draftgraph.cli import commands as cli
+    from draftgraph.compiler.pool import pool_lifetime
+
+    monkeypatch.setattr(artifact_cache, "ENABLED", True)  # (conftest turns it off for every other test)
+    monkeypatch.setattr(artifact_cache, "cache_root", lambda: str(tmp_path / "cache"))
+    argv = ["generate", "--device", "cpu", "--mode", "PIECEWISE", "--compile-backend", "eager"]
+    argv += ["--capture-sizes", "1,4", "--max-tokens", "4", "--num-prompts", "2", "--no-drafter"]  # one trace
+    outs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        outs.append(capsys.readouterr().out)
+    parser, _ = _parsers()
+    entry = artifact_cache.entry_dir(parser.parse_args(argv))
+    assert os.path.isfile(os.path.join(entry, "manifest.json")) and "no trace" not in outs[0]
+    assert f"loaded compiled code from {entry}" in outs[1] and "no trace, no Inductor compile" in outs[1]
+    requests = [[line for line in out.splitlines() if line.startswith("request ")] for out in outs]
+    assert len(requests[0]) == 2 and requests[0] == requests[1]
+    # The sampling flags are not in the key; the model and compile flags are.
+    assert artifact_cache.entry_dir(parser.parse_args([*argv, "--max-tokens", "9"])) == entry
+    assert artifact_cache.entry_dir(parser.parse_args([*argv, "-k", "2"])) != entry
+    # The built-in pair came from its cached checkpoint (no transformers import at a warm start): the same model
+    # as the one built in memory, weights and config.
+    from draftgraph.models.builtin import BuiltinSpec, builtin_pair
+    from draftgraph.models.causal_lm import CausalLM
+
+    spec = BuiltinSpec()
+    cached, built = CausalLM.from_pretrained(artifact_cache.builtin_checkpoint(spec)), builtin_pair(spec)[0]
+    assert os.path.dirname(artifact_cache.builtin_checkpoint(spec)) == str(tmp_path / "cache")
+    assert cached.cfg == built.cfg and cached.state_dict().keys() == built.state_dict().keys()
+    assert all(torch.equal(v, built.state_dict()[k]) for k, v in cached.state_dict().items())
+    # On a GPU, an entry to load means nothing to compile: the compile workers are not started.
+    started = []
+    monkeypatch.setattr(pool_lifetime, "prestart", lambda n, device: started.append((n, device)))
+    gpu = parser.parse_args(["generate", "--device", "cuda"])
+    os.makedirs(artifact_cache.entry_dir(gpu))
+    open(os.path.join(artifact_cache.entry_dir(gpu), "manifest.json"), "w").close()
+    cli._prestart_workers(gpu)
+    assert started == []

@@ -35,7 +35,7 @@ ORDER = [
     "cli",
 ]
 # top-level modules that are not stages of their own: the stage they belong to
-MEMBER_OF = {"envs": "compiler", "__main__": "cli", "__init__": "api"}
+MEMBER_OF = {"envs": "compiler", "timeline": "ops", "__main__": "cli", "__init__": "api"}
 # what a compile pool module may take from the compiler core (the formats jobs travel in)
 POOL_MAY_IMPORT = {"fx_serialize", "fx_allowlist", "inductor_options", "piece_inputs"}
 

@@ -64,6 +64,7 @@ from draftgraph.artifacts.ranks import (
     this_rank,
 )
 from draftgraph.artifacts.signing import SignatureError, verify
+from draftgraph.artifacts.sources import source_hash
 from draftgraph.artifacts.triton_bundle import INDEX, TRITON_DIR, check_index, restore_kernels, save_kernels
 from draftgraph.compiler.build import LOOP_VARIANTS
 from draftgraph.compiler.fx_serialize import decode_module, encode_module
@@ -74,7 +75,6 @@ FORMAT = 2  # 2: input paths as declared steps (not expressions), the config's f
 # CACHE (private_cache.py): Inductor's cache of a CPU build, the built .so files a CPU artifact does not bundle
 # (without them every load would re-run the C++ compiler). `draftgraph build` points Inductor there on the CPU
 # only; a CUDA artifact bundles its Triton kernels. Its files are listed in the manifest like every other.
-_SOURCE_DIRS = ("compiler", "passes", "models", "runtime")
 _FUNCTIONS = ("target", "drafter", "draft_loop")
 
 
@@ -87,17 +87,6 @@ class ArtifactError(RuntimeError):
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def source_hash() -> str:
-    """Hash of draftgraph's compiler, pass, model and runtime sources: any code change invalidates."""
-    root = Path(draftgraph.__file__).parent
-    h = hashlib.sha256()
-    for sub in _SOURCE_DIRS:
-        for f in sorted((root / sub).rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def config_fields(rc) -> dict[str, str]:
@@ -478,9 +467,10 @@ class _LazyArtifact:
         if self.fn is None:
             from torch._inductor import CompiledArtifact
 
+            from draftgraph.compiler.inductor_options import loading_in_process
             from draftgraph.compiler.piecewise import _cache_dir
 
-            with _cache_dir(str(self.cache)):
+            with _cache_dir(str(self.cache)), loading_in_process():
                 self.fn = CompiledArtifact.load(path=str(self.path), format="binary")
         return self.fn(*args)
 

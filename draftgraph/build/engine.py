@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from draftgraph import timeline
 from draftgraph.artifacts.signing import SignatureError, read_key
 from draftgraph.artifacts.store import ArtifactError, check_artifacts, load_functions
 from draftgraph.build.preflight import artifact_mode, check_checkpoints, check_kv_memory, target_config
@@ -93,7 +94,10 @@ def build_engine(
     auto_from = artifact_mode(artifacts) if artifacts is not None and config.mode == "auto" else None
     rc = resolve(config, tcfg.max_position_embeddings if tcfg else None, drafter is not None, auto_from)
     if tcfg is not None:
-        check_kv_memory(rc, tcfg)
+        check_kv_memory(rc, tcfg)  # on CUDA the first device call: the context is made here
+    if rc.device.type == "cuda":
+        torch.cuda.init()  # (where the check above did not: a model object's config)
+        timeline.mark("CUDA init")
     if ep is not None:  # models/parallel/experts.py: experts that split, before any weight loads
         from draftgraph.models.parallel.experts import check_expert_config
 
@@ -135,6 +139,7 @@ def _assemble(request: BuildRequest, rc: ResolvedConfig, tp, ep, pool) -> tuple:
         draft = draft.to(rc.device)
         set_kernel_impl(draft, rc.attention)
     check_kv_memory(rc, model.cfg, draft)  # the exact bytes, drafter included, before any compile
+    timeline.mark("weight load")
     compiled = None
     if rc.mode != CUDAGraphMode.NONE:
         loop_fns = None
@@ -146,6 +151,7 @@ def _assemble(request: BuildRequest, rc: ResolvedConfig, tp, ep, pool) -> tuple:
         if compiled is None:
             raise ValueError("artifacts hold compiled code, which mode NONE does not use; choose a compiling mode")
         notes.append(_use_artifacts(request, compiled, rc, model, draft))
+        timeline.mark("kernel loads", "artifacts")
     return model, draft, compiled, tuple(x for x in notes if x)
 
 

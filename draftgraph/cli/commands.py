@@ -7,9 +7,14 @@ import logging
 import os
 import sys
 import time
+from typing import NoReturn
 
+from draftgraph import timeline
+from draftgraph.cli import artifact_cache
 from draftgraph.cli.parser import build_parser
 from draftgraph.cli.text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
+
+log = logging.getLogger("draftgraph")
 
 # Nothing above loads torch: `main` starts the compile workers first (_prestart_workers), then imports it.
 
@@ -107,9 +112,29 @@ def _models(args):
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
         ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
-        target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
+        checkpoint = _builtin_checkpoint(args, spec)
+        if checkpoint is not None:  # the same weights, read without importing transformers
+            from draftgraph.models.causal_lm import CausalLM
+            from draftgraph.models.drafters.loader import truncated_draft_model
+
+            target = CausalLM.from_pretrained(checkpoint, ops=ops)
+            built_drafter = truncated_draft_model(target, spec.draft_layers)
+        else:
+            target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
+
+
+def _builtin_checkpoint(args, spec) -> str | None:
+    """The built-in target's cached checkpoint (artifact_cache.py), or None: not used by this command, or it could
+    not be written (logged; the pair is built in memory instead)."""
+    if not artifact_cache.builtin_enabled(args):
+        return None
+    try:
+        return artifact_cache.builtin_checkpoint(spec)
+    except Exception as e:  # noqa: BLE001 - a cache: the pair is built in memory instead
+        log.warning("the built-in pair's weights were not cached (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def cmd_generate(args) -> int:
@@ -141,14 +166,16 @@ def cmd_generate(args) -> int:
     engine = _engine(args, config, tokenizer)
     why = f" (auto: {engine.config.mode_reason})" if engine.config.mode_reason else ""
     now = time.perf_counter()
+    timeline.mark("engine ready")
     print(
-        f"engine ready in {now - t0:.1f} s ({now - _STARTED[0]:.1f} s since the command started): mode "
+        f"engine ready in {now - t0:.1f} s ({timeline.since_start():.1f} s since the process started): mode "
         f"{engine.config.mode.value}{why}, device {engine.config.device}, attention {engine.config.attention}, "
         f"K={engine.k}"
     )
     if texts:
         generate_text(engine, texts, params, args.stream)
         print_report(engine.stats())
+        _cache(args, engine)
         return 0
     import torch
 
@@ -160,6 +187,7 @@ def cmd_generate(args) -> int:
     for out in outputs[: min(3, len(outputs))]:
         print(f"request {out.request_id}: prompt {out.prompt_token_ids[:8]}... -> {out.token_ids[:12]}...")
     print_report(engine.stats())
+    _cache(args, engine)
     if args.profile:
         from draftgraph.runtime.profiling import profile_steps
 
@@ -172,16 +200,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _cache(args, engine) -> None:
+    """After generate's output (serve: once its engine is built): keep the compiled code for the next start with these
+    flags (artifact_cache.py)."""
+    sys.stdout.flush()
+    if artifact_cache.store(args, engine) is not None:
+        timeline.mark("artifacts cached", "for the next start")
+
+
 def _engine(args, config, tokenizer):
     """The engine `generate` and `serve` run: the flags' models through compile_model; its report printed."""
     import draftgraph as dg
 
     target, drafter = _models(args)
+    timeline.mark("models", "built-in pair" if not args.target else "")
+    cached = artifact_cache.lookup(args)  # generate: what the last start with these flags compiled
+    if cached is not None:
+        log.info("loading the compiled code the last start with these flags cached: %s", cached)
     engine = dg.compile_model(
         target,
         drafter,
         config,
-        artifacts=args.artifacts,
+        artifacts=args.artifacts or cached,
         strict_artifacts=args.strict_artifacts,
         tokenizer=tokenizer,
         verify_key=args.verify_key,
@@ -211,6 +251,7 @@ def cmd_serve(args) -> int:
 
     def make_engine():
         engine = _engine(args, config, tokenizer)
+        _cache(args, engine)  # (before serving: its dummy runs use the engine's buffers)
         print(f"engine ready: mode {engine.config.mode.value}, device {engine.config.device}, K={engine.k}", flush=True)
         if several and launch.rank == 0:
             engine.lead()
@@ -382,6 +423,8 @@ def _prestart_workers(args) -> None:
     driver's device node exists; where torch then finds none, the build closes the pool."""
     if args.command not in ("generate", "run", "serve") or args.mode == "NONE" or args.artifacts:
         return
+    if artifact_cache.lookup(args) is not None:  # the last start's compiled code loads: nothing to compile
+        return
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
         return
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: each rank starts its own
@@ -393,11 +436,12 @@ def _prestart_workers(args) -> None:
     prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
 
 
-_STARTED = [time.perf_counter()]  # when the command started (main sets it again)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _STARTED[0] = time.perf_counter()
+    """Run one command in this process; returns its exit status (`run` is the command's process)."""
+    return _command(_parse(argv))
+
+
+def _parse(argv: list[str] | None):
     parser = build_parser(
         {
             "generate": cmd_generate,
@@ -407,11 +451,16 @@ def main(argv: list[str] | None = None) -> int:
             "serve": cmd_serve,
         }
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _command(args) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     _prestart_workers(args)
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
+
+    timeline.mark("imports")
 
     try:
         from draftgraph.workers.launched import launch_env
@@ -430,5 +479,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run(argv: list[str] | None = None) -> NoReturn:
+    """The `draftgraph` command's process: `main`, then `finish` (no slow teardown after the output)."""
+    args = _parse(argv)
+    finish(_command(args), args.verbose)
+
+
+def finish(rc: int, verbose: bool = False) -> NoReturn:
+    """End the process once the command's output is out: print the start-up timeline (with -v), flush, run the
+    exit handlers that clean up (compile and worker processes, temporary directories), then end without the
+    interpreter's teardown. Skipped: Inductor's wait for its compile subprocesses to shut down (seconds: 10 s
+    on an H100, where they were still starting; they end themselves when this process is gone), freeing every
+    object and the CUDA context one by one (the kernel reclaims it all at once)."""
+    timeline.mark("exit")
+    if verbose:
+        print(timeline.report(), file=sys.stderr)
+    import atexit
+
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
+        atexit.unregister(inductor.shutdown_compile_workers)
+    # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
+    # logging's flush, and any other library's.
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

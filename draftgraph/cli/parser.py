@@ -238,6 +238,12 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
             "reading anything but their manifest",
         )
         p.add_argument(
+            "--no-artifact-cache",
+            action="store_true",
+            help="neither load nor keep compiled code in the artifact cache beside Inductor's (by default a start "
+            "with the same flags loads what the last one compiled: no trace, no compile; cli/artifact_cache.py)",
+        )
+        p.add_argument(
             "--profile",
             type=int,
             default=0,
@@ -267,6 +273,11 @@ def build_parser(commands: dict[str, Callable]) -> argparse.ArgumentParser:
         metavar="DIR",
         help="directory of a transformers tokenizer (default: the --target checkpoint's, when it has one); without "
         "one, prompts must be token ids and chat completions are refused",
+    )
+    p.add_argument(
+        "--no-artifact-cache",
+        action="store_true",
+        help="neither load nor keep compiled code in the artifact cache beside Inductor's (as generate's flag)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one, printed)")

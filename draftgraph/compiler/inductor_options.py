@@ -75,3 +75,14 @@ def inductor_patch(options: tuple[tuple[str, object], ...]):
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(patch)
+
+
+def loading_in_process():
+    """Inductor's settings while this process loads compiled code (a compile worker's piece, an artifact's): one
+    compile thread. The code's Triton kernels are in the caches the compile filled (the workers share this
+    process's Triton cache; an artifact bundles its kernels), so loading them needs no compile subprocesses;
+    with more threads Inductor starts its pool of them at the first load (16 processes importing torch beside
+    the engine build on an H100, and waited for at exit: 10 s)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(compile_threads=1)

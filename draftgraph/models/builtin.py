@@ -15,19 +15,15 @@ import copy
 from dataclasses import dataclass, replace
 
 import torch
-import transformers
 
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import truncated_draft_model
 from draftgraph.models.families import AttentionForm, MTPHead, family_of
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
 
-HF_CONFIGS = {
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen3": transformers.Qwen3Config,
-    "mistral": transformers.MistralConfig,
-}
+# transformers' config class of each family, imported at first use: `import draftgraph.models.builtin` loads no
+# transformers (seconds), so a start that reads the built-in pair from a checkpoint does not pay for it
+HF_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,9 @@ def builtin_hf_target(spec: BuiltinSpec = BuiltinSpec(), device=None, dtype=None
     """The transformers model object of the built-in target (random weights, seeded), initialised on
     `device` (default: the current default device) in `dtype` (default: torch's default dtype) directly."""
     extra = {} if spec.rope_theta is None else {"rope_theta": spec.rope_theta}
-    cfg = HF_CONFIGS[spec.family](
+    import transformers
+
+    cfg = getattr(transformers, HF_CONFIGS[spec.family])(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -100,6 +98,8 @@ def builtin_hf_pair(spec: BuiltinSpec = BuiltinSpec()):
     """The built-in pair as transformers objects (for worker processes, which load their shares from
     save_pretrained directories): the target, and a model of its first `draft_layers` layers holding the same
     weights (embedding, those layers, final norm, LM head)."""
+    import transformers
+
     target = builtin_hf_target(spec)
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = spec.draft_layers

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from draftgraph import timeline
 from draftgraph.compiler.build import CompiledModels
 from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
@@ -120,6 +121,7 @@ class Engine:
         # Steps agreed with other data-parallel ranks (expert parallel), or None.
         self.lockstep = Lockstep(self, lockstep_group, target_dispatcher) if lockstep_group else None
         self._pending: tuple[ScheduledBatch, Launched] | None = None  # a launched step not read yet (overlap_steps)
+        self._first_token_marked = False  # the process's start-up timeline (draftgraph/timeline.py)
         self.reset_stats()
         if prepare:
             self._prepare(sized, notes)
@@ -130,6 +132,7 @@ class Engine:
         if sized:  # measure weights, activations and graphs first, then size the KV cache
             plan, report = measure_and_plan(self, self.config.gpu_memory_utilization)
             self.memory_plan = plan
+            timeline.mark("KV sizing")
         if self.compiled is not None and not (plan is not None and plan.kept_graphs):
             report = self.warm_up()
         if self.memory_plan is not None:
@@ -321,6 +324,9 @@ class Engine:
             if self.step_log is not None:
                 self.step_log.append({"request": req.id, "verified": list(req.drafts), "emitted": list(emitted)})
             req.drafts = result.drafts[i]
+            if not self._first_token_marked:
+                timeline.mark_once("first token")
+                self._first_token_marked = True
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
                 out = req.to_output()

@@ -17,6 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from draftgraph import timeline
 from draftgraph.ops.kernel_variants import compiled_variants
 
 log = logging.getLogger("draftgraph")
@@ -122,10 +123,12 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
             runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (no capture yet)
             phases["draft_loops"] = time.perf_counter() - t0 - phases["forwards"]
         bar.update(1)
+    timeline.mark("tracing")
     t_wait = time.perf_counter()
     had_pool = compiled.pool is not None  # a later warm-up (after KV sizing) has no workers left to wait for
     compiled.finish_compiles()  # the compile workers' pieces: loaded before any graph is captured
     phases["compile_workers_wait"] = time.perf_counter() - t_wait
+    timeline.mark("compiles", f"waited {phases['compile_workers_wait']:.1f} s for compile workers" if had_pool else "")
     compile_s = time.perf_counter() - t0
     capture_s, graph_bytes = 0.0, 0
     if rc.graphs_enabled and lazy:
@@ -155,6 +158,10 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         if graph_bytes is None:  # no allocator snapshot: fall back to what the device lost
             graph_bytes = max(0, free_before - free_after, torch.cuda.memory_reserved() - reserved_before)
         log.info("free GPU memory %.0f MiB before capture, %.0f MiB after", free_before / 2**20, free_after / 2**20)
+    if not rc.graphs_enabled:
+        timeline.mark("capture", "CUDA graphs off")
+    else:
+        timeline.mark("capture", "lazy: each graph at its first step" if lazy else f"{counters.graphs_captured} graphs")
     reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:

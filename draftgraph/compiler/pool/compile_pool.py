@@ -36,6 +36,8 @@ from concurrent.futures import Future
 
 from tqdm import tqdm
 
+from draftgraph import timeline
+
 log = logging.getLogger("draftgraph")
 
 
@@ -241,6 +243,9 @@ class CompilePool:
             if "error" in ready:
                 log.info("compile worker %d: %s", worker.index, ready["error"])
             log.debug("compile worker %d ready after %.1f s: %s", worker.index, worker.ready_s, worker.phases)
+            with self._lock:
+                if sum(w.ready_s is not None for w in self.workers) == self.n:
+                    timeline.mark("compile workers ready", f"{self.n} processes")
         except RuntimeError as e:
             log.warning("%s; the log ends:\n%s", e, self.log_tail())
             return self._drain(e)
@@ -409,7 +414,10 @@ class PendingPiece:
                 self.seconds = self.future.result(timeout=self.pool.timeout_s)  # a stuck worker: compile here
                 from torch._inductor import CompiledArtifact
 
-                self.fn = CompiledArtifact.load(path=self.path, format="binary")
+                from draftgraph.compiler.inductor_options import loading_in_process
+
+                with loading_in_process():
+                    self.fn = CompiledArtifact.load(path=self.path, format="binary")
                 with open(self.path, "rb") as f:  # kept: the pool's directory goes when the pool closes
                     self.data = f.read()
             except Exception as e:

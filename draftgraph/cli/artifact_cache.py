@@ -1,0 +1,162 @@
+"""The start-up caches of `draftgraph generate` and `serve` (issue 44): the compiled code of an engine the command
+compiled, kept as artifacts (artifacts/store.py) that the next start with the same flags loads, so that a warm
+start skips Dynamo's traces and Inductor's compiles, not only their cache lookups, and starts no compile workers;
+and the built-in pair's random weights, kept as a checkpoint, so that a start reads them without importing
+transformers (seconds).
+
+- Where: `draftgraph-artifacts/<key>/` in Inductor's cache directory (TORCHINDUCTOR_CACHE_DIR, else
+  `<tmp>/torchinductor_<user>`, as Inductor decides): empty Inductor caches mean a cold start for both.
+- The key: a hash of the flags that decide what is built (the model and compile flags `generate` shares with
+  `build`; not the prompts or sampling), draftgraph's version and its sources' hash (an edit starts a new entry;
+  old ones stay, as Inductor's entries do). Finding the entry needs no torch, so the
+  command decides before it imports torch whether to start compile workers.
+- Loading is `--artifacts` without `--strict-artifacts`: every check first (versions, GPU, resolved config,
+  model shapes, draftgraph's sources, checksums, only listed files); on any mismatch the engine compiles, and
+  the entry is written again after the job.
+- Written after the job's output, whole: into a temporary directory beside it, then renamed into place.
+- Only where an artifact needs nothing outside its directory: CUDA (Inductor's binary artifacts and our bundled
+  kernels), or the eager backend; one process (no --tp / --dp, no torchrun); `--no-artifact-cache` turns it off.
+- Trust: an entry holds compiled code, as Inductor's own cache entries beside it do; it is trusted as they are.
+- The built-in pair (`builtin_checkpoint`): the first start builds the transformers model (seeded) and writes it
+  with save_pretrained into `builtin-<key>/` (key: the spec, torch's and transformers' versions); every start,
+  that one too, reads the target from there, so cold and warm starts build the same model (same weights, same
+  config: their compiled code matches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+log = logging.getLogger("draftgraph")
+
+SUBDIR = "draftgraph-artifacts"
+COMMANDS = ("generate", "run", "serve")  # serve keeps the compiled code once its engine is built, before it serves
+ENABLED = True  # tests turn it off (tests/conftest.py): each test's generate compiles what it asks for
+
+
+def cache_root() -> str:
+    """Inductor's cache directory (torch._inductor.runtime.cache_dir_utils: TORCHINDUCTOR_CACHE_DIR, else
+    `<tmp>/torchinductor_<user>`), without importing torch, and our folder in it."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not root:
+        try:
+            user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+        except (KeyError, OSError):
+            user = "unknown"
+        root = os.path.join(tempfile.gettempdir(), "torchinductor_" + user)
+    return os.path.join(root, SUBDIR)
+
+
+def _build_flags() -> list[str]:
+    """The flags whose values decide what is built: those `generate` shares with `build` (parser._add_common)."""
+    from draftgraph.cli.parser import _add_common
+
+    p = argparse.ArgumentParser(add_help=False)
+    _add_common(p, "")
+    return sorted(a.dest for a in p._actions)
+
+
+def _code() -> dict:
+    """draftgraph's version and the hash of the sources compiled code depends on (artifacts/sources.py): an entry
+    of other code is never looked up (the manifest check would refuse it anyway, with a warning)."""
+    import draftgraph
+    from draftgraph.artifacts.sources import source_hash
+
+    return {"draftgraph": draftgraph.__version__, "sources": source_hash()}
+
+
+def eligible(args) -> bool:
+    """Whether this command uses the cache: `generate` (or `serve`) of one process that compiles, no --artifacts of
+    its own."""
+    if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
+        return False
+    if args.artifacts or args.verify_key or args.mode == "NONE":
+        return False
+    if getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return False
+    return args.device != "cpu" or args.compile_backend == "eager"
+
+
+def entry_dir(args) -> str:
+    """The cache entry for these flags (it may not exist)."""
+    values = {name: getattr(args, name, None) for name in _build_flags()}
+    text = json.dumps({"flags": values, **_code()}, sort_keys=True, default=str)
+    return os.path.join(cache_root(), hashlib.sha256(text.encode()).hexdigest()[:20])
+
+
+def lookup(args) -> str | None:
+    """The cache entry to load for these flags, or None (not eligible, or none written yet)."""
+    if not eligible(args):
+        return None
+    path = entry_dir(args)
+    return path if os.path.isfile(os.path.join(path, "manifest.json")) else None
+
+
+def builtin_enabled(args) -> bool:
+    """Whether the built-in pair comes from its cached checkpoint: `generate` or `serve` of one process (several
+    ranks load their shares from transformers objects, cli/commands.py)."""
+    if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
+        return False
+    return getattr(args, "tp", 1) * getattr(args, "dp", 1) == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+
+
+def builtin_checkpoint(spec) -> str:
+    """The checkpoint directory of the built-in target for `spec`, written now when it is not there yet."""
+    from importlib.metadata import version
+
+    import torch
+
+    versions = {"torch": torch.__version__, "transformers": version("transformers")}  # their RNG and init: the weights
+    text = json.dumps({"spec": repr(spec), **versions, **_code()}, sort_keys=True)
+    path = os.path.join(cache_root(), "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from draftgraph.models.builtin import builtin_hf_target
+
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
+    try:
+        builtin_hf_target(spec).save_pretrained(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def store(args, engine) -> str | None:
+    """After the job: write the engine's compiled code as the entry for these flags, when this process compiled it
+    (an engine that loaded the entry traced nothing); returns the entry written, or None. A failure is logged,
+    never raised: the job's output is already out."""
+    compiled = engine.compiled if eligible(args) else None
+    if compiled is None or not compiled.counters.traces:
+        return None
+    if engine.config.device.type != "cuda" and args.compile_backend != "eager":
+        return None  # a CPU Inductor artifact needs its Inductor cache inside it: only `draftgraph build` does that
+    from draftgraph.artifacts.store import build_artifacts
+
+    final = entry_dir(args)
+    try:
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
+        try:
+            build_artifacts(engine, os.path.join(tmp, "entry"), progress=False)
+            shutil.rmtree(final, ignore_errors=True)  # a stale entry (it failed its checks at this start)
+            os.replace(os.path.join(tmp, "entry"), final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - caching is an optimisation: the next start compiles instead
+        log.warning("the compiled code was not cached for the next start (%s: %s)", type(e).__name__, e)
+        return None
+    log.info("compiled code cached for the next start with these flags: %s", final)
+    return final
