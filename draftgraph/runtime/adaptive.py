@@ -1,0 +1,123 @@
+"""Adaptive speculation (CompileConfig.speculation="adaptive"): each decode step picks K from a few choices.
+
+The choice maximises expected tokens per second for the step's batch:
+
+    tokens(K) = 1 + sum_{i<K} prod_{j<=i} a_j      (a_j: running conditional acceptance of draft position j)
+    tokens/s  = tokens(K) / time(K, padded batch)
+
+`time` is a table per (K, padded request count): measured on the captured one-graph step graphs at start-up
+(runtime/warmup.py), or, where nothing is captured (the CPU), estimated from the bytes each K reads (the target's
+weights once, the drafter's once per draft), which is what a decode step is bound by.
+
+The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
+that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
+positions below K; at K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay,
+up to `max_probe`) two steps run at the smallest K > 0 to measure again (the first proposes the drafts the second
+verifies: a request whose drafts were padded, after a step at a smaller K, is not observed; runtime/engine.py).
+
+Lossless by construction: a step's K depends only on acceptance already read back to the host (steps up to s - 1,
+or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from flapping
+(every change of K costs one step without overlap, and a return from K = 0 a catch-up of the drafter).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+
+class AdaptiveK:
+    """The per-step choice of K among `ks` (ascending, K_max last)."""
+
+    def __init__(
+        self,
+        ks: tuple[int, ...],
+        step_time: Callable[[int, int], float | None],  # (K, batch size) -> seconds (None: unknown)
+        ema: float = 0.1,  # weight of one step's observation
+        margin: float = 0.03,  # a new K must beat the current one by this fraction
+        probe: int = 16,
+        max_probe: int = 512,
+        initial_rate: float = 0.7,
+    ):
+        if not ks or list(ks) != sorted(set(ks)):
+            raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
+        self.ks, self.k_max = tuple(ks), ks[-1]
+        self.step_time = step_time
+        self.ema, self.margin = ema, margin
+        self.rates = [initial_rate] * self.k_max  # conditional acceptance per draft position
+        self.current = self.k_max
+        self.probe, self.min_probe, self.max_probe = probe, probe, max_probe
+        self.steps_at_zero = 0
+        self._probe_left = 0
+        self.histogram: Counter = Counter()  # K chosen -> steps
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
+        total, p = 1.0, 1.0
+        for a in self.rates[:k]:
+            p *= a
+            total += p
+        return total
+
+    def throughput(self, k: int, batch: int) -> float | None:
+        t = self.step_time(k, batch)
+        return None if not t else self.expected_tokens(k) / t
+
+    def choose(self, batch: int) -> int:
+        """K for the next decode step of `batch` requests (counted in the histogram)."""
+        if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
+            self._probe_left -= 1
+            return self._count(self.ks[1])
+        k = self._best(batch)
+        if k == 0 and self.current == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero >= self.probe:  # re-measure acceptance: two steps at the smallest K > 0
+                self.steps_at_zero = 0
+                self.probe = min(2 * self.probe, self.max_probe)
+                self._probe_left = 1
+                return self._count(self.ks[1])  # current stays 0
+        elif k != 0:
+            self.steps_at_zero = 0
+            self.probe = self.min_probe
+        self.current = k
+        return self._count(k)
+
+    def _count(self, k: int) -> int:
+        self.histogram[k] += 1
+        return k
+
+    def _best(self, batch: int) -> int:
+        scores = {k: self.throughput(k, batch) for k in self.ks}
+        if any(s is None for s in scores.values()):  # no time for this batch: K_max, as "fixed"
+            return self.k_max
+        best = max(self.ks, key=lambda k: (scores[k], k))
+        cur = self.current if self.current in scores else self.k_max
+        return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
+        requests that reached it (accepted >= i) that accepted it (accepted > i)."""
+        if not k or not accepted:
+            return
+        for i in range(k):
+            reached = sum(1 for a in accepted if a >= i)
+            if not reached:
+                break
+            got = sum(1 for a in accepted if a > i)
+            self.rates[i] += self.ema * (got / reached - self.rates[i])
+
+    def stats(self) -> dict:
+        return {
+            "choices": list(self.ks),
+            "histogram": {k: self.histogram.get(k, 0) for k in self.ks},
+            "acceptance_rates": [round(a, 4) for a in self.rates],
+        }
+
+    def reset_stats(self) -> None:
+        self.histogram.clear()
+
+
+def byte_cost(target_bytes: int, drafter_bytes: int) -> Callable[[int, int], float]:
+    """A step time where none is measured (no CUDA graphs): a decode step reads the target's weights once and the
+    drafter's once per draft (a K-step draft loop), whatever the batch; in units of the target's bytes."""
+    return lambda k, batch: (target_bytes + k * drafter_bytes) / max(target_bytes, 1)
