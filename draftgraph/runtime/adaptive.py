@@ -11,7 +11,8 @@ weights once, the drafter's once per draft), which is what a decode step is boun
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
-positions below K; at K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay,
+positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
+K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay,
 up to `max_probe`) two steps run at the smallest K > 0 to measure again (the first proposes the drafts the second
 verifies: a request whose drafts were padded, after a step at a smaller K, is not observed; runtime/engine.py).
 
@@ -69,14 +70,14 @@ class AdaptiveK:
             self._probe_left -= 1
             return self._count(self.ks[1])
         k = self._best(batch)
-        if k == 0 and self.current == 0:
+        if k == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero >= self.probe:  # re-measure acceptance: two steps at the smallest K > 0
+            if self.steps_at_zero > self.probe:  # after `probe` steps at K = 0: two steps at the smallest K > 0
                 self.steps_at_zero = 0
                 self.probe = min(2 * self.probe, self.max_probe)
                 self._probe_left = 1
                 return self._count(self.ks[1])  # current stays 0
-        elif k != 0:
+        else:
             self.steps_at_zero = 0
             self.probe = self.min_probe
         self.current = k
@@ -105,6 +106,8 @@ class AdaptiveK:
                 break
             got = sum(1 for a in accepted if a > i)
             self.rates[i] += self.ema * (got / reached - self.rates[i])
+        for i in range(k, self.k_max):  # positions this K does not reach drift toward its last one's rate
+            self.rates[i] += self.ema * (self.rates[k - 1] - self.rates[i])
 
     def stats(self) -> dict:
         return {
