@@ -187,25 +187,35 @@ def adaptive_bench(target, drafter, args, device) -> None:
         f"{args.prompt_len}-token prompt, tokens/s of generate() (median of {args.runs})",
         flush=True,
     )
-    res, hist = {}, {}
+    engines = {}
     for name, (d, kk, speculation, rates) in variants.items():
+        # compile_workers=0: the later engines find every piece in Inductor's cache; workers would only start up
         extra = dict(num_speculative_tokens=kk, speculation=speculation, synthetic_acceptance=rates) if d else {}
         if device.type == "cuda":
             rows = (1, kk + 1) if d is not None else (1,)
             extra["capture_sizes"] = tuple(sorted({b * q for b in batches for q in rows}))
             extra["full_capture_sizes"] = tuple(batches)
         t0 = time.perf_counter()
-        eng = dg.compile_model(target, d, dg.CompileConfig(**base, **extra))
-        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {eng.warm_up_report}", flush=True)
-        for b in batches:
-            sec, _ = timed_runs(lambda e=eng, ps=prompts[:b]: e.generate(ps, params), device, args.runs)
-            res[name, b] = b * n / sec
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra, compile_workers=0))
+        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}", flush=True)
+    res, hist = {}, {}
+    for b in batches:  # the variants in turn within each run (round robin), medians over the runs
+        times = {name: [] for name in engines}
+        for run in range(args.runs + 1):  # run 0 warms up
+            for name, eng in engines.items():
+                sync(device)
+                t0 = time.perf_counter()
+                eng.generate(prompts[:b], params)
+                sync(device)
+                if run:
+                    times[name].append(time.perf_counter() - t0)
+        for name, eng in engines.items():
+            res[name, b] = b * n / statistics.median(times[name])
             s = eng.stats()
             hist[name, b] = s["speculation"]["histogram"]
             acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
-            print(f"  B={b:>3}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step {hist[name, b]}",
-                  flush=True)  # fmt: skip
-        eng.close()
+            print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step (last run) "
+                  f"{hist[name, b]}", flush=True)  # fmt: skip
     for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
         fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
         if f"adaptive{suffix}" not in variants:
@@ -217,7 +227,7 @@ def adaptive_bench(target, drafter, args, device) -> None:
         for b in batches:
             p, a, fx = res["plain", b], res[f"adaptive{suffix}", b], [res[f, b] for f in fixed]
             print(f"{b:>4} | {p:>8.1f} " + " ".join(f"{x:>12.1f}" for x in fx) + f" {a:>9.1f} | {a / p:>8.3f} "
-                  f"{a / max(p, *fx):>7.3f} | {hist[f'adaptive{suffix}', b]}")  # fmt: skip
+                  f"{a / max([p, *fx]):>7.3f} | {hist[f'adaptive{suffix}', b]}")  # fmt: skip
 
 
 def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:

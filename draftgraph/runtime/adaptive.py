@@ -36,8 +36,8 @@ class AdaptiveK:
         step_time: Callable[[int, int], float | None],  # (K, batch size) -> seconds (None: unknown)
         ema: float = 0.1,  # weight of one step's observation
         margin: float = 0.03,  # a new K must beat the current one by this fraction
-        probe: int = 16,
-        max_probe: int = 512,
+        probe: int = 32,
+        max_probe: int = 1024,
         initial_rate: float = 0.7,
     ):
         if not ks or list(ks) != sorted(set(ks)):
