@@ -6,7 +6,8 @@
 - Engines (tiny Llama, CPU; FULL_AND_PIECEWISE runs the one-graph step's code without graphs, overlapped): greedy
   tokens equal transformers' with adaptive on for a draft model and EAGLE; K follows pinned acceptance
   (synthetic_acceptance 1 -> K_max, 0 -> K = 0, with probes); a forced K cycle 0 / ceil(K/2) / K with a draft model
-  equal to the target accepts every real draft (the draft model's KV caught up on the positions K = 0 skipped);
+  equal to the target accepts every real draft (the draft model's KV caught up on the positions K = 0 skipped), and
+  the steady steps calibrate the step-time table;
   sampled requests keep the target's distribution under a forced K cycle (chi-square, tests/test_sampling.py's).
 """
 
@@ -155,8 +156,13 @@ def test_forced_k_cycle_catches_the_draft_model_up(target, want, monkeypatch):
     steps skipped it: the positions they skipped were fed to it before its next step."""
     eng = dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), config("FULL_AND_PIECEWISE"))
     seen = forced(monkeypatch, eng, [0] * 6 + [3, 3, 2, 2])  # K = 0 runs longer than the drafts reach
+    # As if measured at warm-up (CUDA graphs): steady overlapped steps move each time toward the observed one
+    sizes = eng.config.full_capture_sizes
+    eng.step_times.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
+    moved = {k for (k, b), t in eng.step_times.items() if t < 0.9}
+    assert moved == {0, 2, 3} and min(eng.step_times.values()) > 0
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]

@@ -6,15 +6,17 @@ The choice maximises expected tokens per second for the step's batch:
     tokens/s  = tokens(K) / time(K, padded batch)
 
 `time` is a table per (K, padded request count): measured on the captured one-graph step graphs at start-up
-(runtime/warmup.py), or, where nothing is captured (the CPU), estimated from the bytes each K reads (the target's
-weights once, the drafter's once per draft), which is what a decode step is bound by.
+(runtime/warmup.py) and corrected by the step times observed in steady, overlapped decoding (runtime/engine.py
+`_calibrate`: padding rows read no KV, so the start-up times favour the larger K); or, where nothing is captured
+(the CPU), estimated from the bytes each K reads (the target's weights once, the drafter's once per draft), which is
+what a decode step is bound by.
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
-K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay,
-up to `max_probe`) two steps run at the smallest K > 0 to measure again (the first proposes the drafts the second
-verifies: a request whose drafts were padded, after a step at a smaller K, is not observed; runtime/engine.py).
+K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay, up to `max_probe`) two
+steps run at the smallest K > 0 to measure again (the first proposes the drafts the second verifies: a request whose
+drafts were padded, after a step at a smaller K, is not observed; runtime/engine.py).
 
 Lossless by construction: a step's K depends only on acceptance already read back to the host (steps up to s - 1,
 or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from flapping

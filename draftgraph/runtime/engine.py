@@ -114,6 +114,7 @@ class Engine:
         self.step_times: dict[tuple[int, int], float] = {}  # (K, padded requests) -> seconds, measured at warm-up
         self.adaptive = AdaptiveK(ks, self._step_time) if len(ks) > 1 else None
         self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
+        self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
         self._byte_cost = None
         # Prefix caching (runtime/prefix_cache.py): None when off, asked or for a hybrid model (logged).
         prefix = prefix_key(target, drafter, rc, self.k, hybrid=self.states is not None)
@@ -290,6 +291,13 @@ class Engine:
         self._padded = runner.fit_drafts(batch.decodes)
         return runner
 
+    def _calibrate(self, k: int, batch: int, seconds: float, weight: float = 0.2) -> None:
+        """Move the measured step time of (K, batch's padded size) toward one observed in steady decoding: the warm-up
+        times steps on padding rows (no KV read), which makes the larger K look cheaper than they are."""
+        b = next((s for s in sorted(self.config.full_capture_sizes) if s >= batch), None)
+        if (k, b) in self.step_times:
+            self.step_times[k, b] += weight * (seconds - self.step_times[k, b])
+
     def _step_time(self, k: int, batch: int) -> float | None:
         """Seconds of a decode step at K for `batch` requests: measured at its padded request count (warm-up), or
         without measurements the bytes it reads (runtime/adaptive.py: byte_cost); None past the FULL sizes."""
@@ -311,7 +319,13 @@ class Engine:
         runner = self.runners[launched.key.query_len - 1]  # the verify's query length: 1 + K
         nxt = runner.relaunch(launched) if self._may_relaunch(launched) else None
         result = runner.finish(launched)
-        self._stats["seconds"] += time.perf_counter() - t0
+        now = time.perf_counter()
+        self._stats["seconds"] += now - t0
+        if self._chain is not None and self._chain[0] is launched and self.step_times:
+            # `launched` ran right after the step read at _chain[1] (queued before it ended): the time between the
+            # two reads is its step time on real requests, which corrects the warm-up's measurement on padding
+            self._calibrate(runner.k, len(launched.decodes), now - self._chain[1])
+        self._chain = (nxt, now) if nxt is not None else None
         if nxt is not None:
             self._stats["steps"] += 1
             self._stats["overlapped_steps"] += 1
