@@ -63,7 +63,7 @@ def want(hf):
 
 
 def test_controller_follows_acceptance_and_probes_back():
-    ctl = AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k, probe=4, max_probe=16)
+    ctl = AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k, probe=4, max_probe=16, probe_budget=1.0)
     ctl.rates = [0.5, 0.5, 0.5, 0.5]
     assert ctl.expected_tokens(0) == 1.0 and ctl.expected_tokens(2) == 1.75 and ctl.expected_tokens(4) == 1.9375
     for _ in range(50):  # every draft accepted: 5 tokens in 2 time units beats 1 in 1
@@ -83,6 +83,8 @@ def test_controller_follows_acceptance_and_probes_back():
     assert probes and all(p == (2, 2) for p in probes)  # each probe: two steps at the smallest K > 0
     assert runs[1:4] == [8, 16, 16]  # the interval doubles up to max_probe
     assert ctl.stats()["histogram"][0] == chosen.count(0)
+    # by default probes cost at most 1 % of the time at K = 0: (3 x 1.5 - 2 x 1) / (0.01 x 1) = 250 steps apart
+    assert AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k)._probe_interval(8) == 250
 
 
 def test_controller_margin_and_unknown_times():

@@ -14,9 +14,10 @@ what a decode step is bound by.
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
-K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay, up to `max_probe`) two
-steps run at the smallest K > 0 to measure again (the first proposes the drafts the second verifies: a request whose
-drafts were padded, after a step at a smaller K, is not observed; runtime/engine.py).
+K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay, up to `max_probe`; at
+least as many as keep probing within `probe_budget` of the time) two steps run at the smallest K > 0 to measure
+again (the first proposes the drafts the second verifies: a request whose drafts were padded, after a step at a
+smaller K, is not observed; runtime/engine.py).
 
 Lossless by construction: a step's K depends only on acceptance already read back to the host (steps up to s - 1,
 or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from flapping
@@ -25,6 +26,7 @@ or s - 2 with overlapped steps), never on the drafts the step verifies. The swit
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -40,6 +42,7 @@ class AdaptiveK:
         margin: float = 0.03,  # a new K must beat the current one by this fraction
         probe: int = 32,
         max_probe: int = 1024,
+        probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
         initial_rate: float = 0.7,
     ):
         if not ks or list(ks) != sorted(set(ks)):
@@ -49,7 +52,7 @@ class AdaptiveK:
         self.ema, self.margin = ema, margin
         self.rates = [initial_rate] * self.k_max  # conditional acceptance per draft position
         self.current = self.k_max
-        self.probe, self.min_probe, self.max_probe = probe, probe, max_probe
+        self.probe, self.min_probe, self.max_probe, self.probe_budget = probe, probe, max_probe, probe_budget
         self.steps_at_zero = 0
         self._probe_left = 0
         self.histogram: Counter = Counter()  # K chosen -> steps
@@ -74,7 +77,7 @@ class AdaptiveK:
         k = self._best(batch)
         if k == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero > self.probe:  # after `probe` steps at K = 0: two steps at the smallest K > 0
+            if self.steps_at_zero > self._probe_interval(batch):  # then two steps at the smallest K > 0
                 self.steps_at_zero = 0
                 self.probe = min(2 * self.probe, self.max_probe)
                 self._probe_left = 1
@@ -84,6 +87,15 @@ class AdaptiveK:
             self.probe = self.min_probe
         self.current = k
         return self._count(k)
+
+    def _probe_interval(self, batch: int) -> int:
+        """Steps at K = 0 before the next probe: `probe` (doubled after each probe), and at least as many as keep the
+        probe's cost (two steps at the smallest K > 0 instead of K = 0, and about one more for a draft model's
+        catch-up) within `probe_budget` of the time at K = 0."""
+        t0, t1 = self.step_time(0, batch), self.step_time(self.ks[1], batch)
+        if not t0 or not t1:
+            return self.probe
+        return max(self.probe, math.ceil((3 * t1 - 2 * t0) / (self.probe_budget * t0)))
 
     def _count(self, k: int) -> int:
         self.histogram[k] += 1
