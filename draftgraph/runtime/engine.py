@@ -272,20 +272,26 @@ class Engine:
 
     def _runner_for(self, batch: ScheduledBatch) -> StepRunner:
         """The runner of this step's K: the configured one, or with adaptive speculation the controller's choice for
-        a pure decode batch (a batch with prompt chunks runs the largest K, whose drafter writes their KV); the
-        decodes' drafts fitted to it, and a draft model's KV caught up on steps that skipped it."""
+        a pure decode batch; a batch with prompt chunks runs the largest K (its drafter writes their KV), or K = 0
+        while the controller is there (the drafter skipped: it catches up on them later). The decodes' drafts are
+        fitted to it, and a draft model's KV caught up on the positions steps at K = 0 skipped."""
         if self.adaptive is None:
             return self.runner
         k, self._next_k = self._next_k, None
-        if batch.prefills or not batch.decodes:
-            k = self.k
+        chunks = batch.prefills
+        if chunks or not batch.decodes:
+            k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
         elif k is None:
             k = self.adaptive.choose(len(batch.decodes))
         runner = self.runners[k]
+        for c in chunks:  # a prefill from its start (or after cached blocks, which hold the drafter's KV too)
+            if c.first:
+                c.req.draft_lag = -1
+        reqs = batch.decodes + [c.req for c in chunks]
         if k:
-            self._stats["catch_up_tokens"] += runner.catch_up(batch.decodes)
+            self._stats["catch_up_tokens"] += runner.catch_up(reqs)
         else:
-            for r in batch.decodes:  # the drafter skips these positions: caught up when K returns above 0
+            for r in reqs:  # the drafter skips these positions: caught up when K returns above 0
                 if r.draft_lag < 0:
                     r.draft_lag = r.num_computed
         self._padded = runner.fit_drafts(batch.decodes)

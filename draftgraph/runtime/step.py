@@ -267,9 +267,6 @@ class StepRunner:
         nd = len(decodes)
         # A request just admitted (new, or recomputed after a preemption) gets its slot's penalty state.
         self.penalties.admit([c.req for c in chunks if c.first])  # their first chunk may start after a cached prefix
-        for c in chunks:  # a prefill writes the drafter's KV from its start (the K = 0 steps' lag ends)
-            if c.first:
-                c.req.draft_lag = -1
         if self.ngram is not None:  # and their n-gram history: prompt (and output when recomputed)
             self.ngram.admit([c.req for c in chunks if c.first])
         if any(r.grammar is not None for r in decodes):  # runtime/grammar.py: refused drafts -> forced tokens
