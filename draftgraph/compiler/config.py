@@ -146,7 +146,7 @@ class CompileConfig:
     # With a drafter: "fixed" verifies num_speculative_tokens drafts every step; "adaptive" picks each decode step's
     # K from {0, ceil(K/2), K} (K = num_speculative_tokens, the largest) by a cost model: step time per (K, batch)
     # measured on the captured step graphs at start-up against the tokens expected from running per-position
-    # acceptance rates (runtime/adaptive.py). Only pure decode steps adapt; steps with prompt chunks run K.
+    # acceptance rates (runtime/adaptive.py). Steps with prompt chunks run K, or 0 while the controller is there.
     speculation: str = "fixed"
 
     def __post_init__(self):
