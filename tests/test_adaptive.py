@@ -5,9 +5,9 @@
   probes back (two steps) with a doubling interval, and a switch margin.
 - Engines (tiny Llama, CPU; FULL_AND_PIECEWISE runs the one-graph step's code without graphs, overlapped): greedy
   tokens equal transformers' with adaptive on for a draft model and EAGLE; K follows pinned acceptance
-  (synthetic_acceptance 1 -> K_max, 0 -> K = 0, with probes); a forced K cycle 0 / ceil(K/2) / K with a draft model
-  equal to the target accepts every real draft (the draft model's KV caught up on the positions K = 0 skipped), and
-  the steady steps calibrate the step-time table;
+  (synthetic_acceptance 1 -> K_max, 0 -> K = 0); a forced K cycle 0 / ceil(K/2) / K with a draft model equal to the
+  target accepts every real draft (its KV caught up on the positions K = 0 skipped; prefix-cache hits never hold
+  stale entries of them), and the steady steps calibrate the step-time table;
   sampled requests keep the target's distribution under a forced K cycle (chi-square, tests/test_sampling.py's).
 """
 
