@@ -290,7 +290,7 @@ class Engine:
         reqs = batch.decodes + [c.req for c in chunks]
         if k:
             self._stats["catch_up_tokens"] += runner.catch_up(reqs)
-        else:
+        elif self.drafter is not None:  # (the n-gram drafter keeps no KV: nothing to catch up)
             for r in reqs:  # the drafter skips these positions: caught up when K returns above 0
                 if r.draft_lag < 0:
                     r.draft_lag = r.num_computed
