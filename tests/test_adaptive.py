@@ -167,11 +167,11 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     seen = forced(monkeypatch, eng, [0] * 12 + [3, 3, 2, 2])  # K = 0 runs longer than the drafts reach
     # As if measured at warm-up (CUDA graphs): steady overlapped steps move each time toward the observed one
     sizes = eng.config.full_capture_sizes
-    eng.step_times.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
+    eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
-    moved = {k for (k, b), t in eng.step_times.items() if t < 0.9}
-    assert moved == {0, 2, 3} and min(eng.step_times.values()) > 0
+    moved = {k for (k, b), t in eng.step_times.measured.items() if t < 0.9}
+    assert moved == {0, 2, 3} and min(eng.step_times.measured.values()) > 0
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]

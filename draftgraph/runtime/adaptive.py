@@ -5,11 +5,11 @@ The choice maximises expected tokens per second for the step's batch:
     tokens(K) = 1 + sum_{i<K} prod_{j<=i} a_j      (a_j: running conditional acceptance of draft position j)
     tokens/s  = tokens(K) / time(K, padded batch)
 
-`time` is a table per (K, padded request count): measured on the captured one-graph step graphs at start-up
-(runtime/warmup.py) and corrected by the step times observed in steady, overlapped decoding (runtime/engine.py
-`_calibrate`: padding rows read no KV, so the start-up times favour the larger K); or, where nothing is captured
-(the CPU), estimated from the bytes each K reads (the target's weights once, the drafter's once per draft), which is
-what a decode step is bound by.
+`time` is `StepTimes`, a table per (K, padded request count): measured on the captured one-graph step graphs at
+start-up (runtime/warmup.py) and corrected by the step times observed in steady, overlapped decoding (`calibrate`,
+from runtime/engine.py: padding rows read no KV, so the start-up times favour the larger K); or, where nothing is
+captured (the CPU), estimated from the bytes each K reads (the target's weights once, the drafter's once per draft),
+which is what a decode step is bound by.
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
@@ -134,7 +134,35 @@ class AdaptiveK:
         self.histogram.clear()
 
 
-def byte_cost(target_bytes: int, drafter_bytes: int) -> Callable[[int, int], float]:
-    """A step time where none is measured (no CUDA graphs): a decode step reads the target's weights once and the
-    drafter's once per draft (a K-step draft loop), whatever the batch; in units of the target's bytes."""
-    return lambda k, batch: (target_bytes + k * drafter_bytes) / max(target_bytes, 1)
+class StepTimes:
+    """Seconds of a decode step per (K, padded request count), the controller's `step_time`: measured at warm-up on
+    the captured one-graph steps (runtime/warmup.py fills `measured`) and moved toward the step times observed in
+    steady decoding (`calibrate`); without measurements (no CUDA graphs), estimated from the bytes a step reads (the
+    target's weights once, the drafter's once per draft), in units of the target's bytes, whatever the batch."""
+
+    def __init__(self, full_sizes: tuple[int, ...], target, drafter):
+        self.sizes = tuple(sorted(full_sizes))
+        self.measured: dict[tuple[int, int], float] = {}
+        t = param_bytes(target)
+        self.t_target, self.t_draft = t, param_bytes(drafter) or t // 50  # (the n-gram drafter: its lookup)
+
+    def bucket(self, batch: int) -> int | None:
+        """The padded request count of a uniform batch (FULL sizes), None past them."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def __call__(self, k: int, batch: int) -> float | None:
+        if not self.measured:
+            return (self.t_target + k * self.t_draft) / max(self.t_target, 1)
+        b = self.bucket(batch)
+        return self.measured.get((k, b)) if b is not None else None
+
+    def calibrate(self, k: int, batch: int, seconds: float, weight: float = 0.2) -> None:
+        """One steady step's time at K for `batch` requests: the measured entry moves toward it (the warm-up times
+        steps on padding rows, which read no KV, so the larger K look cheaper there than they are)."""
+        key = (k, self.bucket(batch))
+        if key in self.measured:
+            self.measured[key] += weight * (seconds - self.measured[key])
+
+
+def param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0

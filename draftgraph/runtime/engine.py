@@ -1,7 +1,9 @@
 """The speculative decoding engine: requests in, steps run, outputs and statistics out.
 
-About 500 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
-the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache)."""
+About 590 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
+the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache,
+adaptive speculation's controller); what stays here is the glue a step needs (which runner view runs it, the draft
+model's catch-up, the step-time calibration of overlapped steps)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
-from draftgraph.runtime.adaptive import AdaptiveK, byte_cost
+from draftgraph.runtime.adaptive import AdaptiveK, StepTimes
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
@@ -111,11 +113,10 @@ class Engine:
         # One runner per K a step may run at: views of the one runner over its caches and buffers (StepRunner.view).
         self.runners = {k: self.runner.view(k) for k in ks if k != self.k}
         self.runners[self.k] = self.runner
-        self.step_times: dict[tuple[int, int], float] = {}  # (K, padded requests) -> seconds, measured at warm-up
-        self.adaptive = AdaptiveK(ks, self._step_time) if len(ks) > 1 else None
+        self.step_times = StepTimes(rc.full_capture_sizes, target, drafter) if len(ks) > 1 else None
+        self.adaptive = AdaptiveK(ks, self.step_times) if len(ks) > 1 else None
         self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
         self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
-        self._byte_cost = None
         # Prefix caching (runtime/prefix_cache.py): None when off, asked or for a hybrid model (logged).
         prefix = prefix_key(target, drafter, rc, self.k, hybrid=self.states is not None)
         self.scheduler = Scheduler(
@@ -297,24 +298,6 @@ class Engine:
         self._padded = runner.fit_drafts(batch.decodes)
         return runner
 
-    def _calibrate(self, k: int, batch: int, seconds: float, weight: float = 0.2) -> None:
-        """Move the measured step time of (K, batch's padded size) toward one observed in steady decoding: the warm-up
-        times steps on padding rows (no KV read), which makes the larger K look cheaper than they are."""
-        b = next((s for s in sorted(self.config.full_capture_sizes) if s >= batch), None)
-        if (k, b) in self.step_times:
-            self.step_times[k, b] += weight * (seconds - self.step_times[k, b])
-
-    def _step_time(self, k: int, batch: int) -> float | None:
-        """Seconds of a decode step at K for `batch` requests: measured at its padded request count (warm-up), or
-        without measurements the bytes it reads (runtime/adaptive.py: byte_cost); None past the FULL sizes."""
-        if self.step_times:
-            b = next((s for s in sorted(self.config.full_capture_sizes) if s >= batch), None)
-            return self.step_times.get((k, b)) if b is not None else None
-        if self._byte_cost is None:
-            nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
-            self._byte_cost = byte_cost(nbytes(self.target), nbytes(self.drafter) or nbytes(self.target) // 50)
-        return self._byte_cost(k, batch)
-
     def _step_overlapped(self) -> list[RequestOutput]:
         """Queue the next step of the pending step's requests when nothing about the batch changes (no request
         waits to join, none can reach max_tokens in the pending step, their blocks fit), then read the pending
@@ -327,10 +310,10 @@ class Engine:
         result = runner.finish(launched)
         now = time.perf_counter()
         self._stats["seconds"] += now - t0
-        if self._chain is not None and self._chain[0] is launched and self.step_times:
+        if self._chain is not None and self._chain[0] is launched and self.step_times is not None:
             # `launched` ran right after the step read at _chain[1] (queued before it ended): the time between the
             # two reads is its step time on real requests, which corrects the warm-up's measurement on padding
-            self._calibrate(runner.k, len(launched.decodes), now - self._chain[1])
+            self.step_times.calibrate(runner.k, len(launched.decodes), now - self._chain[1])
         self._chain = (nxt, now) if nxt is not None else None
         if nxt is not None:
             self._stats["steps"] += 1

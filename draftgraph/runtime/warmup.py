@@ -196,7 +196,8 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
 
 def measure_step_times(engine, runs: int = 5) -> str:
     """Adaptive speculation's cost model (runtime/adaptive.py): the median replay time of each K's greedy one-graph
-    step at every FULL request count, on padding rows, into `engine.step_times`; returns a report fragment."""
+    step at every FULL request count, on padding rows, into `engine.step_times.measured`; returns a report
+    fragment."""
     from draftgraph.compiler.cuda_graphs import GraphKey
     from draftgraph.runtime.dispatcher import BatchDescriptor
 
@@ -222,7 +223,7 @@ def measure_step_times(engine, runs: int = 5) -> str:
                 end.synchronize()
                 samples.append(start.elapsed_time(end) / 1e3)
             times[(k, d.num_reqs)] = sorted(samples)[len(samples) // 2]
-    engine.step_times.update(times)
+    engine.step_times.measured.update(times)
     if not times:
         return ""
     top = max(b for _, b in times)
