@@ -16,6 +16,11 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     no drafter model) on the target alone, on a repetitive workload: each prompt is a random text X, the
     target's own greedy continuation G of it (`--new-tokens`), then X again, so the text to produce is in the
     prompt (as when rewriting or editing it); tokens/s, accepted drafts per step, speedup, tokens equal.
+(e) `--adaptive`: instead of (a)-(c), adaptive speculation (CompileConfig.speculation="adaptive", K from
+    {0, ceil(K/2), K}) against plain decoding and each fixed K of those choices, at each batch of `--batches`
+    (default 1, 8, 32, 64, 128), with the pair's drafter (real acceptance) and with the same drafter accepting
+    nothing (synthetic_acceptance=(0,) * K: the same graphs, every draft rejected); tokens/s of generate(), adaptive
+    against plain and against the best of plain and the fixed K, and the K adaptive ran per step.
 Wall times: synchronize + perf_counter around whole generate() calls, medians of `--runs` after a warm-up.
 Correctness: leading greedy tokens equal between our plain and speculative runs and transformers' generate
 (asserted in float32, i.e. `--tiny`; bf16 may differ by rounding, so only counted there).
@@ -23,6 +28,7 @@ Correctness: leading greedy tokens equal between our plain and speculative runs 
 Usage: python scripts/bench_e2e.py            (CUDA, the 1B pair)
        python scripts/bench_e2e.py --tiny     (smoke test: the tiny pair in float32, CPU or CUDA)
        python scripts/bench_e2e.py --ngram    (d): plain against prompt lookup on a repetitive workload
+       python scripts/bench_e2e.py --adaptive (e): adaptive speculation against plain and fixed K
 """
 
 from __future__ import annotations
@@ -151,6 +157,79 @@ def ngram_bench(target, spec, args, device) -> None:
     print(f"\nngram engine forwards by artifact (last call): {engines['ngram'].stats()['dispatch']}")
 
 
+def adaptive_bench(target, drafter, args, device) -> None:
+    """(e): adaptive speculation against plain decoding and fixed K at each batch of `--batches`, with the drafter's
+    real acceptance and with every draft rejected (pinned acceptance 0); prints each table row as it is measured."""
+    k, n, batches = args.k, args.new_tokens, args.batches
+    half = -(-k // 2)
+    b_max = max(batches)
+    base = dict(
+        max_num_seqs=b_max, max_num_batched_tokens=max(b_max * (k + 1), 2048),
+        max_model_len=args.prompt_len + n + 2 * k + 2, gpu_memory_utilization=0.0, progress=False,
+    )  # fmt: skip
+    zero = (0.0,) * k
+    variants = {  # name -> (drafter, K, speculation, pinned acceptance); the comparisons first
+        "plain": (None, 0, "fixed", ()),
+        "adaptive": (drafter, k, "adaptive", ()),
+        f"K={k}": (drafter, k, "fixed", ()),
+        f"K={half}": (drafter, half, "fixed", ()),
+        "adaptive acc 0": (drafter, k, "adaptive", zero),
+        f"K={k} acc 0": (drafter, k, "fixed", zero),
+        f"K={half} acc 0": (drafter, half, "fixed", zero[:half]),
+    }
+    if args.skip:
+        variants = {name: v for name, v in variants.items() if name not in args.skip.split(",")}
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, target.cfg.vocab_size, (b_max, args.prompt_len), generator=g).tolist()
+    params = dg.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    print(
+        f"\n{versions(device)}; {str(target.cfg.dtype).removeprefix('torch.')}, greedy, {n} new tokens after a "
+        f"{args.prompt_len}-token prompt, tokens/s of generate() (median of {args.runs})",
+        flush=True,
+    )
+    engines = {}
+    for name, (d, kk, speculation, rates) in variants.items():
+        # compile_workers=0: the later engines find every piece in Inductor's cache; workers would only start up
+        extra = dict(num_speculative_tokens=kk, speculation=speculation, synthetic_acceptance=rates) if d else {}
+        if device.type == "cuda":
+            rows = (1, kk + 1) if d is not None else (1,)
+            extra["capture_sizes"] = tuple(sorted({b * q for b in batches for q in rows}))
+            extra["full_capture_sizes"] = tuple(batches)
+        t0 = time.perf_counter()
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra, compile_workers=0))
+        print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}", flush=True)
+    res, hist = {}, {}
+    for b in batches:  # the variants in turn within each run (round robin), medians over the runs
+        times = {name: [] for name in engines}
+        for run in range(args.runs + 1):  # run 0 warms up
+            for name, eng in engines.items():
+                sync(device)
+                t0 = time.perf_counter()
+                eng.generate(prompts[:b], params)
+                sync(device)
+                if run:
+                    times[name].append(time.perf_counter() - t0)
+        for name, eng in engines.items():
+            res[name, b] = b * n / statistics.median(times[name])
+            s = eng.stats()
+            hist[name, b] = s["speculation"]["histogram"]
+            acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+            print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step (last run) "
+                  f"{hist[name, b]}", flush=True)  # fmt: skip
+    for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
+        fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
+        if f"adaptive{suffix}" not in variants:
+            continue
+        print(f"\n(e) {label}: adaptive K in (0, {half}, {k}) against plain and fixed K")
+        hdr = (f"{'B':>4} | {'plain':>8} " + " ".join(f"{f:>12}" for f in fixed) + f" {'adaptive':>9} | "
+               f"{'vs plain':>8} {'vs best':>7} | adaptive K per step")  # fmt: skip
+        print(hdr + "\n" + "-" * len(hdr))
+        for b in batches:
+            p, a, fx = res["plain", b], res[f"adaptive{suffix}", b], [res[f, b] for f in fixed]
+            print(f"{b:>4} | {p:>8.1f} " + " ".join(f"{x:>12.1f}" for x in fx) + f" {a:>9.1f} | {a / p:>8.3f} "
+                  f"{a / max([p, *fx]):>7.3f} | {hist[f'adaptive{suffix}', b]}")  # fmt: skip
+
+
 def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:
     """transformers' static-cache decoding, compiled the way transformers does it itself: with a static cache,
     generate() compiles the decoding forward (its CompileConfig: fullgraph, mode "reduce-overhead", i.e. CUDA
@@ -230,9 +309,12 @@ def parse_args():
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache compiled decoding")
     ap.add_argument("--ngram", action="store_true", help="(d) only: plain against prompt lookup, repetitive prompts")
     ap.add_argument("--ngram-max", type=int, default=3, help="(d): the longest n-gram matched (default 3)")
+    ap.add_argument("--adaptive", action="store_true", help="(e) only: adaptive speculation against plain, fixed K")
+    ap.add_argument("--skip", default="", help="(e): variants left out, comma-separated (e.g. 'K=2 acc 0')")
     args = ap.parse_args()
     tiny = args.tiny
-    args.batches = [int(x) for x in (args.batches or ("1,4" if tiny else "1,8,32")).split(",")]
+    default_batches = "1,8,32,64,128" if args.adaptive else "1,8,32"
+    args.batches = [int(x) for x in (args.batches or ("1,4" if tiny else default_batches)).split(",")]
     args.step_batches = [int(x) for x in (args.step_batches or ("1,4" if tiny else "1,8,32,128")).split(",")]
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     args.new_tokens = args.new_tokens or (24 if tiny else 256)
@@ -252,6 +334,9 @@ def main():
     print(f"built the pair ({spec.num_layers} layers, drafter {spec.draft_layers}) in {time.perf_counter() - t0:.1f} s")
     if args.ngram:  # (d) alone: the target without its drafter
         ngram_bench(target, spec, args, device)
+        return
+    if args.adaptive:  # (e) alone
+        adaptive_bench(target, drafter, args, device)
         return
     bw = bandwidth(device)
     engines = build_engines(target, drafter, args, device)

@@ -41,6 +41,8 @@ default_group() {  # the headline tables
   TAIL=16 step bench_step 240 python3 scripts/bench_step.py --kinds spec,plain --sizes 1,8,32 \
     --variants overlap --repeats 3
   TAIL=20 step bench_e2e 200 python3 scripts/bench_e2e.py --runs 2 --batches 1,8 --step-batches 1
+  TAIL=20 step bench_adaptive 200 python3 scripts/bench_e2e.py --adaptive --new-tokens 128 --prompt-len 64 --runs 3 \
+    --skip "K=2 acc 0,K=4 acc 0"
   TAIL=14 step cold_start 200 python3 scripts/bench_cold_start.py --variant default: --warm --artifacts
   TAIL=8 step builtin_generate 90 python3 -m draftgraph generate --device cuda
   TAIL=10 step startup_1b 150 python3 scripts/bench_startup.py --phases cold,warm_lazy --timeout 120

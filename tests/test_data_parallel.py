@@ -74,6 +74,10 @@ def test_router_spreads_least_loaded_and_sums_stats():
           "hit_rate": 0.8, "cached_blocks": 3, "evictions": 0}  # fmt: skip
     s = merge_stats([{**one, "prefix_cache": pc}, {**two, "prefix_cache": {**pc, "hit_tokens": 0, "hit_blocks": 0}}])
     assert s["prefix_cache"]["hit_tokens"] == 32 and s["prefix_cache"]["hit_rate"] == 32 / 80  # each cache counted
+    # adaptive speculation: each replica picks its own K per step; the steps per K add up
+    spec = {"mode": "adaptive", "choices": [0, 2, 4], "catch_up_tokens": 5, "histogram": {0: 3, 2: 1, 4: 0}}
+    s = merge_stats([{**one, "speculation": spec}, {**two, "speculation": {**spec, "histogram": {0: 0, 2: 0, 4: 1}}}])
+    assert s["speculation"]["histogram"] == {0: 3, 2: 1, 4: 1} and s["speculation"]["catch_up_tokens"] == 10
 
 
 def test_dense_replicas_of_tensor_parallel_ranks_equal_one_process():

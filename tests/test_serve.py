@@ -352,6 +352,7 @@ def test_metrics_parse_as_prometheus_text(server, client):
     assert m["draftgraph_prompt_tokens_total"] > 0 and m["draftgraph_generation_tokens_total"] >= MAX
     assert 0 <= m["draftgraph_spec_acceptance_rate"] <= 1 and m["draftgraph_spec_mean_accepted_length"] >= 1
     assert {f"draftgraph_spec_acceptance_by_position{{position={i}}}" for i in range(K)} <= set(m)
+    assert m[f"draftgraph_spec_steps_by_k{{k={K}}}"] > 0  # fixed K: every step verified K drafts
     assert m["draftgraph_forwards{key=target/none}"] > 0  # mode NONE: every forward runs without a graph
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"draftgraph_{h}_count"] > 0

@@ -28,6 +28,13 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     p.add_argument(
         "-k", "--num-speculative-tokens", type=int, default=3, help="K, draft tokens per step, 0..8 (default 3)"
     )
+    p.add_argument(
+        "--speculation",
+        choices=["fixed", "adaptive"],
+        default="fixed",
+        help="fixed: K drafts every step (default); adaptive: each decode step picks K from 0, ceil(K/2), K by "
+        "measured step times and running acceptance",
+    )
     p.add_argument("--mode", default="auto", choices=MODES, help=mode_help)
     p.add_argument(
         "--device",

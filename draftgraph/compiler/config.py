@@ -49,6 +49,7 @@ FOLDED_MODES = {
     )
 }
 _said = {"graphs_off": False}
+SPECULATION = ("fixed", "adaptive")  # CompileConfig.speculation
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,9 +143,20 @@ class CompileConfig:
     # shared by later requests whose tokens start the same, which then prefill only the rest. Off for hybrid
     # models (Gated DeltaNet state is per request). False: every prompt is prefilled from its start.
     prefix_caching: bool = True
+    # With a drafter: "fixed" verifies num_speculative_tokens drafts every step; "adaptive" picks each decode step's
+    # K from {0, ceil(K/2), K} (K = num_speculative_tokens, the largest) by a cost model: step time per (K, batch)
+    # measured on the captured step graphs at start-up against the tokens expected from running per-position
+    # acceptance rates (runtime/adaptive.py). Steps with prompt chunks run K, or 0 while the controller is there.
+    speculation: str = "fixed"
 
     def __post_init__(self):
         check_synthetic_acceptance(self.synthetic_acceptance)
+        if self.speculation not in SPECULATION:
+            raise ValueError(
+                f"speculation={self.speculation!r} is unknown; choose one of {list(SPECULATION)} ('fixed': K drafts "
+                "every step; 'adaptive': each decode step picks K from {0, ceil(K/2), K} by measured step times and "
+                "running acceptance)"
+            )
         check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.ops is not None and not isinstance(self.ops, OpChoices):
             raise TypeError(
@@ -249,6 +261,9 @@ class ResolvedConfig:
     synthetic_acceptance: tuple[float, ...] = ()  # pinned conditional acceptance rates (benchmarks only); () = off
     prefix_caching: bool = True  # full KV blocks kept and shared across requests (runtime/prefix_cache.py)
     ngram: tuple[int, int] | None = None  # the n-gram drafter's (ngram_min, ngram_max); None: another or no drafter
+    # speculation="adaptive": the K a decode step may run at, ascending, the largest num_speculative_tokens
+    # (runtime/adaptive.py); () = fixed K
+    speculation_ks: tuple[int, ...] = ()
 
     @property
     def lookahead(self) -> int:
@@ -373,6 +388,7 @@ def resolve(
         synthetic_acceptance=synthetic,
         prefix_caching=config.prefix_caching,
         ngram=(config.ngram_min, config.ngram_max) if has_drafter and config.drafter_kind == "ngram" else None,
+        speculation_ks=resolve_speculation(config, k),
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -394,6 +410,24 @@ def resolve(
     )
     log.info("kernels: %s (%s)", rc.ops.describe(), ", ".join(f"{k}={int(v)}" for k, v in rc.ops.fields().items()))
     return rc
+
+
+def resolve_speculation(config: CompileConfig, k: int) -> tuple[int, ...]:
+    """CompileConfig.speculation as the K a decode step may choose: () for "fixed" (or nothing to choose: no
+    drafter, K = 0); {0, ceil(K/2), K} for "adaptive", logged. Refused where the ranks would have to agree on K
+    (tensor parallelism, lock-stepped replicas): not built yet."""
+    if config.speculation == "fixed" or k == 0:
+        return ()
+    if config.tensor_parallel_size > 1 or (config.expert_parallel and config.data_parallel_size > 1):
+        raise ValueError(
+            f"speculation='adaptive' with tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
+            f"{config.data_parallel_size}, expert_parallel={config.expert_parallel}: ranks that step together would "
+            "each pick K from their own timings, which is not supported yet; use speculation='fixed' there "
+            "(independent data-parallel replicas, without expert_parallel, adapt each on its own)"
+        )
+    ks = tuple(sorted({0, -(-k // 2), k}))
+    log.info("speculation adaptive: each decode step picks K from %s by measured step times and acceptance", list(ks))
+    return ks
 
 
 def auto_mode(device: torch.device, artifact_mode: str | None = None) -> tuple[CUDAGraphMode, str]:

@@ -1,7 +1,9 @@
 """The speculative decoding engine: requests in, steps run, outputs and statistics out.
 
-About 500 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
-the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache)."""
+About 590 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
+the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache,
+adaptive speculation's controller); what stays here is the glue a step needs (which runner view runs it, the draft
+model's catch-up, the step-time calibration of overlapped steps)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import gc
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -21,6 +24,7 @@ from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
+from draftgraph.runtime.adaptive import AdaptiveK, StepTimes
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
@@ -91,9 +95,14 @@ class Engine:
             ngram=rc.ngram,  # the n-gram drafter (runtime/ngram_state.py): no drafter model, K drafts per step
             max_model_len=rc.max_model_len,
         )
-        self.shapes = StepShapes(self.k, drafter is None or drafter.target_hidden != "none")
+        hidden = drafter is None or drafter.target_hidden != "none"
+        self.shapes = StepShapes(self.k, hidden)
+        # Adaptive speculation (runtime/adaptive.py): the K a decode step may pick. A drafter that reads the target's
+        # hidden states cannot catch up on steps it skipped, so it never skips one (no K = 0).
+        ks = tuple(k for k in rc.speculation_ks if k or not (drafter is not None and hidden))
+        query_lens = {q for k in (ks or (self.k,)) for q in StepShapes(k, hidden).full_query_lens}
         dispatcher = Dispatcher(
-            rc.mode, rc.capture_sizes, rc.full_capture_sizes, self.shapes.full_query_lens, graphs=rc.graphs_enabled
+            rc.mode, rc.capture_sizes, rc.full_capture_sizes, tuple(sorted(query_lens)), graphs=rc.graphs_enabled
         )
         # With a lock-step the target's batches dispatch at the shape the ranks agree on; the drafter's on its own.
         target_dispatcher = LockstepDispatcher(dispatcher, self.shapes.verify) if lockstep_group else dispatcher
@@ -102,6 +111,13 @@ class Engine:
         )
         # Linear-attention layers (Qwen3.5): their per-request state rings; admitted requests get their rows.
         self.states = attach_state_caches(self.runner, rc.max_num_seqs, self.k)
+        # One runner per K a step may run at: views of the one runner over its caches and buffers (StepRunner.view).
+        self.runners = {k: self.runner.view(k) for k in ks if k != self.k}
+        self.runners[self.k] = self.runner
+        self.step_times = StepTimes(rc.full_capture_sizes, target, drafter) if len(ks) > 1 else None
+        self.adaptive = AdaptiveK(ks, self.step_times) if len(ks) > 1 else None
+        self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
+        self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
         # Prefix caching (runtime/prefix_cache.py): None when off, asked or for a hybrid model (logged).
         prefix = prefix_key(target, drafter, rc, self.k, hybrid=self.states is not None)
         self.scheduler = Scheduler(
@@ -248,13 +264,42 @@ class Engine:
         defer = self.config.overlap_steps and self.lockstep is None and not batch.prefills
         # a grammar's next bitmask needs this step's drafts on the host (runtime/grammar.py): not overlapped
         defer = defer and not any(r.grammar is not None for r in batch.decodes)
-        result = self.runner.run(batch, defer=defer)
+        runner = self._runner_for(batch)
+        result = runner.run(batch, defer=defer)
         self._stats["seconds"] += time.perf_counter() - t0
         self._stats["steps"] += 1
+        self._stats["speculation_histogram"][runner.k] += 1
         if isinstance(result, Launched):  # read at the next call, once the step after it is queued
             self._pending = (batch, result)
             return done
-        return done + self._apply(batch, result)
+        return done + self._apply(batch, result, runner.k)
+
+    def _runner_for(self, batch: ScheduledBatch) -> StepRunner:
+        """The runner of this step's K: the configured one, or with adaptive speculation the controller's choice for
+        a pure decode batch; a batch with prompt chunks runs the largest K (its drafter writes their KV), or K = 0
+        while the controller is there (the drafter skipped: it catches up on them later). The decodes' drafts are
+        fitted to it, and a draft model's KV caught up on the positions steps at K = 0 skipped."""
+        if self.adaptive is None:
+            return self.runner
+        k, self._next_k = self._next_k, None
+        chunks = batch.prefills
+        if chunks or not batch.decodes:
+            k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
+        elif k is None:
+            k = self.adaptive.choose(len(batch.decodes))
+        runner = self.runners[k]
+        for c in chunks:  # a prefill from its start (or after cached blocks, which hold the drafter's KV too)
+            if c.first:
+                c.req.draft_lag = -1
+        reqs = batch.decodes + [c.req for c in chunks]
+        if k:
+            self._stats["catch_up_tokens"] += runner.catch_up(reqs)
+        elif self.drafter is not None:  # (the n-gram drafter keeps no KV: nothing to catch up)
+            for r in reqs:  # the drafter skips these positions: caught up when K returns above 0
+                if r.draft_lag < 0:
+                    r.draft_lag = r.num_computed
+        self._padded = runner.fit_drafts(batch.decodes)
+        return runner
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Queue the next step of the pending step's requests when nothing about the batch changes (no request
@@ -263,17 +308,25 @@ class Engine:
         batch, launched = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        nxt = self.runner.relaunch(launched) if self._may_relaunch(launched) else None
-        result = self.runner.finish(launched)
-        self._stats["seconds"] += time.perf_counter() - t0
+        runner = self.runners[launched.key.query_len - 1]  # the verify's query length: 1 + K
+        nxt = runner.relaunch(launched) if self._may_relaunch(launched) else None
+        result = runner.finish(launched)
+        now = time.perf_counter()
+        self._stats["seconds"] += now - t0
+        if self._chain is not None and self._chain[0] is launched and self.step_times is not None:
+            # `launched` ran right after the step read at _chain[1] (queued before it ended): the time between the
+            # two reads is its step time on real requests, which corrects the warm-up's measurement on padding
+            self.step_times.calibrate(runner.k, len(launched.decodes), now - self._chain[1])
+        self._chain = (nxt, now) if nxt is not None else None
         if nxt is not None:
             self._stats["steps"] += 1
             self._stats["overlapped_steps"] += 1
+            self._stats["speculation_histogram"][runner.k] += 1
             self._pending = (batch, nxt)
-        done = self._apply(batch, result)
+        done = self._apply(batch, result, runner.k)
         if self._pending is not None and all(r.finish_reason is not None for r in nxt.decodes):
             self._pending = None  # every request stopped in the step just read: the queued one is dropped
-            self.runner.finish(nxt)
+            runner.finish(nxt)
             self._stats["dropped_steps"] += 1
         return done
 
@@ -283,6 +336,10 @@ class Engine:
         every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here)."""
         if self.scheduler.waiting:
             return False
+        if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
+            self._next_k = self.adaptive.choose(len(launched.decodes))  # taken by the next step unless relaunched
+            if self._next_k != launched.key.query_len - 1:
+                return False
         k1, writes = self.shapes.verify, self.scheduler.writes  # the most tokens a step emits per request
         for r in launched.decodes:
             if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
@@ -292,26 +349,30 @@ class Engine:
             return False
         for r, n in need:
             r.block_table.ensure_capacity(n)
+        self._next_k = None  # the relaunched step is the one it was chosen for
         return True
 
-    def _apply(self, batch, result) -> list[RequestOutput]:
+    def _apply(self, batch, result, k: int) -> list[RequestOutput]:
         """A step's outcome into its requests: tokens, drafts, lengths, statistics; the finished ones leave.
         Requests that stopped in the step before (an overlapped step ran them once more) are skipped."""
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
-        done = []
+        done, observed = [], []
+        padded, self._padded = self._padded, set()
         for i, req in enumerate(result.sampled):
             if req.finish_reason is not None:
                 continue
             emitted = result.emitted[i]
             if i < len(result.accepted):  # a decode: the last token and `accepted` drafts now have KV
                 a = result.accepted[i]
+                if req.id not in padded:  # padded drafts say nothing about the drafter's acceptance
+                    observed.append(a)
                 req.num_computed += a + 1
                 req.num_verify_steps += 1
-                req.num_draft_tokens += self.k
+                req.num_draft_tokens += k
                 req.num_accepted_tokens += a
                 self._stats["verify_steps"] += 1
-                self._stats["draft_tokens"] += self.k
+                self._stats["draft_tokens"] += k
                 self._stats["accepted_tokens"] += a
                 self._stats["acceptance_histogram"][a] += 1
             before = len(req.tokens)
@@ -333,6 +394,8 @@ class Engine:
                 if self.tokenizer is not None and out.text is None:  # (a stop string's cut text is set)
                     out.text = decode_text(self.tokenizer, out.token_ids)
                 done.append(out)
+        if self.adaptive is not None:
+            self.adaptive.observe(k, observed)
         return done
 
     def generate(
@@ -379,7 +442,10 @@ class Engine:
             "overlapped_steps": 0,  # steps launched before the host read the step before them (overlap_steps)
             "dropped_steps": 0,  # of those, steps whose every request had stopped in the step before
             "seconds": 0.0,
+            "speculation_histogram": Counter(),  # K -> steps run at it
+            "catch_up_tokens": 0,  # draft-model tokens fed to catch up on K = 0 steps (adaptive speculation)
         }
+        self._padded: set[int] = set()  # requests whose drafts the step about to be read padded (fit_drafts)
         self.runner.forwards.reset()
         self.scheduler.reset_stats()
 
@@ -396,6 +462,15 @@ class Engine:
         s["tokens_per_second"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         s["mode"] = self.config.mode.value
         s["num_speculative_tokens"] = self.k
+        # K per step: {"mode": "fixed" | "adaptive", "choices", "histogram" {K: steps}, and adaptive's running
+        # per-position acceptance rates and draft-model catch-up tokens}
+        hist = s.pop("speculation_histogram")
+        spec = {"mode": "adaptive" if self.adaptive is not None else "fixed"}
+        spec["catch_up_tokens"] = s.pop("catch_up_tokens")
+        if self.adaptive is not None:
+            spec.update(self.adaptive.stats())
+        spec["histogram"] = {k: hist.get(k, 0) for k in sorted(self.runners)}
+        s["speculation"] = spec
         s["cuda_graphs"] = self.config.graphs_enabled
         # Pinned acceptance (benchmarks only): the rates that drew every accept decision; None = real acceptance
         s["synthetic_acceptance"] = list(self.config.synthetic_acceptance) or None
@@ -463,7 +538,7 @@ class Engine:
         pending, self._pending = self._pending, None
         if pending is not None:  # a launched step still writes the caches: let it finish first
             with contextlib.suppress(Exception):
-                self.runner.finish(pending[1])
+                self.runners[pending[1].key.query_len - 1].finish(pending[1])
         sched = self.scheduler
         for req in [*sched.running, *sched.waiting]:
             self.abort(req.id)
@@ -482,7 +557,7 @@ class Engine:
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(self.config.device)
             compiled.ctx.release()
-        runner, self.runner = self.runner, None
+        runner, self.runner, self.runners = self.runner, None, {}
         if runner is not None:
             caches = [runner.target_cache] + ([runner.draft_cache] if runner.drafter is not None else [])
             for cache in caches:

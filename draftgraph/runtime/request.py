@@ -122,6 +122,8 @@ class Request:
     prefill_len: int = 0  # tokens to prefill before decoding starts (after a preemption: to recompute)
     resumes_decode: bool = False  # preempted while decoding: prefill_len ends before the last token, no sampling
     drafts: list[int] = field(default_factory=list)
+    # The first position whose draft-model KV a K = 0 step skipped (adaptive speculation, StepRunner.catch_up); -1: none
+    draft_lag: int = -1
     block_table: BlockTable | None = None
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) + stop_token_ids

@@ -170,11 +170,13 @@ class Scheduler:
 
     def _register(self, r: Request) -> None:
         """Register r's blocks that became final (runtime/prefix_cache.py: every position < num_computed is an
-        accepted token in every cache, and a block's hash reads `lookahead` tokens past it)."""
+        accepted token in every cache, and a block's hash reads `lookahead` tokens past it); not past a draft model's
+        KV that steps at K = 0 skipped (adaptive speculation: `draft_lag`), which would hold stale entries."""
         if self.prefix is None or r.block_table is None:
             return
         table = r.block_table
-        full = min(r.num_computed // self.block_size, len(table.blocks))
+        final = r.num_computed if r.draft_lag < 0 else min(r.num_computed, r.draft_lag)  # a lagging draft model's KV
+        full = min(final // self.block_size, len(table.blocks))
         if full <= table.num_registered:
             return
         hashes = self.prefix.extend(table.hashes, r.tokens, full)

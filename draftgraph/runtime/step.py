@@ -10,6 +10,7 @@ Both caches use the same block tables: drafter row i lives at the same slot as t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -114,6 +115,7 @@ class StepRunner:
         self.target, self.drafter, self.shape, self.shapes = target, drafter, shape, shapes
         self.device = torch.device(device)
         self.dispatcher = dispatcher
+        self.draft_dispatcher = draft_dispatcher if draft_dispatcher is not None else dispatcher
         # The callables that run the forwards: the modules themselves (mode NONE) or their compiled forms.
         self.target_fn = compiled.target if compiled else target
         self.drafter_fn = (compiled.drafter if compiled else None) or drafter
@@ -173,6 +175,84 @@ class StepRunner:
         grammar_rows = max((*dispatcher.full_reqs, shape.max_num_seqs)) * (self.k + 1)
         self.grammar = GrammarState(grammar_rows, tc.vocab_size, self.device)
         self.uniform = UniformStep(self) if shape.one_graph_step else None
+
+    # ---- views per K (adaptive speculation, runtime/adaptive.py) ---------------------------------
+
+    def view(self, k: int) -> StepRunner:
+        """This runner at k < K drafts per step over the same caches, buffers, forwards and dispatcher: its own
+        step shapes, the proposer's q rows [:, :k] (and no fused loops: the loop runs around the compiled drafter
+        step), its own one-graph step functions (graph keys differ by the verify's query length). k = 0 runs no
+        drafter (a draft model's KV is caught up later: `catch_up`)."""
+        if not 0 <= k < self.k:
+            raise ValueError(f"a view runs fewer drafts than the runner's K={self.k}, not {k}")
+        v = copy.copy(self)
+        v.k = k
+        v.shapes = StepShapes(k, self.shapes.drafter_reads_hidden)
+        rates = self.shape.synthetic_acceptance[:k]
+        v.shape = replace(self.shape, num_speculative_tokens=k, synthetic_acceptance=rates)
+        v.proposer = None
+        if self.proposer is not None and k:
+            p = copy.copy(self.proposer)
+            p.k, p.shapes, p.first_q, p.loops = k, v.shapes, v.shapes.first_draft, None
+            p.draft_probs = self.proposer.draft_probs[:, :k]  # the same storage: q rows of the first k drafts
+            v.proposer = p
+        if self.uniform is not None:
+            v.uniform = self.uniform.view(v)
+        return v
+
+    @torch.no_grad()
+    def catch_up(self, reqs: list[Request]) -> int:
+        """A draft model's KV at the positions K = 0 steps skipped (each request's `draft_lag` up to its cached
+        length), written by drafter forwards over those tokens, at most max_num_batched_tokens a forward; returns
+        the tokens fed. The draft model reads no target state, so its prefill of them is exact."""
+        todo = [(r, r.draft_lag, r.num_computed) for r in reqs if 0 <= r.draft_lag < r.num_computed]
+        for r in reqs:
+            r.draft_lag = -1
+        if not todo or self.drafter is None or self.hidden_kind:
+            return 0
+        budget, fed = self.shape.max_num_batched_tokens, 0
+        while todo:
+            slices, ids, rest = [], [], []
+            for r, start, end in todo:
+                n = min(end - start, budget - len(ids))
+                if n <= 0 or len(slices) == self.shape.max_num_seqs:
+                    rest.append((r, start, end))
+                    continue
+                slices.append(RequestSlice(r.block_table.blocks, start, n))
+                ids += r.tokens[start : start + n]
+                if start + n < end:
+                    rest.append((r, start + n, end))
+            d = self.draft_dispatcher.dispatch(BatchDescriptor(len(ids), len(slices), None))
+            meta, positions = self.draft_meta.build(slices, num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
+            ids += [0] * (d.num_tokens - len(ids))
+            tok = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            self.forwards.drafter(d, tok, positions, None, meta)
+            fed += sum(x.query_len for x in slices)
+            todo = rest
+        return fed
+
+    def fit_drafts(self, decodes: list[Request]) -> set[int]:
+        """Each decode's drafts cut or padded to this runner's K (the last step may have run at another K); returns
+        the ids of the requests padded. Padding repeats the last token: a greedy row keeps it only where the target
+        chooses it, and a sampled row's q there is made one-hot at it (as the n-gram drafter's padding), so it is
+        accepted with probability p(token) and the recovery draw leaves it out: exact."""
+        k, padded, onehot = self.k, set(), []
+        for r in decodes:
+            n = len(r.drafts)
+            if n > k:
+                r.drafts = r.drafts[:k]
+            elif n < k:
+                fill = r.tokens[-1]
+                r.drafts = [*r.drafts, *([fill] * (k - n))]
+                padded.add(r.id)
+                if r.params.temperature > 0 and self.proposer is not None:
+                    onehot += [(r.slot, i, fill) for i in range(n, k)]
+        if onehot:  # q of the padded positions (eager, at a change of K only)
+            slot, pos, tok = (torch.tensor(c, device=self.device) for c in zip(*onehot))
+            q = self.proposer.draft_probs
+            q[slot, pos] = 0.0
+            q[slot, pos, tok] = 1.0
+        return padded
 
     # ---- the step --------------------------------------------------------------------------------
 
@@ -261,7 +341,7 @@ class StepRunner:
             slots_ng = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
             self.ngram.record(slots_ng[:nd], dec_tokens, accepted + 1)
             self.ngram.record(slots_ng[nd:], pre_tokens[:, None], torch.ones_like(pre_tokens))
-            parts.append(self.ngram.propose(slots_ng).flatten())
+            parts.append(self.ngram.propose(slots_ng)[:, :k].flatten())  # a view's K: the first k (adaptive)
         elif k and self.ngram is None and (sampled or chunks):  # drafter KV for prompt chunks is written anyway
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
@@ -356,7 +436,7 @@ class StepRunner:
         elif d.runtime == "FULL":
             meta, positions = self.target_meta.build([], num_tokens_padded=d.num_tokens, num_reqs_padded=d.num_reqs)
             self.forwards.target(d, torch.zeros(d.num_tokens, dtype=torch.long, device=dev), positions, meta)
-        if self.drafter is None:
+        if self.proposer is None:  # no drafter, or a K = 0 view (runtime/adaptive.py)
             return
         shapes = []
         if one_graph:

@@ -28,6 +28,7 @@ the packed result (`HostCopy`). With K = 0 it is plain decoding: forward, LM hea
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,15 @@ class UniformStep:
             for v in STEP_VARIANTS
         }
         self.k = k
+
+    def view(self, runner) -> UniformStep:
+        """This step for `runner`, a StepRunner view at fewer drafts (StepRunner.view): the same buffers and device
+        block tables (sized for the largest K), its own step functions."""
+        v = copy.copy(self)
+        v.r, v.k = runner, runner.k
+        v.fns = {var: v._body(var.startswith("sample"), var.endswith(LOGPROBS_SUFFIX), PENALTIES_SUFFIX in var,
+                              GRAMMAR_SUFFIX in var) for var in STEP_VARIANTS}  # fmt: skip
+        return v
 
     def dispatch_first(self, d: Dispatch) -> Dispatch | None:
         """A draft model's first-step dispatch (K + 2 rows per request) when it pads as the verify does."""
@@ -220,6 +230,8 @@ class UniformStep:
                 accepted = torch.zeros_like(tokens)
                 if penalties:
                     self.penalties.record(slots, tokens[:, None], accepted + 1)
+                if r.ngram is not None:  # a K = 0 step of the n-gram drafter (adaptive): its history still grows
+                    r.ngram.record(slots, tokens[:, None], accepted + 1)
                 self._advance(x, accepted, tokens)
                 lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
@@ -230,7 +242,7 @@ class UniformStep:
                 self.penalties.record(slots, tokens, accepted + 1)
             y = tokens.gather(1, accepted[:, None])[:, 0]
             if r.ngram is not None:  # prompt lookup over the slots' histories, with this step's tokens appended
-                drafts = r.ngram.step(slots, tokens, accepted + 1)
+                drafts = r.ngram.step(slots, tokens, accepted + 1)[:, :k]  # a view's K: the first k (adaptive)
             else:
                 drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
             lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []

@@ -146,7 +146,8 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         ) as bar:  # fmt: skip
             # FULL graphs first, then piece graphs, each largest first, all into the one shared pool.
             for reqs in full_sizes:
-                runner.dummy_run_full(reqs)
+                for view in engine.runners.values():  # every K a step may run at (adaptive speculation)
+                    view.dummy_run_full(reqs)
                 bar.update(1)
             for size in piece_sizes:
                 runner.dummy_run(size)
@@ -162,6 +163,9 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         timeline.mark("capture", "CUDA graphs off")
     else:
         timeline.mark("capture", "lazy: each graph at its first step" if lazy else f"{counters.graphs_captured} graphs")
+    times = ""
+    if engine.adaptive is not None and rc.graphs_enabled and not lazy:
+        times = measure_step_times(engine)
     reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:
@@ -192,5 +196,43 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique{reused}, {compiles} Inductor compiles, "
         f"token count symbolic{kernels}) in {compile_s:.1f} s{waited}; {graphs_line}"
     )
+    line += times
     log.info(line)
     return line
+
+
+def measure_step_times(engine, runs: int = 5) -> str:
+    """Adaptive speculation's cost model (runtime/adaptive.py): the median replay time of each K's greedy one-graph
+    step at every FULL request count, on padding rows, into `engine.step_times.measured`; returns a report
+    fragment."""
+    from draftgraph.compiler.cuda_graphs import GraphKey
+    from draftgraph.runtime.dispatcher import BatchDescriptor
+
+    graphs, times = engine.compiled.ctx, {}
+    for k, view in sorted(engine.runners.items()):
+        if view.uniform is None:
+            continue
+        q = view.shapes.verify
+        for b in engine.config.full_capture_sizes:
+            d = view.dispatcher.dispatch(BatchDescriptor(b * q, b, q))
+            key = GraphKey.step(q, d.num_reqs, "greedy")
+            if not view.uniform.applies(d) or key not in graphs.graphs:
+                continue
+            x = view.uniform.inputs([], d, False)
+            fn = view.uniform.fns["greedy"]
+            view.forwards.step(key, x, fn)
+            samples = []
+            for _ in range(runs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                view.forwards.step(key, x, fn)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            times[(k, d.num_reqs)] = sorted(samples)[len(samples) // 2]
+    engine.step_times.measured.update(times)
+    if not times:
+        return ""
+    top = max(b for _, b in times)
+    per_k = ", ".join(f"K={k} {times[(k, top)] * 1e3:.2f} ms" for k in sorted(engine.runners) if (k, top) in times)
+    return f"; adaptive speculation: step times of {len(times)} (K, batch) graphs measured ({per_k} at batch {top})"

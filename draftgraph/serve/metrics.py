@@ -2,7 +2,7 @@
 
 Counted by the server as requests go (tokens, latency histograms), and read from the engine at each scrape
 (`EngineSnapshot`, taken in the engine thread: requests running and waiting, KV blocks, and `engine.stats()`'s
-acceptance, prefix-cache lookups and per-dispatch-key forwards, which count since the server started).
+acceptance, steps per K, prefix-cache lookups and per-dispatch-key forwards, which count since the server started).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class ServerMetrics:
             ["position"],
             registry=r,
         )
+        self.steps_by_k = Gauge(p + "spec_steps_by_k", "engine steps by the drafts K each verified (adaptive "
+                                "speculation picks K per step)", ["k"], registry=r)  # fmt: skip
         self.forwards = Gauge(
             p + "forwards", "forwards run, by dispatch key (which CUDA graph, or none)", ["key"], registry=r
         )
@@ -103,6 +105,8 @@ class ServerMetrics:
         hist, verify = s.get("acceptance_histogram", []), s.get("verify_steps", 0)
         for i in range(max(len(hist) - 1, 0)):  # position i accepted in the steps that accepted more than i
             self.by_position.labels(str(i)).set(sum(hist[i + 1 :]) / verify if verify else 0.0)
+        for k, n in s.get("speculation", {}).get("histogram", {}).items():
+            self.steps_by_k.labels(str(k)).set(n)
         for key, n in s.get("dispatch", {}).items():
             self.forwards.labels(key).set(n)
         for key, n in s.get("fallbacks_by_key", {}).items():

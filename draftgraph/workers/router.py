@@ -101,6 +101,12 @@ def merge_stats(replicas: list[dict]) -> dict:
             pc[key] = sum(r["prefix_cache"][key] for r in replicas)
         pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0
         s["prefix_cache"] = pc
+    if all("speculation" in r for r in replicas):  # each replica picks its own K (adaptive): steps per K added up
+        sp = dict(replicas[0]["speculation"])
+        hist = sum((Counter(r["speculation"]["histogram"]) for r in replicas), Counter())
+        sp["histogram"] = dict(sorted(hist.items()))
+        sp["catch_up_tokens"] = sum(r["speculation"]["catch_up_tokens"] for r in replicas)
+        s["speculation"] = sp
     s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
     s["mean_accepted_length"] = 1 + s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
     s["tokens_per_second"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0

@@ -1,0 +1,168 @@
+"""Adaptive speculation (CompileConfig.speculation="adaptive"): each decode step picks K from a few choices.
+
+The choice maximises expected tokens per second for the step's batch:
+
+    tokens(K) = 1 + sum_{i<K} prod_{j<=i} a_j      (a_j: running conditional acceptance of draft position j)
+    tokens/s  = tokens(K) / time(K, padded batch)
+
+`time` is `StepTimes`, a table per (K, padded request count): measured on the captured one-graph step graphs at
+start-up (runtime/warmup.py) and corrected by the step times observed in steady, overlapped decoding (`calibrate`,
+from runtime/engine.py: padding rows read no KV, so the start-up times favour the larger K); or, where nothing is
+captured (the CPU), estimated from the bytes each K reads (the target's weights once, the drafter's once per draft),
+which is what a decode step is bound by.
+
+The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
+that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
+positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
+K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay, up to `max_probe`; at
+least as many as keep probing within `probe_budget` of the time) two steps run at the smallest K > 0 to measure
+again (the first proposes the drafts the second verifies: a request whose drafts were padded, after a step at a
+smaller K, is not observed; runtime/engine.py).
+
+Lossless by construction: a step's K depends only on acceptance already read back to the host (steps up to s - 1,
+or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from flapping
+(every change of K costs one step without overlap, and a return from K = 0 a catch-up of the drafter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+
+class AdaptiveK:
+    """The per-step choice of K among `ks` (ascending, K_max last)."""
+
+    def __init__(
+        self,
+        ks: tuple[int, ...],
+        step_time: Callable[[int, int], float | None],  # (K, batch size) -> seconds (None: unknown)
+        ema: float = 0.1,  # weight of one step's observation
+        margin: float = 0.03,  # a new K must beat the current one by this fraction
+        probe: int = 32,
+        max_probe: int = 1024,
+        probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
+        initial_rate: float = 0.7,
+    ):
+        if not ks or list(ks) != sorted(set(ks)):
+            raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
+        self.ks, self.k_max = tuple(ks), ks[-1]
+        self.step_time = step_time
+        self.ema, self.margin = ema, margin
+        self.rates = [initial_rate] * self.k_max  # conditional acceptance per draft position
+        self.current = self.k_max
+        self.probe, self.min_probe, self.max_probe, self.probe_budget = probe, probe, max_probe, probe_budget
+        self.steps_at_zero = 0
+        self._probe_left = 0
+        self.histogram: Counter = Counter()  # K chosen -> steps
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
+        total, p = 1.0, 1.0
+        for a in self.rates[:k]:
+            p *= a
+            total += p
+        return total
+
+    def throughput(self, k: int, batch: int) -> float | None:
+        t = self.step_time(k, batch)
+        return None if not t else self.expected_tokens(k) / t
+
+    def choose(self, batch: int) -> int:
+        """K for the next decode step of `batch` requests (counted in the histogram)."""
+        if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
+            self._probe_left -= 1
+            return self._count(self.ks[1])
+        k = self._best(batch)
+        if k == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero > self._probe_interval(batch):  # then two steps at the smallest K > 0
+                self.steps_at_zero = 0
+                self.probe = min(2 * self.probe, self.max_probe)
+                self._probe_left = 1
+                return self._count(self.ks[1])  # current stays 0
+        else:
+            self.steps_at_zero = 0
+            self.probe = self.min_probe
+        self.current = k
+        return self._count(k)
+
+    def _probe_interval(self, batch: int) -> int:
+        """Steps at K = 0 before the next probe: `probe` (doubled after each probe), and at least as many as keep the
+        probe's cost (two steps at the smallest K > 0 instead of K = 0, and about one more for a draft model's
+        catch-up) within `probe_budget` of the time at K = 0."""
+        t0, t1 = self.step_time(0, batch), self.step_time(self.ks[1], batch)
+        if not t0 or not t1:
+            return self.probe
+        return max(self.probe, math.ceil((3 * t1 - 2 * t0) / (self.probe_budget * t0)))
+
+    def _count(self, k: int) -> int:
+        self.histogram[k] += 1
+        return k
+
+    def _best(self, batch: int) -> int:
+        scores = {k: self.throughput(k, batch) for k in self.ks}
+        if any(s is None for s in scores.values()):  # no time for this batch: K_max, as "fixed"
+            return self.k_max
+        best = max(self.ks, key=lambda k: (scores[k], k))
+        cur = self.current if self.current in scores else self.k_max
+        return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
+        requests that reached it (accepted >= i) that accepted it (accepted > i)."""
+        if not k or not accepted:
+            return
+        for i in range(k):
+            reached = sum(1 for a in accepted if a >= i)
+            if not reached:
+                break
+            got = sum(1 for a in accepted if a > i)
+            self.rates[i] += self.ema * (got / reached - self.rates[i])
+        for i in range(k, self.k_max):  # positions this K does not reach drift toward its last one's rate
+            self.rates[i] += self.ema * (self.rates[k - 1] - self.rates[i])
+
+    def stats(self) -> dict:
+        return {
+            "choices": list(self.ks),
+            "histogram": {k: self.histogram.get(k, 0) for k in self.ks},
+            "acceptance_rates": [round(a, 4) for a in self.rates],
+        }
+
+    def reset_stats(self) -> None:
+        self.histogram.clear()
+
+
+class StepTimes:
+    """Seconds of a decode step per (K, padded request count), the controller's `step_time`: measured at warm-up on
+    the captured one-graph steps (runtime/warmup.py fills `measured`) and moved toward the step times observed in
+    steady decoding (`calibrate`); without measurements (no CUDA graphs), estimated from the bytes a step reads (the
+    target's weights once, the drafter's once per draft), in units of the target's bytes, whatever the batch."""
+
+    def __init__(self, full_sizes: tuple[int, ...], target, drafter):
+        self.sizes = tuple(sorted(full_sizes))
+        self.measured: dict[tuple[int, int], float] = {}
+        t = param_bytes(target)
+        self.t_target, self.t_draft = t, param_bytes(drafter) or t // 50  # (the n-gram drafter: its lookup)
+
+    def bucket(self, batch: int) -> int | None:
+        """The padded request count of a uniform batch (FULL sizes), None past them."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def __call__(self, k: int, batch: int) -> float | None:
+        if not self.measured:
+            return (self.t_target + k * self.t_draft) / max(self.t_target, 1)
+        b = self.bucket(batch)
+        return self.measured.get((k, b)) if b is not None else None
+
+    def calibrate(self, k: int, batch: int, seconds: float, weight: float = 0.2) -> None:
+        """One steady step's time at K for `batch` requests: the measured entry moves toward it (the warm-up times
+        steps on padding rows, which read no KV, so the larger K look cheaper there than they are)."""
+        key = (k, self.bucket(batch))
+        if key in self.measured:
+            self.measured[key] += weight * (seconds - self.measured[key])
+
+
+def param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0

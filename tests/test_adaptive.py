@@ -1,0 +1,221 @@
+"""Adaptive speculation (CompileConfig.speculation="adaptive", runtime/adaptive.py): each decode step picks K from
+{0, ceil(K/2), K} by a cost model against running per-position acceptance.
+
+- The controller alone: the expected-tokens formula, K_max under high acceptance, 0 once acceptance falls to ~0,
+  probes back (two steps) with a doubling interval, and a switch margin.
+- Engines (tiny Llama, CPU; FULL_AND_PIECEWISE runs the one-graph step's code without graphs, overlapped): greedy
+  tokens equal transformers' with adaptive on for a draft model and EAGLE; K follows pinned acceptance
+  (synthetic_acceptance 1 -> K_max, 0 -> K = 0); a forced K cycle 0 / ceil(K/2) / K with a draft model equal to the
+  target accepts every real draft (its KV caught up on the positions K = 0 skipped; prefix-cache hits never hold
+  stale entries of them), and the steady steps calibrate the step-time table;
+  sampled requests keep the target's distribution under a forced K cycle (chi-square, tests/test_sampling.py's).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import draftgraph as dg
+from draftgraph.models.causal_lm import CausalLM
+from draftgraph.models.drafters import truncated_draft_model
+from draftgraph.runtime.adaptive import AdaptiveK
+from tests.copy_drafters import make_drafter
+from tests.helpers import hf_greedy, tiny_hf_model
+from tests.test_sampling import chi_p
+
+K = 3
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def target(hf):
+    return CausalLM.from_hf(hf)
+
+
+def config(mode="NONE", **kw):
+    return dg.CompileConfig(mode=mode, num_speculative_tokens=K, max_num_seqs=8, max_num_batched_tokens=64,
+                            compile_backend="eager", progress=False, speculation="adaptive", **kw)  # fmt: skip
+
+
+def workload(n=8):
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(3, 20, (n,), generator=g)
+    prompts = [torch.randint(0, VOCAB, (int(m),), generator=g).tolist() for m in lens]
+    lengths = [12 + (7 * i) % 29 for i in range(n)]
+    arrivals = [0] * (n // 2) + [10 + 6 * i for i in range(n - n // 2)]  # a batch, then late joiners
+    params = [dg.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
+    return prompts, params, arrivals
+
+
+@pytest.fixture(scope="module")
+def want(hf):
+    prompts, params, _ = workload()
+    return hf_greedy(hf, prompts, [p.max_tokens for p in params])
+
+
+# ---- the controller -------------------------------------------------------------------------------
+
+
+def test_controller_follows_acceptance_and_probes_back():
+    ctl = AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k, probe=4, max_probe=16, probe_budget=1.0)
+    ctl.rates = [0.5, 0.5, 0.5, 0.5]
+    assert ctl.expected_tokens(0) == 1.0 and ctl.expected_tokens(2) == 1.75 and ctl.expected_tokens(4) == 1.9375
+    for _ in range(50):  # every draft accepted: 5 tokens in 2 time units beats 1 in 1
+        k = ctl.choose(8)
+        ctl.observe(k, [k] * 8)
+    assert ctl.current == 4 and min(ctl.rates) > 0.99
+    chosen = []
+    for _ in range(200):  # nothing accepted: down to K = 0, two-step probes at K = 2 every 4, 8, 16, 16 steps
+        k = ctl.choose(8)
+        chosen.append(k)
+        ctl.observe(k, [0] * 8)
+    assert ctl.current == 0 and ctl.rates[0] < 0.05  # (later positions are never reached: unobserved)
+    zero_from = chosen.index(0)
+    assert set(chosen[:zero_from]) <= {4, 2}
+    runs = [len(list(g)) for z, g in itertools.groupby(chosen[zero_from:]) if z == 0]
+    probes = [(z, len(list(g))) for z, g in itertools.groupby(chosen[zero_from:]) if z != 0]
+    assert probes and all(p == (2, 2) for p in probes)  # each probe: two steps at the smallest K > 0
+    assert runs[1:4] == [8, 16, 16]  # the interval doubles up to max_probe
+    assert ctl.stats()["histogram"][0] == chosen.count(0)
+    # by default probes cost at most 1 % of the time at K = 0: (3 x 1.5 - 2 x 1) / (0.01 x 1) = 250 steps apart
+    assert AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k)._probe_interval(8) == 250
+
+
+def test_controller_margin_and_unknown_times():
+    times = {0: 1.0, 2: 1.5, 4: 2.0}
+    ctl = AdaptiveK((0, 2, 4), lambda k, b: times[k] if b <= 8 else None, margin=0.05)
+    ctl.rates = [0.25, 0.0, 0.0, 0.0]  # K=2: 1.25 tokens / 1.5 < K=0's 1 / 1; K=4 below both
+    assert ctl.choose(8) == 0
+    ctl.rates = [0.52, 0.0, 0.0, 0.0]  # K=2: 1.013 tokens/unit: not 5 % better than K=0's 1.0
+    assert ctl.choose(8) == 0
+    ctl.rates = [0.6, 0.0, 0.0, 0.0]  # 1.067: better by more than the margin
+    assert ctl.choose(8) == 2
+    assert ctl.choose(64) == 4  # no measured time for this batch: the largest K, as "fixed"
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"speculation='dynamic' is unknown; choose one of \['fixed', 'adaptive'\]"):
+        dg.CompileConfig(speculation="dynamic")
+    from draftgraph.compiler.config import resolve
+
+    cfg = dg.CompileConfig(speculation="adaptive", tensor_parallel_size=2, max_num_seqs=4)
+    with pytest.raises(ValueError, match="speculation='fixed' there"):
+        resolve(cfg, 128, has_drafter=True)
+    assert resolve(dg.CompileConfig(speculation="adaptive"), 128, has_drafter=True).speculation_ks == (0, 2, 3)
+    assert resolve(dg.CompileConfig(speculation="adaptive"), 128, has_drafter=False).speculation_ks == ()
+
+
+# ---- engines ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("kind", ["draft_model", "eagle", "ngram"])
+def test_greedy_tokens_equal_transformers(target, want, mode, kind):
+    drafter = truncated_draft_model(target, 1) if kind == "draft_model" else make_drafter(kind, target)
+    eng = dg.compile_model(target, drafter, config(mode))
+    got = [o.token_ids for o in eng.generate(*workload())]
+    assert got == want
+    s = eng.stats()
+    spec = s["speculation"]
+    assert spec["mode"] == "adaptive" and sum(spec["histogram"].values()) == s["steps"]
+    # a drafter reading the target's hidden states never skips a step (it could not catch up): no K = 0; the n-gram
+    # drafter keeps no KV, a draft model catches up
+    assert spec["choices"] == ([2, 3] if kind == "eagle" else [0, 2, 3])
+    if mode == "FULL_AND_PIECEWISE":
+        assert s["overlapped_steps"] > 0 and s["fallbacks"] > 0  # the one-graph step's code, overlapped (no graphs)
+
+
+@pytest.mark.parametrize("rates,most", [((1.0, 1.0, 1.0), 3), ((0.0, 0.0, 0.0), 0)])
+def test_chosen_k_follows_acceptance(target, rates, most):
+    eng = dg.compile_model(target, truncated_draft_model(target, 1), config(synthetic_acceptance=rates))
+    eng.generate(*workload())
+    spec = eng.stats()["speculation"]
+    hist = spec["histogram"]
+    assert max(hist, key=hist.get) == most, hist
+    if most == 0:  # acceptance ~0: down through K = 2 to K = 0, where late joiners' prompt steps run too (no drafter)
+        assert hist[2] >= 2 and hist[3] < 8 and spec["acceptance_rates"][0] < 0.5  # (from 0.7)
+    else:
+        assert hist[0] == 0 and spec["acceptance_rates"][0] > 0.9
+
+
+def forced(monkeypatch, eng, cycle):
+    """The engine's controller answers `cycle` in turn (the choice is the controller's alone; this drives every
+    transition), and its observations are recorded."""
+    seen, ks = [], itertools.cycle(cycle)
+    observe, ctl = eng.adaptive.observe, eng.adaptive
+
+    def choose(batch):
+        ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
+        return ctl.current
+
+    monkeypatch.setattr(eng.adaptive, "choose", choose)
+    monkeypatch.setattr(eng.adaptive, "observe", lambda k, acc: (seen.append((k, list(acc))), observe(k, acc)))
+    return seen
+
+
+def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch):
+    """A draft model equal to the target accepts every draft it proposed after a step at its K, also after K = 0
+    steps skipped it (decodes, and late joiners' prompts): the positions they skipped were fed to it before its next
+    step."""
+    eng = dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), config("FULL_AND_PIECEWISE"))
+    seen = forced(monkeypatch, eng, [0] * 12 + [3, 3, 2, 2])  # K = 0 runs longer than the drafts reach
+    # As if measured at warm-up (CUDA graphs): steady overlapped steps move each time toward the observed one
+    sizes = eng.config.full_capture_sizes
+    eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
+    got = [o.token_ids for o in eng.generate(*workload())]
+    assert got == want
+    moved = {k for (k, b), t in eng.step_times.measured.items() if t < 0.9}
+    assert moved == {0, 2, 3} and min(eng.step_times.measured.values()) > 0
+    real = [(k, a) for k, acc in seen if k for a in acc]
+    assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
+    s = eng.stats()["speculation"]
+    assert all(s["histogram"][k] > 2 for k in (0, 2, 3)) and s["catch_up_tokens"] > 0
+    # Prompts that extend the first call's: their cached blocks hold the draft model's KV too, never stale entries of
+    # positions it skipped (blocks past a request's `draft_lag` are not registered)
+    prompts = [p + o for p, o in zip(workload()[0], got)]
+    params = [dg.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * len(prompts)
+    seen.clear()
+    again = [o.token_ids for o in eng.generate(prompts, params)]
+    assert eng.stats()["prefix_cache"]["hit_tokens"] > 0
+    assert again == hf_greedy(hf, prompts, 10)
+    real = [(k, a) for k, acc in seen if k for a in acc]
+    assert real and all(a == k for k, a in real)
+
+
+def test_sampled_requests_stay_lossless(monkeypatch):
+    """Tokens 2 and 3 of 8000 seeded requests (K = 2: choices 0, 1, 2 forced in turn, so verify steps truncate,
+    pad with one-hot q after K = 0, and skip the drafter) match the exact marginals; a marginal shifted by 2 % is
+    rejected (tests/test_sampling.py's check)."""
+    vocab = 16
+    hf = tiny_hf_model("llama", vocab_size=vocab)
+    target = CausalLM.from_hf(hf)
+    prompt, n = [3, 1, 4, 1, 5], 8000
+    cfg = dg.CompileConfig(num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=2048,
+                           speculation="adaptive")  # fmt: skip
+    eng = dg.compile_model(target, truncated_draft_model(target, 1), cfg)
+    forced(monkeypatch, eng, [0, 1, 2, 2, 1])
+    params = [dg.SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+    samples = torch.tensor([o.token_ids for o in eng.generate([prompt] * n, params)])  # [n, 3]
+    hist = eng.stats()["speculation"]["histogram"]
+    assert all(hist[k] > 0 for k in (0, 1, 2)), hist
+    with torch.no_grad():  # exact marginals of tokens 2 and 3 by enumerating tokens 1 and 2
+        ctx = torch.tensor([prompt + list(t) for t in itertools.product(range(vocab), repeat=2)])
+        probs = hf(ctx).logits.double().softmax(-1)  # [V*V, 7, V]
+        p1 = probs[0, len(prompt) - 1]
+        p2_given_1 = probs[::vocab, len(prompt)]
+        p3_given_12 = probs[:, len(prompt) + 1].view(vocab, vocab, vocab)
+    marg2 = p1 @ p2_given_1
+    marg3 = torch.einsum("a,ab,abc->c", p1, p2_given_1, p3_given_12)
+    for col, marg in ((1, marg2), (2, marg3)):
+        counts = torch.bincount(samples[:, col], minlength=vocab)
+        assert chi_p(counts, marg) > 1e-3
+        shifted = marg.clone()
+        shifted[marg.argmax()] -= 0.02
+        shifted[marg.argmin()] += 0.02
+        assert chi_p(counts, shifted) < 1e-3
