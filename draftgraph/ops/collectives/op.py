@@ -12,9 +12,10 @@ Both run the collective on a fresh copy of the input on the current stream's dev
 back to the host and allocate only by shape, so they sit inside torch.compile'd code as one opaque node
 (they are not splitting ops: a piece keeps them) and inside CUDA graphs with NCCL (c10d enqueues NCCL
 collectives on a side stream joined to the capturing stream by events; no host wait without
-TORCH_NCCL_BLOCKING_WAIT). Gloo runs them on the CPU for the tests. The empty group name means one process:
-the ops return a copy and touch no torch.distributed. Registering the two ops is this module's one
-import-time action.
+TORCH_NCCL_BLOCKING_WAIT). On CUDA, a group set up for peer memory (peer.py) sums the small messages its
+measured rule takes with torch symmetric memory's one-shot / two-shot kernels instead, NCCL the rest. Gloo runs
+them on the CPU for the tests. The empty group name means one process: the ops return a copy and touch no
+torch.distributed. Registering the two ops is this module's one import-time action.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.registry import custom_op
 
 _GROUPS: dict[str, Any] = {}
@@ -103,6 +105,10 @@ class ParallelGroup:
 @custom_op("draftgraph::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of x over the ranks of the group registered as `group_name` ("" = one process: a copy)."""
+    if group_name and (peer := peer_for(group_name)) is not None:
+        out = peer.all_reduce(x)  # peer memory for the messages its measured rule takes (peer.py)
+        if out is not None:
+            return out
     out = x.contiguous().clone()
     if group_name:
         import torch.distributed as dist
