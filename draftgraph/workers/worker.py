@@ -21,7 +21,7 @@ from draftgraph.build.engine import build_engine
 from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup, register_group
-from draftgraph.ops.collectives.peer import PeerAllReduce, register_peer
+from draftgraph.ops.collectives.peer import PeerAllReduce, peer_for, register_peer
 from draftgraph.workers.sources import open_sources
 
 
@@ -110,8 +110,11 @@ def _generate(engine, prompts, sampling, arrival_steps):
 
 
 def _stats(engine) -> dict:
+    """The rank's engine stats, its dummy steps (lock-step) and, where its tensor-parallel group sums small
+    messages over peer memory, the all-reduces by kernel (eager calls and captures; replays run no Python)."""
     dummy = engine.lockstep.dummy_steps if engine.lockstep is not None else 0
-    return {**engine.stats(), "dummy_steps": dummy}
+    peer = peer_for(engine.target.tp.group_name) if not engine.target.tp.is_single else None
+    return {**engine.stats(), "dummy_steps": dummy, "peer_all_reduce": dict(peer.calls) if peer else None}
 
 
 def _reset_stats(engine) -> None:
