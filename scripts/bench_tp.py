@@ -136,8 +136,9 @@ def floor_bytes(key: str, k: int, b: int, ctx: int, tp: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
-def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20) -> float:
-    """GPU time of collective kernels per step (profiler), B requests at ctx cached tokens."""
+def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20, show: bool = False) -> float:
+    """GPU time of collective kernels per step (profiler), B requests at ctx cached tokens; `show`: print where
+    the GPU time goes (busy vs span, top kernels)."""
     from draftgraph.runtime.profiling import profile_steps
 
     g = torch.Generator().manual_seed(1000 + b)
@@ -153,6 +154,8 @@ def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20)
         engine.step()
     if not summary.cuda:
         return float("nan")
+    if show:
+        say(summary.format_time(12))
     us = sum(t for name, t in summary.kernel_us.items() if any(c in name.lower() for c in COLLECTIVE_NAMES))
     return us / max(summary.steps, 1)
 
@@ -255,6 +258,7 @@ def main():
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="batch sizes whose profiled steps are printed (top kernels)")
     args = ap.parse_args()
     rank, world, local = rank_env()
     cuda = torch.cuda.is_available()
@@ -290,6 +294,7 @@ def main():
     say(hdr + "\n" + "-" * len(hdr))
     rows = []
     vocab = model_shape(key)["vocab_size"]
+    profile_sizes = {int(b) for b in args.profile.split(",") if b}
     variants = args.all_reduce.split(",") if world > 1 else ["nccl"]
     shared = dg.shared_compile_workers() if cuda else contextlib.nullcontext()
     with shared:
@@ -302,7 +307,7 @@ def main():
                 say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")
                 for b in sizes:
                     m = measure(inner, b, k, args.context, args.warm, args.steps, vocab)
-                    coll = collective_us(inner, k, args.context, b, vocab)
+                    coll = collective_us(inner, k, args.context, b, vocab, show=b in profile_sizes)
                     floor = floor_bytes(key, k, b, args.context, world) / bw * 1e3 if bw else float("nan")
                     row = dict(model=key, case=case, tp=world, all_reduce=ar, batch=b, length=m["length"],
                                step_ms=m["step_ms"], floor_ms=floor, coll_us=coll,
