@@ -96,3 +96,26 @@ def test_op_falls_back_to_the_group_collective_when_the_peer_declines(tmp_path):
         unregister_group("peer-test")
         dist.destroy_process_group()
     assert peer_for("peer-test") is None
+
+
+def test_collective_fakes_shape_by_registered_sizes_alone():
+    """A compile worker has no process group: the engine's group sizes travel with each job, and the collectives'
+    fakes shape their outputs by them (compiler/pool/compile_worker.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import draftgraph.ops.collectives.rows  # noqa: F401  (registers the row collectives)
+    from draftgraph.ops.collectives.op import group_size, register_group_sizes, unregister_group
+
+    register_group_sizes({"sizes-only": 2})
+    try:
+        assert group_size("sizes-only") == 2 and group_size("") == 1
+        with FakeTensorMode():
+            x = torch.empty(3, 4)
+            assert torch.ops.draftgraph.all_gather_last(x, "sizes-only").shape == (3, 8)
+            assert torch.ops.draftgraph.all_gather_rows(x, "sizes-only").shape == (6, 4)
+            assert torch.ops.draftgraph.reduce_scatter_rows(torch.empty(6, 4), "sizes-only").shape == (3, 4)
+            assert torch.ops.draftgraph.all_reduce(x, "sizes-only").shape == (3, 4)
+    finally:
+        unregister_group("sizes-only")
+    with pytest.raises(KeyError, match="no process group registered as 'sizes-only'"):
+        group_size("sizes-only")

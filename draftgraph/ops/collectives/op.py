@@ -29,6 +29,9 @@ from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.registry import custom_op
 
 _GROUPS: dict[str, Any] = {}
+# group name -> size: what the ops' fakes need to shape their outputs, also where no process group exists (a
+# compile worker compiling a piece for the engine's process: compiler/pool/ sends these with each job).
+_SIZES: dict[str, int] = {}
 
 
 def register_group(name: str, group: Any) -> None:
@@ -36,10 +39,23 @@ def register_group(name: str, group: Any) -> None:
     if not name:
         raise ValueError('group name "" means no parallelism; register the process group under a non-empty name')
     _GROUPS[name] = group
+    _SIZES[name] = group.size()
 
 
 def unregister_group(name: str) -> None:
     _GROUPS.pop(name, None)
+    _SIZES.pop(name, None)
+
+
+def group_sizes() -> dict[str, int]:
+    """Every registered group's size by name (for compile workers: `register_group_sizes`)."""
+    return dict(_SIZES)
+
+
+def register_group_sizes(sizes: dict[str, int]) -> None:
+    """Group sizes without their process groups, so the ops' fakes can shape outputs in a process that runs no
+    collective (a compile worker); calling an op there still needs the group."""
+    _SIZES.update(sizes)
 
 
 def get_group(name: str) -> Any:
@@ -54,7 +70,9 @@ def get_group(name: str) -> Any:
 
 
 def group_size(name: str) -> int:
-    return 1 if not name else get_group(name).size()
+    if not name:
+        return 1
+    return _SIZES[name] if name in _SIZES else get_group(name).size()
 
 
 @dataclass(frozen=True)
