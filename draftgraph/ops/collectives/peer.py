@@ -135,10 +135,23 @@ class PeerAllReduce:
                         group.size(), why)  # fmt: skip
             return None
         rule = rules[group.size()]
-        if symm_mem.get_backend(torch.device("cuda", device)) not in (None, "CUDA"):
-            log.info("symmetric memory backend %s", symm_mem.get_backend(torch.device("cuda", device)))
-        buffer = symm_mem.empty(rule.buffer_bytes, dtype=torch.uint8, device=torch.device("cuda", device))
-        symm_mem.rendezvous(buffer, group.group_name)
+        cuda = torch.device("cuda", device)
+        try:  # this rank's share of the symmetric buffer (the driver's virtual-memory and IPC calls)
+            buffer, error = symm_mem.empty(rule.buffer_bytes, dtype=torch.uint8, device=cuda), ""
+        except Exception as e:  # noqa: BLE001 - refused below on every rank alike, named
+            buffer, error = None, f"{type(e).__name__}: {e}"
+        errors: list = [None] * group.size()
+        dist.all_gather_object(errors, error, group=group)  # every rank decides alike before the rendezvous
+        failed = {r: e for r, e in enumerate(errors) if e}
+        if not failed:
+            try:  # collective: every rank gets here, so a failure is every rank's
+                symm_mem.rendezvous(buffer, group.group_name)
+            except Exception as e:  # noqa: BLE001 - refused below, named
+                failed = {rank: f"rendezvous: {type(e).__name__}: {e}"}
+        if failed:
+            log.warning("all-reduce over %d ranks: peer memory refused (symmetric memory failed on rank(s) %s); "
+                        "every all-reduce uses NCCL", group.size(), failed)  # fmt: skip
+            return None
         log.info(
             "all-reduce over %d ranks: peer memory (torch symmetric memory) one-shot up to %d KiB, two-shot up to "
             "%d KiB, NCCL above (%s)", group.size(), rule.one_shot_max_bytes // 1024,
