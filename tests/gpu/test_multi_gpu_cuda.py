@@ -6,7 +6,8 @@ default: ops/collectives/peer.py) and each rank counts its one-shot all-reduces.
 Cases: Llama-3 at TP 2 with a draft model split (draft TP 2) and replicated (draft TP 1); data parallel 2 with an
 uneven request count; EAGLE-3 over a TP 2 target (draft TP 2 and 1); DeepSeek-V3 with its MTP head at TP 2 with
 expert parallelism; DeepSeek-V3 at DP 2 with expert parallelism and an uneven request count (the idle replica's
-dummy steps counted, no hang); Qwen3.5-MoE at TP 2 with expert parallelism; a rank killed mid-run makes the
+dummy steps counted, no hang); Qwen3.5-MoE at TP 2 with expert parallelism; DeepSeek-V3.2 + MTP (draft TP 2) and
+Qwen3.5 + MTP (draft TP 2 and 1) over TP 2; a rank killed mid-run makes the
 driver raise naming it, and the other rank exit, each within KILL_S (a reporting bound on a hang, not a speed
 check). Engines that several tests use are module fixtures. Skipped, with the reason, below two GPUs."""
 
@@ -33,7 +34,7 @@ SPEC = BuiltinSpec(vocab_size=256, hidden_size=128, intermediate_size=256, num_l
                    num_kv_heads=2, head_dim=32, draft_layers=1)  # fmt: skip
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 9], [200, 5]]
 PARAMS = dg.SamplingParams(max_tokens=24, ignore_eos=True)
-DS_PROMPTS = [[t % 90 for t in p] for p in PROMPTS]  # the tiny DeepSeek-V3's vocabulary has 96 tokens
+SMALL_PROMPTS = [[t % 90 for t in p] for p in PROMPTS]  # the tiny DeepSeek and Qwen3.5 models have 96 tokens
 KILL_S = 30  # a killed rank is seen by its process sentinel at once: this long means the survivors hung
 
 
@@ -136,14 +137,14 @@ def deepseek_one(deepseek_dir):  # noqa: F811
     """The one-GPU engine's tokens for the tiny DeepSeek-V3 with its MTP head (tests/test_data_parallel.py)."""
     path, _ = deepseek_dir
     with dg.compile_model(path, path, config()) as eng:
-        return tokens(eng, DS_PROMPTS), eng.stats()["accepted_tokens"]
+        return tokens(eng, SMALL_PROMPTS), eng.stats()["accepted_tokens"]
 
 
 def test_deepseek_v3_mtp_tp2_expert_parallel_equals_one_gpu(deepseek_dir, deepseek_one):  # noqa: F811
     path, (want, accepted) = deepseek_dir[0], deepseek_one
     with dg.compile_model(path, path, config(tensor_parallel_size=2, expert_parallel=True)) as eng:
         assert "experts 0-3 of 8 in each of 2 MoE layers on rank 0 of 2 (tp 2 x dp 1)" in eng.warm_up_report
-        assert tokens(eng, DS_PROMPTS) == want
+        assert tokens(eng, SMALL_PROMPTS) == want
         every = check_ranks(eng, 2)
     assert accepted > 0 and every[0]["accepted_tokens"] == accepted
 
@@ -156,7 +157,7 @@ def test_deepseek_dp2_expert_parallel_uneven_requests(deepseek_dir, deepseek_one
     lengths = [24, 4, 4]
     params = [dg.SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     with dg.compile_model(path, path, config(data_parallel_size=2, expert_parallel=True)) as eng:
-        outs = eng.generate(DS_PROMPTS[:3], params)
+        outs = eng.generate(SMALL_PROMPTS[:3], params)
         assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, lengths)]
         assert [o.request_id for o in outs] == [0, 1, 2]
         check_ranks(eng, 1, one_graph=False)  # an idle replica's dummy steps are not the one-graph step
@@ -170,11 +171,48 @@ def test_qwen3_5_moe_tp2_expert_parallel_equals_one_gpu(tmp_path):
 
     tiny_qwen3_5(moe=True).save_pretrained(tmp_path)
     with dg.compile_model(str(tmp_path), None, config()) as eng:
-        want = tokens(eng)
+        want = tokens(eng, SMALL_PROMPTS)
     with dg.compile_model(str(tmp_path), None, config(tensor_parallel_size=2, expert_parallel=True)) as eng:
         assert "experts 0-1 of 4 in each of 4 MoE layers on rank 0 of 2 (tp 2 x dp 1)" in eng.warm_up_report
-        assert tokens(eng) == want
+        assert tokens(eng, SMALL_PROMPTS) == want
         check_ranks(eng, 2)
+
+
+# ------------------------------------------------------------------------------------- MTP heads over a TP 2 target
+def _head_over_tp2(target_dir: str, head, prompts, draft_tps=(2, 1)) -> None:
+    """`head` (a module of upstream-named MTP weights) over the target at TP 2, split (draft TP 2) and replicated
+    (draft TP 1): tokens and accepted drafts equal the one-GPU engine's."""
+    with dg.compile_model(target_dir, head, config(drafter_kind="mtp")) as eng:
+        want, accepted = tokens(eng, prompts), eng.stats()["accepted_tokens"]
+    for draft_tp in draft_tps:
+        cfg = config(drafter_kind="mtp", tensor_parallel_size=2, draft_tensor_parallel_size=draft_tp)
+        with dg.compile_model(target_dir, head, cfg) as eng:
+            assert tokens(eng, prompts) == want, draft_tp
+            every = check_ranks(eng, 2)
+        assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == accepted, draft_tp
+
+
+def test_deepseek_v32_mtp_over_tp2_equals_one_gpu(tmp_path):
+    """DeepSeek-V3.2 (sparse MLA + indexer) with an MTP layer that mostly repeats the target (test_tp_deepseek's)."""
+    from tests.test_deepseek_v32 import tiny_v32_model
+    from tests.test_tp_deepseek import mtp_weights
+
+    hf = tiny_v32_model()
+    hf.save_pretrained(tmp_path)
+    head = module_from_state_dict(mtp_weights(CausalLM.from_hf(hf)))
+    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS, draft_tps=(2,))
+
+
+def test_qwen3_5_mtp_over_tp2_equals_one_gpu(tmp_path):
+    """Qwen3.5 (Gated DeltaNet + gated attention) with its MTP head (random `mtp.*` weights), draft TP 2 and 1."""
+    from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    hf = tiny_qwen3_5()
+    hf.save_pretrained(tmp_path)
+    cfg = CausalLM.from_hf(hf).cfg
+    head = module_from_state_dict(random_mtp_weights(cfg, torch.Generator().manual_seed(3)))
+    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS)
 
 
 # ------------------------------------------------------------------------------------------------------- a dead rank
