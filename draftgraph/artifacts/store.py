@@ -93,9 +93,10 @@ def config_fields(rc) -> dict[str, str]:
     """The resolved config minus what compiled code does not depend on (KV size, seed, graphs on/off, adaptive K's
     choices: views over the same compiled functions); the kernel choices one entry each (`ops.gemv`), so a mismatch
     names the choice."""
+    # all_reduce: the graphs hold the same opaque op either way; its kernel is chosen when it runs
     skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason",
             "compile_workers", "overlap_steps", "kv_grow_in_place", "ops", "prefix_caching",
-            "speculation_ks"}  # fmt: skip
+            "speculation_ks", "all_reduce"}  # fmt: skip
     out = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
     out.update({f"ops.{k}": str(v) for k, v in rc.ops.fields().items()})
     return out

@@ -56,6 +56,7 @@ def _config(args, **over):
         draft_tensor_parallel_size=getattr(args, "draft_tp", None),
         data_parallel_size=getattr(args, "dp", 1),
         expert_parallel=getattr(args, "expert_parallel", False),
+        all_reduce=getattr(args, "all_reduce", "auto"),
     )
     fields.update(over)
     config = dg.CompileConfig(**fields)

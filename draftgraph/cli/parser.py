@@ -193,6 +193,13 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
         help="split a MoE target's experts whole across all --tp x --dp ranks (replicas then step together; "
         "needs --tp x --dp >= 2)",
     )
+    p.add_argument(
+        "--all-reduce",
+        choices=("auto", "nccl"),
+        default="auto",
+        help="tensor-parallel all-reduces on CUDA: auto = small messages over peer memory (torch symmetric memory, "
+        "by a measured rule) where the GPUs reach each other's memory, NCCL otherwise; nccl = NCCL always",
+    )
 
 
 class _Version(argparse.Action):

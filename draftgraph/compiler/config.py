@@ -51,6 +51,7 @@ FOLDED_MODES = {
 _said = {"graphs_off": False}
 SPECULATION = ("fixed", "adaptive")  # CompileConfig.speculation
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ALL_REDUCE_CHOICES = ("auto", "nccl")
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,10 @@ class CompileConfig:
     # with several replicas they then step together); the router stays replicated, the drafter, attention and
     # the shared experts as without it. Needs tp x dp >= 2 (models/parallel/experts.py).
     expert_parallel: bool = False
+    # How tensor-parallel all-reduces run on CUDA: "auto" = small messages over peer memory (torch symmetric
+    # memory's one-shot / two-shot kernels, by the measured rule in ops/collectives/peer.py) where every rank of
+    # the group reaches its peers' memory, NCCL for the rest and elsewhere; "nccl" = NCCL for every all-reduce.
+    all_reduce: str = "auto"
     # Compilation (modes other than NONE)
     capture_sizes: tuple[int, ...] = ()  # PIECEWISE: padded token counts with piece graphs; () = auto
     # Token counts that get an Inductor compile of their own (specialised to the size) beside the one
@@ -221,6 +226,11 @@ class CompileConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = auto)")
         check_parallel(self.tensor_parallel_size, self.draft_tensor_parallel_size)
         check_data_parallel(self.data_parallel_size, self.tensor_parallel_size, self.expert_parallel)
+        if self.all_reduce not in ALL_REDUCE_CHOICES:
+            raise ValueError(
+                f'all_reduce={self.all_reduce!r} is unknown; choose one of {list(ALL_REDUCE_CHOICES)} ("auto": peer '
+                "memory for small messages where the GPUs reach each other, NCCL otherwise)"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two (1, 2, 4, 8, 16, ...); e.g. 16")
 
@@ -255,6 +265,7 @@ class ResolvedConfig:
     draft_tensor_parallel_size: int = 1  # the target's or 1
     data_parallel_size: int = 1
     expert_parallel: bool = False
+    all_reduce: str = "auto"  # "auto" (peer memory where the group allows, ops/collectives/peer.py) | "nccl"
     compile_workers: int = 0  # processes compiling pieces in parallel (0: in this process)
     ops: OpChoices = DEFAULT_OPS  # the kernels models and runtime use on CUDA (recorded in artifacts)
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
@@ -382,6 +393,7 @@ def resolve(
         draft_tensor_parallel_size=config.draft_tensor_parallel_size or config.tensor_parallel_size,
         data_parallel_size=config.data_parallel_size,
         expert_parallel=config.expert_parallel,
+        all_reduce=config.all_reduce,
         compile_workers=_compile_workers(config, mode, device),
         ops=config.ops or DEFAULT_OPS,
         kv_grow_in_place=config.kv_grow_in_place,

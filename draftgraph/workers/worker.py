@@ -21,6 +21,7 @@ from draftgraph.build.engine import build_engine
 from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup, register_group
+from draftgraph.ops.collectives.peer import PeerAllReduce, peer_for, register_peer
 from draftgraph.workers.sources import open_sources
 
 
@@ -48,17 +49,24 @@ class RankGroups:
 
 
 def make_groups(rank: int, world_size: int, config: CompileConfig) -> RankGroups:
-    """Create (every rank, every group, in one order, as torch.distributed requires) and register the groups."""
+    """Create (every rank, every group, in one order, as torch.distributed requires) and register the groups; on
+    CUDA with all_reduce "auto", set the tensor-parallel group up for peer-memory all-reduces where its ranks
+    reach each other's memory (ops/collectives/peer.py; refused with a logged reason otherwise: NCCL)."""
     import torch.distributed as dist
 
     tp_size = config.tensor_parallel_size
     tp = replicas = ParallelGroup.single()
+    tp_group = None
     for first in range(0, world_size, tp_size):  # replica first // tp_size
         ranks = list(range(first, first + tp_size))
         group = dist.new_group(ranks) if tp_size > 1 else None
         if group is not None and rank in ranks:
             register_group(group.group_name, group)  # what the collective ops find by name
-            tp = ParallelGroup(rank - first, tp_size, group.group_name)
+            tp, tp_group = ParallelGroup(rank - first, tp_size, group.group_name), group
+    if tp_group is not None and config.all_reduce == "auto" and _on_cuda(config):
+        peer = PeerAllReduce.setup(tp_group, tp.rank, torch.cuda.current_device())  # collective over the group
+        if peer is not None:
+            register_peer(tp.group_name, peer)
     if not config.expert_parallel:
         return RankGroups(tp)
     dp = world_size // tp_size
@@ -74,6 +82,10 @@ def make_groups(rank: int, world_size: int, config: CompileConfig) -> RankGroups
         register_group(counts.group_name, counts)
         lockstep = counts.group_name
     return RankGroups(tp, ExpertGroups(replicas, tp), lockstep)
+
+
+def _on_cuda(config: CompileConfig) -> bool:
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
 def build_rank_engine(request: BuildRequest, groups: RankGroups):
@@ -99,8 +111,11 @@ def _generate(engine, prompts, sampling, arrival_steps):
 
 
 def _stats(engine) -> dict:
+    """The rank's engine stats, its dummy steps (lock-step) and, where its tensor-parallel group sums small
+    messages over peer memory, the all-reduces by kernel (eager calls and captures; replays run no Python)."""
     dummy = engine.lockstep.dummy_steps if engine.lockstep is not None else 0
-    return {**engine.stats(), "dummy_steps": dummy}
+    peer = peer_for(engine.target.tp.group_name) if not engine.target.tp.is_single else None
+    return {**engine.stats(), "dummy_steps": dummy, "peer_all_reduce": dict(peer.calls) if peer else None}
 
 
 def _reset_stats(engine) -> None:
@@ -150,8 +165,7 @@ def _build_config(config: CompileConfig, out: str, rank: int) -> CompileConfig:
     (the built libraries a CPU artifact carries) inside `out`; on CUDA, a cache directory of its own."""
     from draftgraph.artifacts.store import CACHE
 
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if not cuda:
+    if not _on_cuda(config):
         return replace(config, cache_dir=os.path.join(out, CACHE))
     return replace(config, cache_dir=os.path.join(config.cache_dir, f"rank-{rank}") if config.cache_dir else "")
 

@@ -1,13 +1,29 @@
 """GPU tier, two or more GPUs (issue 45): engines over NCCL, one process per GPU, give the one-GPU engine's greedy
-tokens in FULL_AND_PIECEWISE, replay the one-graph step and fall back nowhere: tensor parallel 2 with the draft
-model split (draft TP 2) and replicated (draft TP 1), and data parallel 2 with an uneven request count. Skipped,
-with the reason, where fewer than two GPUs are visible."""
+tokens in FULL_AND_PIECEWISE, replay the one-graph step on every rank and fall back nowhere; where the GPUs reach
+each other's memory, the tensor-parallel all-reduces go over peer memory (CompileConfig.all_reduce "auto", the
+default: ops/collectives/peer.py) and each rank counts its one-shot all-reduces.
+
+Cases: Llama-3 at TP 2 with a draft model split (draft TP 2) and replicated (draft TP 1); data parallel 2 with an
+uneven request count; EAGLE-3 over a TP 2 target (draft TP 2 and 1); DeepSeek-V3 with its MTP head at TP 2 with
+expert parallelism; DeepSeek-V3 at DP 2 with expert parallelism and an uneven request count (the idle replica's
+dummy steps counted, no hang); Qwen3.5-MoE at TP 2 with expert parallelism; DeepSeek-V3.2 + MTP (draft TP 2) and
+Qwen3.5 + MTP (draft TP 2 and 1) over TP 2; a rank killed mid-run makes the
+driver raise naming it, and the other rank exit, each within KILL_S (a reporting bound on a hang, not a speed
+check). Engines that several tests use are module fixtures. Skipped, with the reason, below two GPUs."""
+
+import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
 
 import draftgraph as dg
-from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair
+from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, module_from_state_dict
+from draftgraph.models.causal_lm import CausalLM
+from draftgraph.workers.ranked import WorkerError
+from tests.helpers import within
+from tests.test_data_parallel import deepseek_dir  # noqa: F401  (a module fixture)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,8 +34,36 @@ SPEC = BuiltinSpec(vocab_size=256, hidden_size=128, intermediate_size=256, num_l
                    num_kv_heads=2, head_dim=32, draft_layers=1)  # fmt: skip
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 9], [200, 5]]
 PARAMS = dg.SamplingParams(max_tokens=24, ignore_eos=True)
+SMALL_PROMPTS = [[t % 90 for t in p] for p in PROMPTS]  # the tiny DeepSeek and Qwen3.5 models have 96 tokens
+KILL_S = 30  # a killed rank is seen by its process sentinel at once: this long means the survivors hung
 
 
+def config(**over) -> dg.CompileConfig:
+    fields = dict(mode="FULL_AND_PIECEWISE", device="cuda", dtype="float32", num_speculative_tokens=3,
+                  max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, gpu_memory_utilization=0.0,
+                  progress=False)  # fmt: skip
+    return dg.CompileConfig(**{**fields, **over})
+
+
+def tokens(engine, prompts=PROMPTS) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, PARAMS)]
+
+
+def check_ranks(engine, tp: int, one_graph: bool = True) -> list[dict]:
+    """Every rank's own stats: no fallback, only one-graph steps (uniform batches) when `one_graph`, and on
+    tensor-parallel ranks one-shot all-reduces over peer memory (captured at least once: a layer's pair)."""
+    every = engine._call("stats")
+    for rank, s in enumerate(every):
+        assert s["fallbacks"] == 0, (rank, s["fallbacks_by_key"])
+        steps = {k: v for k, v in s["dispatch"].items() if k.startswith("step/")}
+        if one_graph:
+            assert steps and all("/greedy" in k for k in steps), (rank, s["dispatch"])
+        if tp > 1:
+            assert s["peer_all_reduce"] is not None and s["peer_all_reduce"]["one_shot"] >= 2, (rank, s)
+    return every
+
+
+# ----------------------------------------------------------------------------------------------- Llama + draft model
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """The built-in target and a draft model of its first layer (the same weights: drafts are often accepted)."""
@@ -30,32 +74,156 @@ def ckpts(tmp_path_factory):
     return str(root / "target"), str(root / "drafter")
 
 
-def config(**over) -> dg.CompileConfig:
-    fields = dict(mode="FULL_AND_PIECEWISE", device="cuda", dtype="float32", num_speculative_tokens=3,
-                  max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, gpu_memory_utilization=0.0,
-                  drafter_kind="draft_model", progress=False)  # fmt: skip
-    return dg.CompileConfig(**{**fields, **over})
+@pytest.fixture(scope="module")
+def one_gpu(ckpts):
+    with dg.compile_model(*ckpts, config(drafter_kind="draft_model")) as eng:
+        return tokens(eng), eng.stats()
 
 
 @pytest.fixture(scope="module")
-def one_gpu(ckpts):
-    with dg.compile_model(*ckpts, config()) as eng:
-        return [o.token_ids for o in eng.generate(PROMPTS, PARAMS)], eng.stats()
+def tp2(ckpts):
+    """TP 2, the draft model split like the target; the last test kills one of its ranks."""
+    eng = dg.compile_model(*ckpts, config(drafter_kind="draft_model", tensor_parallel_size=2))
+    yield eng
+    eng.close()
+
+
+def test_tp2_draft_tp2_equals_one_gpu(tp2, one_gpu):
+    want, one_stats = one_gpu
+    assert tp2.config.tensor_parallel_size == 2 and tp2.config.draft_tensor_parallel_size == 2
+    assert tokens(tp2) == want
+    every = check_ranks(tp2, 2)
+    assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == one_stats["accepted_tokens"]
 
 
 @pytest.mark.parametrize(
-    "over",
-    [dict(tensor_parallel_size=2, draft_tensor_parallel_size=2), dict(tensor_parallel_size=2,
-     draft_tensor_parallel_size=1), dict(data_parallel_size=2)],
-    ids=["tp2-draft_tp2", "tp2-draft_tp1", "dp2"],
+    "over", [dict(tensor_parallel_size=2, draft_tensor_parallel_size=1), dict(data_parallel_size=2)],
+    ids=["tp2-draft_tp1", "dp2"],
 )  # fmt: skip
 def test_parallel_engines_equal_one_gpu(ckpts, one_gpu, over):
-    want, one_stats = one_gpu
-    with dg.compile_model(*ckpts, config(**over)) as eng:
-        got = [o.token_ids for o in eng.generate(PROMPTS, PARAMS)]
-        stats = eng.stats()
-    assert got == want
-    assert stats["fallbacks"] == 0, stats["fallbacks_by_key"]
-    steps = {k: v for k, v in stats["dispatch"].items() if k.startswith("step/")}
-    assert steps and all("/greedy" in k for k in steps), stats["dispatch"]  # the one-graph step, uniform batches
-    print(f"{over}: {stats['accepted_tokens']} drafts accepted (one GPU {one_stats['accepted_tokens']}); {steps}")
+    """Draft TP 1 (the draft model replicated); DP 2 over 5 requests (3 on one replica, 2 on the other)."""
+    want, _ = one_gpu
+    with dg.compile_model(*ckpts, config(drafter_kind="draft_model", **over)) as eng:
+        assert tokens(eng) == want
+        check_ranks(eng, over.get("tensor_parallel_size", 1))
+
+
+# ------------------------------------------------------------------------------------------------------------ EAGLE-3
+@pytest.fixture(scope="module")
+def eagle3(ckpts):
+    """An EAGLE-3 head (a module of upstream-named weights) that copies the target's last hidden state to its own
+    LM head, its layer turned down (tests/test_tp_drafters.py); the one-GPU engine's tokens."""
+    from tests.test_tp_drafters import head_weights
+
+    full = CausalLM.from_pretrained(ckpts[0], dtype=torch.float32, device="cpu")
+    head = module_from_state_dict(head_weights("eagle3", full))
+    with dg.compile_model(ckpts[0], head, config(drafter_kind="eagle3")) as eng:
+        return head, tokens(eng), eng.stats()["accepted_tokens"]
+
+
+@pytest.mark.parametrize("draft_tp", [2, 1])
+def test_eagle3_over_tp2_equals_one_gpu(ckpts, eagle3, draft_tp):
+    head, want, accepted = eagle3
+    cfg = config(drafter_kind="eagle3", tensor_parallel_size=2, draft_tensor_parallel_size=draft_tp)
+    with dg.compile_model(ckpts[0], head, cfg) as eng:
+        assert tokens(eng) == want
+        every = check_ranks(eng, 2)
+    assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == accepted  # the same drafts, accepted alike
+
+
+# -------------------------------------------------------------------------------------------- MoE: expert parallelism
+@pytest.fixture(scope="module")
+def deepseek_one(deepseek_dir):  # noqa: F811
+    """The one-GPU engine's tokens for the tiny DeepSeek-V3 with its MTP head (tests/test_data_parallel.py)."""
+    path, _ = deepseek_dir
+    with dg.compile_model(path, path, config()) as eng:
+        return tokens(eng, SMALL_PROMPTS), eng.stats()["accepted_tokens"]
+
+
+def test_deepseek_v3_mtp_tp2_expert_parallel_equals_one_gpu(deepseek_dir, deepseek_one):  # noqa: F811
+    path, (want, accepted) = deepseek_dir[0], deepseek_one
+    with dg.compile_model(path, path, config(tensor_parallel_size=2, expert_parallel=True)) as eng:
+        assert "experts 0-3 of 8 in each of 2 MoE layers on rank 0 of 2 (tp 2 x dp 1)" in eng.warm_up_report
+        assert tokens(eng, SMALL_PROMPTS) == want
+        every = check_ranks(eng, 2)
+    assert accepted > 0 and every[0]["accepted_tokens"] == accepted
+
+
+def test_deepseek_dp2_expert_parallel_uneven_requests(deepseek_dir, deepseek_one):  # noqa: F811
+    """DP 2, EP 2: three requests, one 24 tokens long and two 4 long, so the replica without the long one runs
+    dummy steps of the shared shape while the other decodes; outputs equal the one-GPU engine's, in order, and nothing
+    hangs; every step of the busy replica is a step, real or dummy, of the idle one."""
+    path, (want, _) = deepseek_dir[0], deepseek_one
+    lengths = [24, 4, 4]
+    params = [dg.SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    with dg.compile_model(path, path, config(data_parallel_size=2, expert_parallel=True)) as eng:
+        outs = eng.generate(SMALL_PROMPTS[:3], params)
+        assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, lengths)]
+        assert [o.request_id for o in outs] == [0, 1, 2]
+        check_ranks(eng, 1, one_graph=False)  # an idle replica's dummy steps are not the one-graph step
+        idle, busy = sorted(eng.stats()["per_replica"], key=lambda r: r["dummy_steps"], reverse=True)
+    assert busy["dummy_steps"] == 0 and idle["dummy_steps"] > 0, (busy, idle)
+    assert idle["steps"] + idle["dummy_steps"] == busy["steps"]
+
+
+def test_qwen3_5_moe_tp2_expert_parallel_equals_one_gpu(tmp_path):
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    tiny_qwen3_5(moe=True).save_pretrained(tmp_path)
+    with dg.compile_model(str(tmp_path), None, config()) as eng:
+        want = tokens(eng, SMALL_PROMPTS)
+    with dg.compile_model(str(tmp_path), None, config(tensor_parallel_size=2, expert_parallel=True)) as eng:
+        assert "experts 0-1 of 4 in each of 4 MoE layers on rank 0 of 2 (tp 2 x dp 1)" in eng.warm_up_report
+        assert tokens(eng, SMALL_PROMPTS) == want
+        check_ranks(eng, 2)
+
+
+# ------------------------------------------------------------------------------------- MTP heads over a TP 2 target
+def _head_over_tp2(target_dir: str, head, prompts, draft_tps=(2, 1)) -> None:
+    """`head` (a module of upstream-named MTP weights) over the target at TP 2, split (draft TP 2) and replicated
+    (draft TP 1): tokens and accepted drafts equal the one-GPU engine's."""
+    with dg.compile_model(target_dir, head, config(drafter_kind="mtp")) as eng:
+        want, accepted = tokens(eng, prompts), eng.stats()["accepted_tokens"]
+    for draft_tp in draft_tps:
+        cfg = config(drafter_kind="mtp", tensor_parallel_size=2, draft_tensor_parallel_size=draft_tp)
+        with dg.compile_model(target_dir, head, cfg) as eng:
+            assert tokens(eng, prompts) == want, draft_tp
+            every = check_ranks(eng, 2)
+        assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == accepted, draft_tp
+
+
+def test_deepseek_v32_mtp_over_tp2_equals_one_gpu(tmp_path):
+    """DeepSeek-V3.2 (sparse MLA + indexer) with an MTP layer that mostly repeats the target (test_tp_deepseek's)."""
+    from tests.test_deepseek_v32 import tiny_v32_model
+    from tests.test_tp_deepseek import mtp_weights
+
+    hf = tiny_v32_model()
+    hf.save_pretrained(tmp_path)
+    head = module_from_state_dict(mtp_weights(CausalLM.from_hf(hf)))
+    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS, draft_tps=(2,))
+
+
+def test_qwen3_5_mtp_over_tp2_equals_one_gpu(tmp_path):
+    """Qwen3.5 (Gated DeltaNet + gated attention) with its MTP head (random `mtp.*` weights), draft TP 2 and 1."""
+    from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
+    from tests.test_qwen3_5 import tiny_qwen3_5
+
+    hf = tiny_qwen3_5()
+    hf.save_pretrained(tmp_path)
+    cfg = CausalLM.from_hf(hf).cfg
+    head = module_from_state_dict(random_mtp_weights(cfg, torch.Generator().manual_seed(3)))
+    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS)
+
+
+# ------------------------------------------------------------------------------------------------------- a dead rank
+def test_a_killed_rank_stops_the_other_naming_it(tp2):
+    """Runs last (it ends the shared TP 2 engine): rank 1 killed between steps of a running request; the next
+    step raises WorkerError naming rank 1, and rank 0's process is gone, each within KILL_S."""
+    tp2.add_request(PROMPTS[0], PARAMS)
+    tp2.step()
+    os.kill(tp2.pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
+        within(KILL_S, "engine.step() after rank 1 was killed", tp2.step)
+    tp2.procs[0].join(KILL_S)
+    assert not tp2.procs[0].is_alive(), f"rank 0 still runs {KILL_S} s after rank 1 was killed"
+    assert not multiprocessing.active_children()

@@ -311,8 +311,11 @@ class CompilePool:
         # The worker imports every draftgraph module this process has: a graph's custom ops are registered
         # where they are defined (ops/, and a few in runtime/, e.g. the sampling probabilities).
         modules = draftgraph_modules()
+        from draftgraph.ops.collectives.op import group_sizes
+
+        # group_sizes: the collectives' fakes shape their outputs by them; a worker has no process group
         job = {"id": self._next, "graph": encoded_graph, "inputs": encoded_inputs, "out": out,
-               "options": [list(kv) for kv in options], "modules": modules}  # fmt: skip
+               "options": [list(kv) for kv in options], "modules": modules, "group_sizes": group_sizes()}  # fmt: skip
         future: Future = Future()
         future.submitted_s = time.perf_counter() - self.t0
         piece = PendingPiece(self, name, gm, future, out, fallback)

@@ -69,6 +69,9 @@ def compile_job(job: dict) -> float:
     for name in job.get("modules", ()):  # where the graph's custom ops are registered
         if name not in sys.modules:
             importlib.import_module(name)
+    from draftgraph.ops.collectives.op import register_group_sizes
+
+    register_group_sizes(job.get("group_sizes", {}))  # the tracing process's groups, for the collectives' fakes
     gm = decode_module(job["graph"])
     mode, fakes = rebuild_inputs(job["inputs"])
     example_values(gm, mode, fakes)

@@ -12,9 +12,10 @@ Both run the collective on a fresh copy of the input on the current stream's dev
 back to the host and allocate only by shape, so they sit inside torch.compile'd code as one opaque node
 (they are not splitting ops: a piece keeps them) and inside CUDA graphs with NCCL (c10d enqueues NCCL
 collectives on a side stream joined to the capturing stream by events; no host wait without
-TORCH_NCCL_BLOCKING_WAIT). Gloo runs them on the CPU for the tests. The empty group name means one process:
-the ops return a copy and touch no torch.distributed. Registering the two ops is this module's one
-import-time action.
+TORCH_NCCL_BLOCKING_WAIT). On CUDA, a group set up for peer memory (peer.py) sums the small messages its
+measured rule takes with torch symmetric memory's one-shot / two-shot kernels instead, NCCL the rest. Gloo runs
+them on the CPU for the tests. The empty group name means one process: the ops return a copy and touch no
+torch.distributed. Registering the two ops is this module's one import-time action.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from typing import Any
 
 import torch
 
+from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.registry import custom_op
 
 _GROUPS: dict[str, Any] = {}
+# group name -> size: what the ops' fakes need to shape their outputs, also where no process group exists (a
+# compile worker compiling a piece for the engine's process: compiler/pool/ sends these with each job).
+_SIZES: dict[str, int] = {}
 
 
 def register_group(name: str, group: Any) -> None:
@@ -34,10 +39,23 @@ def register_group(name: str, group: Any) -> None:
     if not name:
         raise ValueError('group name "" means no parallelism; register the process group under a non-empty name')
     _GROUPS[name] = group
+    _SIZES[name] = group.size()
 
 
 def unregister_group(name: str) -> None:
     _GROUPS.pop(name, None)
+    _SIZES.pop(name, None)
+
+
+def group_sizes() -> dict[str, int]:
+    """Every registered group's size by name (for compile workers: `register_group_sizes`)."""
+    return dict(_SIZES)
+
+
+def register_group_sizes(sizes: dict[str, int]) -> None:
+    """Group sizes without their process groups, so the ops' fakes can shape outputs in a process that runs no
+    collective (a compile worker); calling an op there still needs the group."""
+    _SIZES.update(sizes)
 
 
 def get_group(name: str) -> Any:
@@ -52,7 +70,9 @@ def get_group(name: str) -> Any:
 
 
 def group_size(name: str) -> int:
-    return 1 if not name else get_group(name).size()
+    if not name:
+        return 1
+    return _SIZES[name] if name in _SIZES else get_group(name).size()
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,10 @@ class ParallelGroup:
 @custom_op("draftgraph::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of x over the ranks of the group registered as `group_name` ("" = one process: a copy)."""
+    if group_name and (peer := peer_for(group_name)) is not None:
+        out = peer.all_reduce(x)  # peer memory for the messages its measured rule takes (peer.py)
+        if out is not None:
+            return out
     out = x.contiguous().clone()
     if group_name:
         import torch.distributed as dist

@@ -1,0 +1,195 @@
+"""Small all-reduces over peer memory: torch symmetric memory's one-shot and two-shot kernels, inside CUDA graphs.
+
+A decode step's all-reduces are small (batch x hidden x 2 bytes: 8 KB for one request at hidden 4096) and there
+are two per layer; NCCL's ring takes 10-20 us for each, most of it latency. Over NVLink a rank can read its
+peers' memory directly: torch.distributed._symmetric_memory maps one buffer of every rank into each rank's
+address space, and its `one_shot_all_reduce_copy` copies this rank's input into its buffer, waits at a barrier
+of signal flags in peer memory, then sums every rank's buffer into a fresh output (one kernel launch, no side
+stream, capturable in a CUDA graph); `two_shot_all_reduce_out` reduces a 1/world slice per rank then gathers
+(less traffic for larger messages).
+
+Which kernel sums a message is a measured rule held here as data: `RULES[world_size]` gives the largest message
+the one-shot and two-shot kernels take; anything larger, or of another dtype than float32 / bfloat16, or not
+4-byte aligned, goes to NCCL (the caller's fallback). World sizes without a measured rule use NCCL throughout.
+
+`PeerAllReduce.setup(group)` (collective over the group, once, when the group is made: workers/worker.py)
+checks that every rank of the group is on one host and can reach every peer's device memory (CUDA P2P); if not
+it refuses with a logged message naming the ranks and devices, and the group keeps NCCL. The symmetric buffer
+is allocated once (the rule's largest message) and registered under the group's name, where the all_reduce op
+(op.py) finds it. All ranks of a group make the same all-reduces in the same order (SPMD), as with NCCL; the
+kernels run on the current stream, so two all-reduces of one group must never run concurrently on two streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("draftgraph")
+
+KERNELS = ("one_shot", "two_shot", "nccl")
+PEER_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduction kernels are built for
+
+
+@dataclass(frozen=True)
+class AllReduceRule:
+    """Messages of at most `one_shot_max_bytes` take the one-shot kernel, then up to `two_shot_max_bytes` the
+    two-shot kernel, larger ones NCCL. `measured` says where the thresholds come from."""
+
+    one_shot_max_bytes: int
+    two_shot_max_bytes: int
+    measured: str = ""
+
+    def __post_init__(self):
+        if not 0 <= self.one_shot_max_bytes <= self.two_shot_max_bytes:
+            raise ValueError(
+                f"AllReduceRule(one_shot_max_bytes={self.one_shot_max_bytes}, two_shot_max_bytes="
+                f"{self.two_shot_max_bytes}): need 0 <= one_shot_max_bytes <= two_shot_max_bytes"
+            )
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The symmetric buffer the rule needs: its largest peer-memory message."""
+        return self.two_shot_max_bytes
+
+
+# world size -> rule; measured with `torchrun --nproc-per-node N scripts/bench_tp.py --sweep` (docs/performance.md).
+RULES: dict[int, AllReduceRule] = {
+    # 2 x H200 (NV18), 2026-11-27, 16 all-reduces per CUDA graph: one-shot 7.1-7.7 us up to 64 KiB (NCCL
+    # 7.8-9.1), the fastest up to 1 MiB (15.7 vs 16.3); two-shot from 2 MiB (20.0 vs NCCL 30.2) to 8 MiB (42.6
+    # vs 51.5); above 8 MiB not measured: NCCL.
+    2: AllReduceRule(1 << 20, 8 << 20, "measured on 2 x H200 NV18, 2026-11-27"),
+}
+
+
+def choose_kernel(nbytes: int, dtype: torch.dtype, world_size: int, rules: dict[int, AllReduceRule] = RULES) -> str:
+    """The kernel ("one_shot", "two_shot" or "nccl") summing `nbytes` bytes of `dtype` over `world_size` ranks."""
+    rule = rules.get(world_size)
+    if rule is None or dtype not in PEER_DTYPES or nbytes % 4 or nbytes == 0:
+        return "nccl"
+    if nbytes <= rule.one_shot_max_bytes:
+        return "one_shot"
+    return "two_shot" if nbytes <= rule.two_shot_max_bytes else "nccl"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One rank's place for peer memory: its host, its CUDA device and the devices of that host it can reach."""
+
+    rank: int
+    host: str
+    device: int
+    reaches: tuple[int, ...]
+
+    @classmethod
+    def here(cls, rank: int, device: int) -> PeerInfo:
+        n = torch.cuda.device_count()
+        reaches = tuple(d for d in range(n) if d != device and torch.cuda.can_device_access_peer(device, d))
+        return cls(rank, socket.gethostname(), device, reaches)
+
+
+def peer_access_refusal(infos: list[PeerInfo], world_size: int, rules: dict[int, AllReduceRule] = RULES) -> str:
+    """Why a group of ranks `infos` cannot use peer memory ("" when it can). Every rank computes this from the
+    same gathered list, so all ranks decide alike."""
+    if world_size not in rules:
+        return f"no measured all-reduce rule for {world_size} ranks (measured: {sorted(rules)})"
+    hosts = sorted({i.host for i in infos})
+    if len(hosts) > 1:
+        return f"the group spans hosts {hosts}; peer memory needs every rank on one host"
+    for a in infos:
+        for b in infos:
+            if a.rank != b.rank and b.device not in a.reaches:
+                return (
+                    f"rank {a.rank} (cuda:{a.device}) cannot access the memory of rank {b.rank} (cuda:{b.device}): "
+                    "no CUDA peer-to-peer access between them (PCIe without P2P, or P2P disabled)"
+                )
+    return ""
+
+
+class PeerAllReduce:
+    """A group's symmetric buffer and rule: `all_reduce(x)` sums x over the group by peer memory, or returns
+    None when the rule gives the message to NCCL."""
+
+    def __init__(self, group: Any, buffer: torch.Tensor, rule: AllReduceRule):
+        self.group, self.buffer, self.rule = group, buffer, rule  # buffer: uint8 [rule.buffer_bytes]
+        self.group_name = group.group_name
+        self.world_size = group.size()
+        self.calls = {k: 0 for k in KERNELS}  # eager calls and captures by kernel (replays are not counted)
+
+    @classmethod
+    def setup(cls, group: Any, rank: int, device: int, rules: dict[int, AllReduceRule] = RULES) -> PeerAllReduce | None:
+        """Collective over `group` (every rank calls it): the group's PeerAllReduce, or None (logged, naming
+        why) when its ranks cannot use peer memory."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        infos: list = [None] * group.size()
+        dist.all_gather_object(infos, PeerInfo.here(rank, device), group=group)
+        why = peer_access_refusal(infos, group.size(), rules)
+        if why:
+            log.warning("all-reduce over %d ranks: peer memory refused (%s); every all-reduce uses NCCL",
+                        group.size(), why)  # fmt: skip
+            return None
+        rule = rules[group.size()]
+        cuda = torch.device("cuda", device)
+        try:  # this rank's share of the symmetric buffer (the driver's virtual-memory and IPC calls)
+            buffer, error = symm_mem.empty(rule.buffer_bytes, dtype=torch.uint8, device=cuda), ""
+        except Exception as e:  # noqa: BLE001 - refused below on every rank alike, named
+            buffer, error = None, f"{type(e).__name__}: {e}"
+        errors: list = [None] * group.size()
+        dist.all_gather_object(errors, error, group=group)  # every rank decides alike before the rendezvous
+        failed = {r: e for r, e in enumerate(errors) if e}
+        if not failed:
+            try:  # collective: every rank gets here, so a failure is every rank's
+                symm_mem.rendezvous(buffer, group.group_name)
+            except Exception as e:  # noqa: BLE001 - refused below, named
+                failed = {rank: f"rendezvous: {type(e).__name__}: {e}"}
+        if failed:
+            log.warning("all-reduce over %d ranks: peer memory refused (symmetric memory failed on rank(s) %s); "
+                        "every all-reduce uses NCCL", group.size(), failed)  # fmt: skip
+            return None
+        log.info(
+            "all-reduce over %d ranks: peer memory (torch symmetric memory) one-shot up to %d KiB, two-shot up to "
+            "%d KiB, NCCL above (%s)", group.size(), rule.one_shot_max_bytes // 1024,
+            rule.two_shot_max_bytes // 1024, rule.measured,
+        )  # fmt: skip
+        return cls(group, buffer, rule)
+
+    def kernel_for(self, x: torch.Tensor) -> str:
+        return choose_kernel(x.numel() * x.element_size(), x.dtype, self.world_size, {self.world_size: self.rule})
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of x over the group (a new tensor), or None: the rule gives this message to NCCL."""
+        kernel = self.kernel_for(x)
+        if kernel == "nccl" or x.device != self.buffer.device:
+            return None
+        self.calls[kernel] += 1
+        src = x.contiguous()
+        if (src.storage_offset() * src.element_size()) % 16:  # the kernel wants the buffer's alignment
+            src = src.clone()
+        symm = self.buffer.view(x.dtype)[: src.numel()].view(src.shape)
+        if kernel == "one_shot":  # copy in, barrier, sum every rank's buffer into a fresh tensor: one kernel
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, src, "sum", self.group_name)
+        symm.copy_(src)
+        out = torch.empty_like(src)
+        return torch.ops.symm_mem.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
+
+
+_PEER: dict[str, PeerAllReduce] = {}
+
+
+def register_peer(name: str, peer: PeerAllReduce) -> None:
+    """Make the op's all-reduces over the group registered as `name` use `peer`'s kernels where its rule says."""
+    _PEER[name] = peer
+
+
+def unregister_peer(name: str) -> None:
+    _PEER.pop(name, None)
+
+
+def peer_for(name: str) -> PeerAllReduce | None:
+    return _PEER.get(name)

@@ -1,0 +1,335 @@
+"""Tensor-parallel decoding: step time against its floor, collective time per step and tok/s at TP 1 and TP N, with
+NCCL against the peer-memory all-reduce (CompileConfig.all_reduce "nccl" vs "auto", ops/collectives/peer.py) in
+one run; and a sweep of all-reduce latency by message size that the peer-memory rule is read from.
+
+Models (random weights, seeded; no hub):
+* `8b`: Llama-3.1-8B's shape (scripts/bench_8b.py), bf16; speculative = its EAGLE-3 head at the published shape
+  at vLLM CI's pinned acceptance (0.730 / 0.521 / 0.355 per position, K = 3; synthetic_acceptance).
+* `1b`: the realistic-acceptance pair (models/builtin.py LLAMA_1B_ACCEPTANCE: Llama-3.2-1B's shape, a draft model
+  of its first 2 layers, about 2.5 of K = 4 drafts accepted for real), bf16.
+* `tiny`: a tiny shape of the 8B's structure (smoke test, the CPU with gloo too).
+
+Each row: B requests decoding together at `--context` cached tokens, the median wall time of engine.step() (each
+ends in the step's one device-to-host copy), the step's floor (this rank's weights + KV read once over the
+measured device-to-device copy speed: layers, LM head; plus K x the drafter's), the GPU time of collective
+kernels per step (all-reduce and all-gather kernels, from the profiler over 20 steps at that B), and tok/s
+(B x mean accepted length / step). Ranks step in lock-step (SPMD), each on its own engine (LaunchedEngine.engine),
+so no driver round trip is timed.
+
+Usage:
+  python scripts/bench_tp.py --model 8b                                   (TP 1)
+  torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b              (TP 2: all_reduce nccl, then auto)
+  torchrun --nproc-per-node 2 scripts/bench_tp.py --sweep                 (all-reduce latency by message size)
+  torchrun --nproc-per-node 2 scripts/bench_tp.py --model tiny --sizes 1,2  (smoke, CPU: gloo, mode NONE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import draftgraph as dg
+from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target, module_from_state_dict
+from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, layer_shapes, measure, random_weights
+
+COLLECTIVE_NAMES = ("allreduce", "all_reduce", "allgather", "all_gather")
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) of a torchrun launch, or (0, 1, 0)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def say(*args) -> None:
+    if rank_env()[0] == 0:
+        print(*args, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- models
+def hf_8b(shape: dict, device) -> torch.nn.Module:
+    """The 8B-shaped target as a module of transformers-named random weights carrying its config (each rank takes
+    its share when the engine loads it)."""
+    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(shape["num_hidden_layers"]):
+        shapes.update(layer_shapes(f"model.layers.{i}.", h, inter, q, kv, h))
+    state = random_weights(shapes, device, torch.Generator(device=device).manual_seed(0))
+    state["model.embed_tokens.weight"].mul_(50)  # embeddings of RMS ~1, as trained ones are
+    holder = module_from_state_dict(state)
+    holder.config = dict(shape)
+    return holder
+
+
+def eagle3_8b(shape: dict, draft_vocab: int, device) -> torch.nn.Module:
+    """The published EAGLE-3 head's layout as a module carrying its config (bench_8b.build_head's weights)."""
+    from scripts.bench_8b import eagle3_config
+
+    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    shapes = layer_shapes("midlayer.", h, inter, q, kv, 2 * h)
+    shapes.update({"midlayer.hidden_norm.weight": (h,), "fc.weight": (h, 3 * h), "norm.weight": (h,),
+                   "lm_head.weight": (draft_vocab, h)})  # fmt: skip
+    state = random_weights(shapes, device, torch.Generator(device=device).manual_seed(1))
+    kept = torch.randperm(v, generator=torch.Generator().manual_seed(2))[:draft_vocab].sort().values
+    state["d2t"] = (kept - torch.arange(draft_vocab)).to(device)
+    state["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill_(0, kept, True).to(device)
+    holder = module_from_state_dict(state)
+    holder.config = eagle3_config(shape, draft_vocab)
+    return holder
+
+
+def hf_1b_pair(device):
+    """The realistic-acceptance pair as transformers objects on `device`: the target and a model of its first
+    draft_layers layers sharing its tensors."""
+    import copy
+
+    import transformers
+
+    spec = LLAMA_1B_ACCEPTANCE
+    target = builtin_hf_target(spec, device=device, dtype=torch.bfloat16)
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = spec.draft_layers
+    with torch.device("meta"):
+        draft = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    draft.load_state_dict(target.state_dict(), strict=False, assign=True)
+    draft.tie_weights()
+    return target, draft
+
+
+def model_shape(key: str) -> dict:
+    if key == "1b":
+        s = LLAMA_1B_ACCEPTANCE
+        return dict(hidden_size=s.hidden_size, intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
+                    num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+                    vocab_size=s.vocab_size, draft_layers=s.draft_layers)  # fmt: skip
+    return LLAMA_3_1_8B if key == "8b" else TINY
+
+
+def layer_bytes(shape: dict, in_features: int | None = None) -> int:
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    i = in_features or h
+    return 2 * (i * q + 2 * i * kv + q * h + 3 * h * inter)  # bf16
+
+
+def floor_bytes(key: str, k: int, b: int, ctx: int, tp: int) -> float:
+    """Bytes one rank reads once per step: its share of the target's layers and LM head and of B x ctx tokens'
+    KV; with a drafter, K x its share of the drafter's layers, LM head and one token's KV per request."""
+    s = model_shape(key)
+    h, v, n = s["hidden_size"], s["vocab_size"], s["num_hidden_layers"]
+    kv_token_layer = 2 * 2 * s["num_key_value_heads"] * s["head_dim"]  # K and V, bf16
+    target = n * layer_bytes(s) + 2 * v * h + n * b * ctx * kv_token_layer
+    if not k:
+        return target / tp
+    if key == "1b":
+        d = s["draft_layers"] * (layer_bytes(s) + b * ctx * kv_token_layer) + 2 * v * h
+    else:  # EAGLE-3: one layer over 2h inputs, fc 3h -> h, a 32000-row head
+        d = layer_bytes(s, 2 * h) + 2 * 3 * h * h + 2 * 32000 * h + b * ctx * kv_token_layer
+    return (target + k * d) / tp
+
+
+# ---------------------------------------------------------------------------------------------------- measurement
+def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20, show: bool = False) -> float:
+    """GPU time of collective kernels per step (profiler), B requests at ctx cached tokens; `show`: print where
+    the GPU time goes (busy vs span, top kernels)."""
+    from draftgraph.runtime.profiling import profile_steps
+
+    g = torch.Generator().manual_seed(1000 + b)
+    for _ in range(b):
+        prompt = torch.randint(0, min(vocab, 1000), (ctx,), generator=g).tolist()
+        engine.add_request(prompt, dg.SamplingParams(max_tokens=(steps + 10) * (k + 1), ignore_eos=True))
+    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    summary = profile_steps(engine, steps)
+    while engine.has_unfinished():
+        engine.step()
+    if not summary.cuda:
+        return float("nan")
+    if show:
+        say(summary.format_time(12))
+    us = sum(t for name, t in summary.kernel_us.items() if any(c in name.lower() for c in COLLECTIVE_NAMES))
+    return us / max(summary.steps, 1)
+
+
+def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models):
+    target, drafter = models
+    spec = case == "spec"
+    k = (3 if key != "1b" else 4) if spec else 0
+    cfg = dg.CompileConfig(
+        mode=mode,
+        device=device.type,
+        dtype="bfloat16" if device.type == "cuda" else "float32",
+        num_speculative_tokens=max(k, 1),
+        max_num_seqs=max(sizes),
+        max_num_batched_tokens=max(max(sizes) * (k + 1), 2048),
+        max_model_len=ctx + max_tokens + 16,
+        gpu_memory_utilization=0.0,
+        progress=False,
+        full_capture_sizes=tuple(sizes) if mode != "NONE" else (),
+        synthetic_acceptance=conditional(VLLM_CI_K3) if spec and key != "1b" else (),
+        drafter_kind=("eagle3" if key != "1b" else "draft_model") if spec else None,
+        tensor_parallel_size=tp,
+        all_reduce=all_reduce,
+    )
+    return dg.compile_model(target, drafter if spec else None, cfg), k
+
+
+def sweep(device, reps: int = 20, calls: int = 16) -> None:
+    """All-reduce latency by message size (bf16), NCCL vs one-shot vs two-shot, each `calls` all-reduces captured
+    in one CUDA graph (as in a decode step), the median over `reps` replays; checks every kernel's sums against
+    NCCL's."""
+    import torch.distributed as dist
+
+    from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce
+
+    rank, world, _ = rank_env()
+    group = dist.new_group(list(range(world)))
+    big = 16 << 20
+    forced = {"one_shot": AllReduceRule(big, big, "forced"), "two_shot": AllReduceRule(0, big, "forced")}
+    peer = PeerAllReduce.setup(group, rank, device.index, {world: forced["one_shot"]})
+    if peer is None:
+        say("peer memory refused (see the log); nothing to sweep")
+        return
+    kernels = {name: PeerAllReduce(group, peer.buffer, rule) for name, rule in forced.items()}
+
+    def nccl(x):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    fns = {"nccl": nccl, **{name: p.all_reduce for name, p in kernels.items()}}
+    say(f"\nall-reduce sweep, {world} x {torch.cuda.get_device_name()}, bf16, {calls} calls per CUDA graph, median of "
+        f"{reps} replays: us per all-reduce")  # fmt: skip
+    say(f"{'bytes':>9} | " + " ".join(f"{n:>9}" for n in fns) + " | fastest   | max |diff| vs nccl")
+    rows = []
+    for nbytes in [2**i for i in range(11, 24)]:  # 2 KiB .. 8 MiB
+        x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16) * (rank + 1)
+        times, diffs, want = {}, {}, None
+        for name, fn in fns.items():
+            for _ in range(3):
+                fn(x)  # warm up (NCCL's communicator, the kernels)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs = [fn(x) for _ in range(calls)]
+            g.replay()
+            torch.cuda.synchronize()
+            if name == "nccl":
+                want = outs[0].clone()
+            diffs[name] = (outs[-1].float() - want.float()).abs().max().item()
+            ts = []
+            for _ in range(reps):
+                dist.barrier(group=group)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3 / calls)
+            times[name] = statistics.median(ts)
+            del g, outs
+        best = min(times, key=times.get)
+        rows.append(dict(bytes=nbytes, **{f"{n}_us": t for n, t in times.items()}, fastest=best))
+        say(f"{nbytes:>9} | " + " ".join(f"{times[n]:>9.2f}" for n in fns) + f" | {best:<9} | "
+            + " ".join(f"{n} {d:.2g}" for n, d in diffs.items() if n != "nccl"))  # fmt: skip
+    one = max([r["bytes"] for r in rows if r["fastest"] == "one_shot"], default=0)
+    two = max([r["bytes"] for r in rows if r["fastest"] in ("one_shot", "two_shot")], default=0)
+    say(f"rule implied for {world} ranks: one-shot up to {one} bytes, two-shot up to {max(one, two)} bytes, NCCL above")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="8b", choices=("8b", "1b", "tiny"))
+    ap.add_argument("--cases", default="plain,spec", help="plain and/or spec (the model's drafter), in this order")
+    ap.add_argument("--all-reduce", default="nccl,auto", help="at TP > 1: the CompileConfig.all_reduce values compared")
+    ap.add_argument("--sizes", default="1,8,32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="batch sizes whose profiled steps are printed (top kernels)")
+    args = ap.parse_args()
+    rank, world, local = rank_env()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:  # joined once here: the engines built in turn use it (compile_model leaves it up)
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    if args.sweep:
+        sweep(device)
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    mode = args.mode if cuda else "NONE"
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    bw = None
+    if cuda:
+        from scripts.bench_piecewise import copy_bandwidth
+
+        bw = copy_bandwidth()
+    t0 = time.perf_counter()
+    key = args.model
+    if key == "1b":
+        models = hf_1b_pair(device)
+    else:
+        shape = LLAMA_3_1_8B if key == "8b" else TINY
+        models = (hf_8b(shape, device), eagle3_8b(shape, 32000 if key == "8b" else 128, device))
+    say(f"{world} x {gpu}  torch {torch.__version__}  copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s; model {key} "
+        f"built in {time.perf_counter() - t0:.1f} s; TP {world}, context {args.context}, mode {mode}")  # fmt: skip
+    hdr = (f"{'case':<6} {'TP':>2} {'all_reduce':>10} {'B':>3} | {'L':>5} {'step ms':>8} {'floor ms':>8} "
+           f"{'x floor':>7} {'coll us':>8} {'tok/s':>9}")  # fmt: skip
+    say(hdr + "\n" + "-" * len(hdr))
+    rows = []
+    vocab = model_shape(key)["vocab_size"]
+    profile_sizes = {int(b) for b in args.profile.split(",") if b}
+    variants = args.all_reduce.split(",") if world > 1 else ["nccl"]
+    shared = dg.shared_compile_workers() if cuda else contextlib.nullcontext()
+    with shared:
+        for case in args.cases.split(","):
+            for ar in variants:
+                t1 = time.perf_counter()
+                max_tokens = (args.warm + args.steps + 40) * 5 + 16
+                eng, k = make_engine(key, case, world, ar, sizes, args.context, max_tokens, device, mode, models)
+                inner = getattr(eng, "engine", eng)  # a launched rank's own Engine: the ranks step together
+                say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")
+                for b in sizes:
+                    m = measure(inner, b, k, args.context, args.warm, args.steps, vocab)
+                    coll = collective_us(inner, k, args.context, b, vocab, show=b in profile_sizes)
+                    floor = floor_bytes(key, k, b, args.context, world) / bw * 1e3 if bw else float("nan")
+                    row = dict(model=key, case=case, tp=world, all_reduce=ar, batch=b, length=m["length"],
+                               step_ms=m["step_ms"], floor_ms=floor, coll_us=coll,
+                               tok_s=b * m["length"] / m["step_ms"] * 1e3, gpu=gpu)  # fmt: skip
+                    rows.append(row)
+                    say(f"{case:<6} {world:>2} {ar:>10} {b:>3} | {m['length']:>5.2f} {m['step_ms']:>8.3f} "
+                        f"{floor:>8.3f} {m['step_ms'] / floor:>7.2f} {coll:>8.1f} {row['tok_s']:>9.1f}")  # fmt: skip
+                stats = inner.stats()
+                say(f"  fallbacks {stats['fallbacks']}; dispatch {dict(list(stats['dispatch'].items())[:6])}")
+                eng.close()
+    if len(variants) > 1:
+        for case in args.cases.split(","):
+            for b in sizes:
+                t = {r["all_reduce"]: r["step_ms"] for r in rows if r["case"] == case and r["batch"] == b}
+                if len(t) == len(variants):
+                    say(f"{case} B={b}: " + ", ".join(f"{v} {t[v]:.3f} ms" for v in variants)
+                        + f"; {variants[0]}/{variants[-1]} = {t[variants[0]] / t[variants[-1]]:.2f}x")  # fmt: skip
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    say(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
