@@ -236,11 +236,13 @@ def measure(engine, b, k, ctx, warm, steps, vocab) -> dict:
     return {"step_ms": statistics.median(times), "length": length, "wall_tok_s": generated / (sum(times) / 1e3)}
 
 
-def profile(engine, k, ctx, steps=20) -> str:
-    """One request decoding at `ctx` cached tokens: the profiler over `steps` steady steps (runtime/profiling.py)."""
+def steady_profile(engine, prompts, k, steps=20):
+    """The profiler (runtime/profiling.py) over `steps` steady decode steps of `prompts`, each request asked for
+    enough tokens to still decode then (K = k drafts a step); the requests are run to their end afterwards."""
     from draftgraph.runtime.profiling import profile_steps
 
-    engine.add_request(list(range(1, ctx + 1)), dg.SamplingParams(max_tokens=(steps + 10) * (k + 1), ignore_eos=True))
+    for prompt in prompts:
+        engine.add_request(prompt, dg.SamplingParams(max_tokens=(steps + 10) * (k + 1), ignore_eos=True))
     while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(3):
@@ -248,6 +250,12 @@ def profile(engine, k, ctx, steps=20) -> str:
     summary = profile_steps(engine, steps)
     while engine.has_unfinished():
         engine.step()
+    return summary
+
+
+def profile(engine, k, ctx, steps=20) -> str:
+    """One request decoding at `ctx` cached tokens: the profiler over `steps` steady steps."""
+    summary = steady_profile(engine, [list(range(1, ctx + 1))], k, steps)
     return summary.format() + "\n" + summary.format_time(25)
 
 

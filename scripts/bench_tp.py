@@ -36,7 +36,16 @@ import torch
 
 import draftgraph as dg
 from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target, module_from_state_dict
-from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, layer_shapes, measure, random_weights
+from scripts.bench_8b import (
+    LLAMA_3_1_8B,
+    TINY,
+    VLLM_CI_K3,
+    conditional,
+    layer_shapes,
+    measure,
+    random_weights,
+    steady_profile,
+)
 
 COLLECTIVE_NAMES = ("allreduce", "all_reduce", "allgather", "all_gather")
 
@@ -139,19 +148,9 @@ def floor_bytes(key: str, k: int, b: int, ctx: int, tp: int) -> float:
 def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20, show: bool = False) -> float:
     """GPU time of collective kernels per step (profiler), B requests at ctx cached tokens; `show`: print where
     the GPU time goes (busy vs span, top kernels)."""
-    from draftgraph.runtime.profiling import profile_steps
-
     g = torch.Generator().manual_seed(1000 + b)
-    for _ in range(b):
-        prompt = torch.randint(0, min(vocab, 1000), (ctx,), generator=g).tolist()
-        engine.add_request(prompt, dg.SamplingParams(max_tokens=(steps + 10) * (k + 1), ignore_eos=True))
-    while any(r.prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    summary = profile_steps(engine, steps)
-    while engine.has_unfinished():
-        engine.step()
+    prompts = [torch.randint(0, min(vocab, 1000), (ctx,), generator=g).tolist() for _ in range(b)]
+    summary = steady_profile(engine, prompts, k, steps)
     if not summary.cuda:
         return float("nan")
     if show:
