@@ -68,7 +68,8 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     # initialised the CUDA driver cannot use CUDA, and nothing yet checks on a GPU machine that no module the server
     # imports does (a GPU host's cores import the ranks' modules side by side anyway).
     ctx = mp.get_context("forkserver" if device_type == "cpu" else "spawn")
-    ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
+    if device_type == "cpu":
+        ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
     procs, conns = [], []
     for rank in range(world):
         ours, theirs = ctx.Pipe()
@@ -153,14 +154,14 @@ class ParallelEngine(RankedEngine):
 
     def _fail(self, rank: int, what: str, error: str | None) -> None:
         if error is not None:  # a peer that died makes the others' collectives raise: name the dead one first
-            peers = [p for r, p in enumerate(self.procs) if r != rank]
+            peers = {r: p for r, p in enumerate(self.procs) if r != rank}
             # A rank's exit code comes from the fork server once it has reaped it, a moment after the peer's
             # collective saw the connection drop: wait that moment (a failure path only) before blaming `rank`.
-            running = [p.sentinel for p in peers if p.exitcode is None]
+            running = [p.sentinel for p in peers.values() if p.exitcode is None]
             if running and len(running) == len(peers):
                 wait(running, timeout=PEER_EXIT_WAIT_S)
             # (exit code 0: a peer that reported its own error and returned, not a cause)
-            dead = [r for r, p in enumerate(self.procs) if r != rank and p.exitcode not in (None, 0)]
+            dead = [r for r, p in peers.items() if p.exitcode not in (None, 0)]
             if dead:
                 error, rank = None, dead[0]
         proc = self.procs[rank]
