@@ -12,6 +12,7 @@
 """
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import truncated_draft_model
 from draftgraph.runtime.adaptive import AdaptiveK
+from draftgraph.runtime.warmup import measure_step_times
 from tests.copy_drafters import make_drafter
 from tests.helpers import hf_greedy, tiny_hf_model
 from tests.test_sampling import assert_target_marginals
@@ -63,7 +65,7 @@ def want(hf):
 
 
 def test_controller_follows_acceptance_and_probes_back():
-    ctl = AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k, probe=4, max_probe=16, probe_budget=1.0)
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: 1.0 + 0.25 * k, probe=4, max_probe=16, probe_budget=1.0)
     ctl.rates = [0.5, 0.5, 0.5, 0.5]
     assert ctl.expected_tokens(0) == 1.0 and ctl.expected_tokens(2) == 1.75 and ctl.expected_tokens(4) == 1.9375
     for _ in range(50):  # every draft accepted: 5 tokens in 2 time units beats 1 in 1
@@ -83,13 +85,40 @@ def test_controller_follows_acceptance_and_probes_back():
     assert probes and all(p == (2, 2) for p in probes)  # each probe: two steps at the smallest K > 0
     assert runs[1:4] == [8, 16, 16]  # the interval doubles up to max_probe
     assert ctl.stats()["histogram"][0] == chosen.count(0)
-    # by default probes cost at most 1 % of the time at K = 0: (3 x 1.5 - 2 x 1) / (0.01 x 1) = 250 steps apart
-    assert AdaptiveK((0, 2, 4), lambda k, b: 1.0 + 0.25 * k)._probe_interval(8) == 250
+    # by default probes cost at most 1 % of the time at K = 0: two steps at K = 2 (2 x 0.5 more), a step for the
+    # switches (1) and, before any catch-up was timed, one step at K = 2 for it (1.5): 3.5 / 0.01 = 350 steps apart
+    fresh = AdaptiveK((0, 2, 4), lambda k, b, c: 1.0 + 0.25 * k)
+    assert fresh._probe_interval(8, 10.0) == 350
+    fresh.note_catch_up(100, 0.5)  # 5 ms a token: 8 requests x 10 cached tokens, 0.4 s -> (1 + 1 + 0.4) / 0.01
+    assert fresh._probe_interval(8, 10.0) == 240
+
+
+def test_probes_stay_within_budget_when_nothing_is_accepted():
+    """With nothing accepted, probes (their steps at K = 2, the switches, and a draft model's catch-up on every
+    cached token of the batch, here 20 steps' time) cost at most 1 % over K = 0 alone, also as the context grows;
+    the interval keeps doubling (no cap below the budget's)."""
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: 1.0 + 0.25 * k + 0.001 * c)
+    batch, per_token, extra, zero_time, probes, steps = 8, 0.005, 0.0, 0.0, 0, 100_000
+    for s in range(steps):
+        ctx = 100 + s % 400  # requests of 500 tokens in turn
+        k = ctl.choose(batch, ctx)
+        t0, tk = ctl.step_time(0, batch, ctx), ctl.step_time(k, batch, ctx)
+        if k and ctl.current == 0 and ctl._probe_left:  # a probe's first step: the draft model catches up first
+            probes += 1
+            extra += per_token * batch * ctx + t0  # and a step's time for the switches (not overlapped)
+            ctl.note_catch_up(batch * ctx, per_token * batch * ctx)
+        if ctl.current == 0:
+            extra += tk - t0  # a probe's steps at K = 2
+            zero_time += t0
+        ctl.observe(k, [0] * batch)
+    assert ctl.histogram[0] > 0.99 * steps
+    assert 0 < probes <= 12 and ctl.stats()["probes"] == probes  # 32, 64, ... steps apart, at least the budget's
+    assert extra <= 0.01 * zero_time, (extra, zero_time)
 
 
 def test_controller_margin_and_unknown_times():
     times = {0: 1.0, 2: 1.5, 4: 2.0}
-    ctl = AdaptiveK((0, 2, 4), lambda k, b: times[k] if b <= 8 else None, margin=0.05)
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k] if b <= 8 else None, margin=0.05)
     ctl.rates = [0.25, 0.0, 0.0, 0.0]  # K=2: 1.25 tokens / 1.5 < K=0's 1 / 1; K=4 below both
     assert ctl.choose(8) == 0
     ctl.rates = [0.52, 0.0, 0.0, 0.0]  # K=2: 1.013 tokens/unit: not 5 % better than K=0's 1.0
@@ -140,6 +169,7 @@ def test_chosen_k_follows_acceptance(target, rates, most):
     assert max(hist, key=hist.get) == most, hist
     if most == 0:  # acceptance ~0: down through K = 2 to K = 0, where late joiners' prompt steps run too (no drafter)
         assert hist[2] >= 2 and hist[3] < 8 and spec["acceptance_rates"][0] < 0.5  # (from 0.7)
+        assert spec["probes"] <= 1  # the first comes 32 steps at K = 0 later
     else:
         assert hist[0] == 0 and spec["acceptance_rates"][0] > 0.9
 
@@ -150,7 +180,7 @@ def forced(monkeypatch, eng, cycle):
     seen, ks = [], itertools.cycle(cycle)
     observe, ctl = eng.adaptive.observe, eng.adaptive
 
-    def choose(batch):
+    def choose(batch, ctx=0.0):
         ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
         return ctl.current
 
@@ -170,8 +200,8 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
-    moved = {k for (k, b), t in eng.step_times.measured.items() if t < 0.9}
-    assert moved == {0, 2, 3} and min(eng.step_times.measured.values()) > 0
+    moved = {k for (k, b), x in eng.step_times.scale.items() if x < 0.9}
+    assert moved == {0, 2, 3} and min(eng.step_times.scale.values()) > 0
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]
@@ -186,6 +216,24 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     assert again == hf_greedy(hf, prompts, 10)
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert real and all(a == k for k, a in real)
+
+
+def test_step_times_on_real_rows_leave_the_engine_exact(target, want):
+    """Start-up's step times (runtime/warmup.py; on CUDA the captured graphs, here their code): every (K, FULL size)
+    at cached length 0 and at a longer one, every row a request on blocks of its own; afterwards the caches and
+    block tables hold nothing of it: the tokens still equal transformers'."""
+    eng = dg.compile_model(target, truncated_draft_model(target, 1), config("FULL_AND_PIECEWISE"))
+    line = measure_step_times(eng, runs=1, max_context=24, timer=wall_time, captured_only=False)
+    want_keys = {(k, b) for k in (0, 2, 3) for b in eng.config.full_capture_sizes}
+    assert set(eng.step_times.measured) == want_keys == set(eng.step_times.per_token), eng.step_times.measured
+    assert "adaptive speculation: step times of" in line
+    assert [o.token_ids for o in eng.generate(*workload())] == want
+
+
+def wall_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def test_sampled_requests_stay_lossless(monkeypatch):

@@ -3,25 +3,27 @@
 The choice maximises expected tokens per second for the step's batch:
 
     tokens(K) = 1 + sum_{i<K} prod_{j<=i} a_j      (a_j: running conditional acceptance of draft position j)
-    tokens/s  = tokens(K) / time(K, padded batch)
+    tokens/s  = tokens(K) / time(K, padded batch, mean cached length)
 
-`time` is `StepTimes`, a table per (K, padded request count): measured on the captured one-graph step graphs at
-start-up (runtime/warmup.py) and corrected by the step times observed in steady, overlapped decoding (`calibrate`,
-from runtime/engine.py: padding rows read no KV, so the start-up times favour the larger K); or, where nothing is
-captured (the CPU), estimated from the bytes each K reads (the target's weights once, the drafter's once per draft),
-which is what a decode step is bound by.
+`time` is `StepTimes`, a table per (K, padded request count) of a step's time on real rows as a line in the
+requests' cached length: measured on the captured one-graph step graphs at start-up, every row a request at two
+cached lengths (runtime/warmup.py), and scaled by the step times observed in steady, overlapped decoding
+(`calibrate`, from runtime/engine.py); or, where nothing is captured (the CPU), estimated from the bytes each K
+reads (the target's weights once, the drafter's once per draft), which is what a decode step is bound by.
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
-K = 0 nothing, so after `probe` steps at K = 0 (doubling each time the probe does not pay, up to `max_probe`; at
-least as many as keep probing within `probe_budget` of the time) two steps run at the smallest K > 0 to measure
-again (the first proposes the drafts the second verifies: a request whose drafts were padded, after a step at a
-smaller K, is not observed; runtime/engine.py).
+K = 0 nothing, so after a while at K = 0 two steps run at the smallest K > 0 to measure again (a probe: the first
+proposes the drafts the second verifies: a request whose drafts were padded, after a step at a smaller K, is not
+observed; runtime/engine.py). Probes back off exponentially while they do not pay (`probe` steps, doubled after each
+probe up to `max_probe`), and are at least as far apart as keeps their cost within `probe_budget` of the time spent
+at K = 0: two steps at K > 0 instead of K = 0, the switches, and a draft model's catch-up on the positions K = 0
+skipped (the batch's cached tokens, at the seconds per token the last catch-ups took: `note_catch_up`).
 
-Lossless by construction: a step's K depends only on acceptance already read back to the host (steps up to s - 1,
-or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from flapping
-(every change of K costs one step without overlap, and a return from K = 0 a catch-up of the drafter).
+Lossless by construction: a step's K depends only on acceptance and lengths already read back to the host (steps up
+to s - 1, or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from
+flapping (every change of K costs one step without overlap, and a return from K = 0 a catch-up of the drafter).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ class AdaptiveK:
     def __init__(
         self,
         ks: tuple[int, ...],
-        step_time: Callable[[int, int], float | None],  # (K, batch size) -> seconds (None: unknown)
+        step_time: Callable[..., float | None],  # (K, batch size, mean cached length) -> seconds (None: unknown)
         ema: float = 0.1,  # weight of one step's observation
         margin: float = 0.03,  # a new K must beat the current one by this fraction
         probe: int = 32,
-        max_probe: int = 1024,
+        max_probe: int = 1 << 16,
         probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
         initial_rate: float = 0.7,
     ):
@@ -54,6 +56,8 @@ class AdaptiveK:
         self.current = self.k_max
         self.probe, self.min_probe, self.max_probe, self.probe_budget = probe, probe, max_probe, probe_budget
         self.steps_at_zero = 0
+        self.probes = 0  # probes started (stats)
+        self.catch_up_per_token: float | None = None  # seconds per token of a draft model's catch-up (None: none yet)
         self._probe_left = 0
         self.histogram: Counter = Counter()  # K chosen -> steps
 
@@ -65,21 +69,23 @@ class AdaptiveK:
             total += p
         return total
 
-    def throughput(self, k: int, batch: int) -> float | None:
-        t = self.step_time(k, batch)
+    def throughput(self, k: int, batch: int, ctx: float = 0.0) -> float | None:
+        t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int) -> int:
-        """K for the next decode step of `batch` requests (counted in the histogram)."""
+    def choose(self, batch: int, ctx: float = 0.0) -> int:
+        """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
+        histogram)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
-        k = self._best(batch)
+        k = self._best(batch, ctx)
         if k == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero > self._probe_interval(batch):  # then two steps at the smallest K > 0
+            if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
                 self.steps_at_zero = 0
-                self.probe = min(2 * self.probe, self.max_probe)
+                self.probe = min(2 * self.probe, self.max_probe)  # the next one later, unless this one pays
+                self.probes += 1
                 self._probe_left = 1
                 return self._count(self.ks[1])  # current stays 0
         else:
@@ -88,21 +94,38 @@ class AdaptiveK:
         self.current = k
         return self._count(k)
 
-    def _probe_interval(self, batch: int) -> int:
-        """Steps at K = 0 before the next probe: `probe` (doubled after each probe), and at least as many as keep the
-        probe's cost (two steps at the smallest K > 0 instead of K = 0, and about one more for a draft model's
-        catch-up) within `probe_budget` of the time at K = 0."""
-        t0, t1 = self.step_time(0, batch), self.step_time(self.ks[1], batch)
+    def probe_cost(self, batch: int, ctx: float = 0.0) -> float | None:
+        """Seconds a probe adds to the steps at K = 0 it replaces: its two steps at the smallest K > 0, about one
+        step more for the switches there and back (steps not overlapped), and a draft model's catch-up on the
+        batch's cached tokens (at the last catch-ups' seconds per token; before any, one step at that K)."""
+        t0, t1 = self.step_time(0, batch, ctx), self.step_time(self.ks[1], batch, ctx)
         if not t0 or not t1:
+            return None
+        per = self.catch_up_per_token
+        catch_up = t1 if per is None else per * batch * ctx
+        return 2 * (t1 - t0) + t0 + catch_up
+
+    def _probe_interval(self, batch: int, ctx: float = 0.0) -> int:
+        """Steps at K = 0 before the next probe: `probe` (doubled after each probe), and at least as many as keep the
+        probe's cost within `probe_budget` of the time at K = 0."""
+        cost = self.probe_cost(batch, ctx)
+        if cost is None:
             return self.probe
-        return max(self.probe, math.ceil((3 * t1 - 2 * t0) / (self.probe_budget * t0)))
+        return max(self.probe, math.ceil(cost / (self.probe_budget * self.step_time(0, batch, ctx))))
+
+    def note_catch_up(self, tokens: int, seconds: float) -> None:
+        """A draft model's catch-up fed `tokens` in `seconds` (runtime/engine.py times it, synchronised)."""
+        if tokens > 0:
+            per = seconds / tokens
+            prev = self.catch_up_per_token
+            self.catch_up_per_token = per if prev is None else prev + 0.5 * (per - prev)
 
     def _count(self, k: int) -> int:
         self.histogram[k] += 1
         return k
 
-    def _best(self, batch: int) -> int:
-        scores = {k: self.throughput(k, batch) for k in self.ks}
+    def _best(self, batch: int, ctx: float = 0.0) -> int:
+        scores = {k: self.throughput(k, batch, ctx) for k in self.ks}
         if any(s is None for s in scores.values()):  # no time for this batch: K_max, as "fixed"
             return self.k_max
         best = max(self.ks, key=lambda k: (scores[k], k))
@@ -128,40 +151,56 @@ class AdaptiveK:
             "choices": list(self.ks),
             "histogram": {k: self.histogram.get(k, 0) for k in self.ks},
             "acceptance_rates": [round(a, 4) for a in self.rates],
+            "probes": self.probes,
         }
 
     def reset_stats(self) -> None:
         self.histogram.clear()
+        self.probes = 0
 
 
 class StepTimes:
-    """Seconds of a decode step per (K, padded request count), the controller's `step_time`: measured at warm-up on
-    the captured one-graph steps (runtime/warmup.py fills `measured`) and moved toward the step times observed in
-    steady decoding (`calibrate`); without measurements (no CUDA graphs), estimated from the bytes a step reads (the
-    target's weights once, the drafter's once per draft), in units of the target's bytes, whatever the batch."""
+    """Seconds of a decode step per (K, padded request count) as a line in the requests' mean cached length, the
+    controller's `step_time`: `measured` (the step at cached length 0, every row a request) and `per_token` (its
+    slope) filled at start-up on the captured one-graph steps (runtime/warmup.py), and `scale` moved toward the ratio
+    of the step times observed in steady decoding to them (`calibrate`); without measurements (no CUDA graphs),
+    estimated from the bytes a step reads (the target's weights once, the drafter's once per draft), in units of the
+    target's bytes, whatever the batch."""
 
     def __init__(self, full_sizes: tuple[int, ...], target, drafter):
         self.sizes = tuple(sorted(full_sizes))
+        self._bucket = [next((s for s in self.sizes if s >= b), None) for b in range(max(self.sizes, default=0) + 1)]
         self.measured: dict[tuple[int, int], float] = {}
+        self.per_token: dict[tuple[int, int], float] = {}
+        self.scale: dict[tuple[int, int], float] = {}
         t = param_bytes(target)
         self.t_target, self.t_draft = t, param_bytes(drafter) or t // 50  # (the n-gram drafter: its lookup)
 
     def bucket(self, batch: int) -> int | None:
         """The padded request count of a uniform batch (FULL sizes), None past them."""
-        return next((s for s in self.sizes if s >= batch), None)
+        return self._bucket[batch] if batch < len(self._bucket) else None
 
-    def __call__(self, k: int, batch: int) -> float | None:
+    def __call__(self, k: int, batch: int, ctx: float = 0.0) -> float | None:
         if not self.measured:
             return (self.t_target + k * self.t_draft) / max(self.t_target, 1)
-        b = self.bucket(batch)
-        return self.measured.get((k, b)) if b is not None else None
-
-    def calibrate(self, k: int, batch: int, seconds: float, weight: float = 0.2) -> None:
-        """One steady step's time at K for `batch` requests: the measured entry moves toward it (the warm-up times
-        steps on padding rows, which read no KV, so the larger K look cheaper there than they are)."""
         key = (k, self.bucket(batch))
-        if key in self.measured:
-            self.measured[key] += weight * (seconds - self.measured[key])
+        t = self.measured.get(key)
+        if t is None:
+            return None
+        return (t + self.per_token.get(key, 0.0) * ctx) * self.scale.get(key, 1.0)
+
+    def calibrate(self, k: int, batch: int, seconds: float, ctx: float = 0.0, weight: float = 0.2) -> None:
+        """One steady step's time at K for `batch` requests of `ctx` cached tokens on average: the entry's scale
+        moves toward its ratio to the model's time (what the start-up rows did not have: real tokens' sampling, the
+        spread of lengths, the host's share)."""
+        key = (k, self.bucket(batch))
+        t = self.measured.get(key)
+        if t is None:
+            return
+        model = t + self.per_token.get(key, 0.0) * ctx
+        if model > 0:
+            s = self.scale.get(key, 1.0)
+            self.scale[key] = s + weight * (seconds / model - s)
 
 
 def param_bytes(module) -> int:

@@ -151,6 +151,11 @@ class Engine:
             timeline.mark("KV sizing")
         if self.compiled is not None and not (plan is not None and plan.kept_graphs):
             report = self.warm_up()
+        if self.adaptive is not None and self.compiled is not None and self.config.graphs_enabled:
+            from draftgraph.runtime.warmup import measure_step_times, reset_runtime_counters
+
+            report += measure_step_times(self)  # on the cache as sized: every row a request reads its own blocks
+            reset_runtime_counters(self)
         if self.memory_plan is not None:
             report = "; ".join(x for x in (report, self.memory_plan.describe()) if x)
         self.warm_up_report = "; ".join(x for x in (*notes, report) if x)
@@ -286,14 +291,19 @@ class Engine:
         if chunks or not batch.decodes:
             k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
         elif k is None:
-            k = self.adaptive.choose(len(batch.decodes))
+            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes))
         runner = self.runners[k]
         for c in chunks:  # a prefill from its start (or after cached blocks, which hold the drafter's KV too)
             if c.first:
                 c.req.draft_lag = -1
         reqs = batch.decodes + [c.req for c in chunks]
         if k:
-            self._stats["catch_up_tokens"] += runner.catch_up(reqs)
+            t0 = time.perf_counter()
+            fed = runner.catch_up(reqs)
+            if fed:  # timed (the device has nothing else queued here: no step is pending) for the probes' cost
+                runner.synchronize()
+                self.adaptive.note_catch_up(fed, time.perf_counter() - t0)
+            self._stats["catch_up_tokens"] += fed
         elif self.drafter is not None:  # (the n-gram drafter keeps no KV: nothing to catch up)
             for r in reqs:  # the drafter skips these positions: caught up when K returns above 0
                 if r.draft_lag < 0:
@@ -316,7 +326,9 @@ class Engine:
         if self._chain is not None and self._chain[0] is launched and self.step_times is not None:
             # `launched` ran right after the step read at _chain[1] (queued before it ended): the time between the
             # two reads is its step time on real requests, which corrects the warm-up's measurement on padding
-            self.step_times.calibrate(runner.k, len(launched.decodes), now - self._chain[1])
+            self.step_times.calibrate(
+                runner.k, len(launched.decodes), now - self._chain[1], mean_cached(launched.decodes)
+            )
         self._chain = (nxt, now) if nxt is not None else None
         if nxt is not None:
             self._stats["steps"] += 1
@@ -337,10 +349,10 @@ class Engine:
         if self.scheduler.waiting:
             return False
         if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
-            self._next_k = self.adaptive.choose(len(launched.decodes))  # taken by the next step unless relaunched
-            if self._next_k != launched.key.query_len - 1:
+            self._next_k = self.adaptive.choose(len(launched.decodes), mean_cached(launched.decodes))
+            if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
                 return False
-        k1, writes = self.shapes.verify, self.scheduler.writes  # the most tokens a step emits per request
+        k1, writes = launched.key.query_len, self.scheduler.writes  # the most tokens `launched` emits per request
         for r in launched.decodes:
             if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
                 return False
@@ -592,3 +604,8 @@ class Engine:
                 self.close()
         except Exception:  # noqa: BLE001 - nothing may escape __del__
             pass
+
+
+def mean_cached(decodes) -> float:
+    """The mean cached length of a decode batch (adaptive speculation's step times grow with it)."""
+    return sum(r.num_computed for r in decodes) / len(decodes) if decodes else 0.0

@@ -231,6 +231,11 @@ class StepRunner:
             todo = rest
         return fed
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing a catch-up: runtime/engine.py)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def fit_drafts(self, decodes: list[Request]) -> set[int]:
         """Each decode's drafts cut or padded to this runner's K (the last step may have run at another K); returns
         the ids of the requests padded. Padding repeats the last token: a greedy row keeps it only where the target

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -163,9 +164,6 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         timeline.mark("capture", "CUDA graphs off")
     else:
         timeline.mark("capture", "lazy: each graph at its first step" if lazy else f"{counters.graphs_captured} graphs")
-    times = ""
-    if engine.adaptive is not None and rc.graphs_enabled and not lazy:
-        times = measure_step_times(engine)
     reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:
@@ -196,43 +194,104 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         f"compiled {counters.pieces} pieces ({counters.unique_pieces} unique{reused}, {compiles} Inductor compiles, "
         f"token count symbolic{kernels}) in {compile_s:.1f} s{waited}; {graphs_line}"
     )
-    line += times
     log.info(line)
     return line
 
 
-def measure_step_times(engine, runs: int = 5) -> str:
-    """Adaptive speculation's cost model (runtime/adaptive.py): the median replay time of each K's greedy one-graph
-    step at every FULL request count, on padding rows, into `engine.step_times.measured`; returns a report
-    fragment."""
+def measure_step_times(engine, runs: int = 5, max_context: int = 2048, timer=None, captured_only: bool = True) -> str:
+    """Adaptive speculation's cost model (runtime/adaptive.py): the median time of each K's greedy one-graph step at
+    every FULL request count, every row a request (real rows read and write KV; padding rows do neither, and made the
+    larger K look cheaper than they are), at cached length 0 and at the longest that fits (up to `max_context`), into
+    `engine.step_times` (`measured`, `per_token`); returns a report fragment. Run once the KV cache has its size and
+    before any request: row i reads and writes blocks of its own (i * n ...), whose contents are zeroed first (the
+    steps' tokens and drafts must stay in the vocabulary) and again after; the device block tables are restored from
+    the host's. `timer(fn)`: seconds of one call (default: CUDA events); `captured_only`: time only the steps captured
+    as graphs (False: also their code without graphs, as on the CPU)."""
     from draftgraph.compiler.cuda_graphs import GraphKey
     from draftgraph.runtime.dispatcher import BatchDescriptor
 
-    graphs, times = engine.compiled.ctx, {}
+    rc, runner = engine.config, engine.runner
+    graphs, times, slopes = engine.compiled.ctx, {}, {}
+    timer = timer or _cuda_time
+    num_blocks, bs = engine.allocator.num_blocks, rc.block_size
+    # Hybrid models (runtime/state_cache.py) keep per-slot states too: their steps are timed on padding rows
+    real = engine.states is None
+    caches = [t for c in (runner.target_cache, getattr(runner, "draft_cache", None)) if c is not None
+              for kv in c.layers for t in kv]  # fmt: skip
+    for t in caches if real else ():
+        t.zero_()
     for k, view in sorted(engine.runners.items()):
         if view.uniform is None:
             continue
         q = view.shapes.verify
+        tables = view.uniform.tables
+        dev = tables.tables.device
+        width = tables.tables.shape[1]
         for b in engine.config.full_capture_sizes:
             d = view.dispatcher.dispatch(BatchDescriptor(b * q, b, q))
             key = GraphKey.step(q, d.num_reqs, "greedy")
-            if not view.uniform.applies(d) or key not in graphs.graphs:
+            if not view.uniform.applies(d) or (captured_only and key not in graphs.graphs):
                 continue
+            b = d.num_reqs
+            # the longest cached length whose rows (K + 2 of a draft model's first step past it) fit the table
+            # width, the model length, and the cache (each row its own blocks)
+            top = min(max_context, rc.max_model_len, width * bs, num_blocks // b * bs) - (k + 3)
             x = view.uniform.inputs([], d, False)
             fn = view.uniform.fns["greedy"]
-            view.forwards.step(key, x, fn)
-            samples = []
-            for _ in range(runs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                view.forwards.step(key, x, fn)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            times[(k, d.num_reqs)] = sorted(samples)[len(samples) // 2]
+            at = {}
+            for ctx in (0, top) if real and top > 0 else (0,):
+                if real:
+                    n = -(-(ctx + k + 3) // bs)
+                    slots = torch.arange(b, device=dev) % tables.scratch
+                    rows = torch.arange(tables.scratch, device=dev, dtype=torch.int32)[:, None] * n
+                    cols = torch.arange(n, device=dev, dtype=torch.int32)
+                    tables.tables[: tables.scratch, :n] = (rows + cols) % num_blocks
+                    x["slots"][:b] = slots
+                    x["valid"][:b] = 1
+
+                run = functools.partial(view.forwards.step, key, x, fn)
+                at[ctx] = _median_time(run, x, b, ctx, runs, timer)
+            times[(k, b)] = at[0]
+            slopes[(k, b)] = max(0.0, (at[top] - at[0]) / top) if top in at and top > 0 else 0.0
+            x["valid"][:b] = 0
+            x["lengths"][:b] = 0
+            x["slots"][:b] = tables.scratch
+    for t in caches if real else ():
+        t.zero_()
+    for view in engine.runners.values():  # every view shares these tables: back to the host's rows
+        if view.uniform is not None:
+            view.uniform.tables.tables.copy_(view.uniform.tables._host)
+            view.uniform.tables.invalidate()
     engine.step_times.measured.update(times)
+    engine.step_times.per_token.update(slopes)
     if not times:
         return ""
     top = max(b for _, b in times)
-    per_k = ", ".join(f"K={k} {times[(k, top)] * 1e3:.2f} ms" for k in sorted(engine.runners) if (k, top) in times)
+    per_k = ", ".join(
+        f"K={k} {times[(k, top)] * 1e3:.2f} ms + {slopes[(k, top)] * 1e6:.2f} us/token"
+        for k in sorted(engine.runners)
+        if (k, top) in times
+    )
     return f"; adaptive speculation: step times of {len(times)} (K, batch) graphs measured ({per_k} at batch {top})"
+
+
+def _median_time(run, x: dict, b: int, ctx: int, runs: int, timer) -> float:
+    """The median seconds of `run` (a step of `b` rows at cached length `ctx`) after one untimed call; each call
+    from the same inputs (the step advances its own lengths and tokens)."""
+    samples = []
+    for i in range(runs + 1):
+        x["lengths"][:b] = ctx
+        x["input_ids"].zero_()
+        t = timer(run)
+        if i:
+            samples.append(t)
+    return sorted(samples)[runs // 2]
+
+
+def _cuda_time(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
