@@ -10,6 +10,7 @@ import torch
 import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import truncated_draft_model
+from tests.copy_drafters import make_drafter
 from tests.helpers import tiny_hf_model
 from tests.test_adaptive import forced
 from tests.test_engine import ragged
@@ -23,11 +24,11 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
 
 
-def engine(target, drafter, mode, k=3, speculation="fixed"):
+def engine(target, drafter, mode, k=3, speculation="fixed", **kw):
     cfg = dg.CompileConfig(
         mode=mode, num_speculative_tokens=k, max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
         gpu_memory_utilization=0.0, capture_sizes=(1, 2, 4, 8, 16, 32, 64), full_capture_sizes=(1, 2, 4, 8),
-        progress=False, check_addresses=True, speculation=speculation,
+        progress=False, check_addresses=True, speculation=speculation, **kw,
     )  # fmt: skip
     return dg.compile_model(target, drafter, cfg)
 
@@ -39,7 +40,7 @@ def test_adaptive_is_lossless_and_replays_every_k(target, monkeypatch):
                  speculation="adaptive")  # fmt: skip
     assert set(eng.step_times.measured) == {(k, b) for k in (0, 2, 3) for b in (1, 2, 4, 8)}
     assert all(t > 0 for t in eng.step_times.measured.values())
-    before = dict(eng.step_times.measured)
+    assert set(eng.step_times.per_token) == set(eng.step_times.measured)  # (timed again at a longer cached length)
     seen = forced(monkeypatch, eng, [0] * 12 + [3, 3, 2, 2])
     assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == ref
     s, replays = eng.stats(), eng.compiled.counters.graph_replays
@@ -49,4 +50,24 @@ def test_adaptive_is_lossless_and_replays_every_k(target, monkeypatch):
     assert s["speculation"]["catch_up_tokens"] > 0
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert real and sum(a == k for k, a in real) >= 0.95 * len(real)  # float32: a near-tie may flip a draft
-    assert eng.step_times.measured != before  # steady overlapped steps moved their (K, batch) times
+    assert eng.step_times.scale  # steady overlapped steps calibrated their (K, batch) times
+
+
+@pytest.mark.parametrize("kind", ["eagle", "ngram", "draft_model"])
+def test_real_row_step_times_then_tokens_equal(target, kind):
+    """Start-up times every (K, FULL size) on real rows (each on blocks of its own, zeroed, tables restored); the
+    engine then generates the target's greedy tokens. With every draft rejected a draft model's engine stays at
+    K = 0 for most steps (after its first ones), with at most one probe."""
+    prompts, params, arrivals = ragged(16)
+    ref = [o.token_ids for o in engine(target, None, "NONE", k=0).generate(prompts, params, arrivals)]
+    drafter = truncated_draft_model(target, 1) if kind == "draft_model" else make_drafter(kind, target)
+    eng = engine(target, drafter, "FULL_AND_PIECEWISE", speculation="adaptive")
+    ks = (2, 3) if kind == "eagle" else (0, 2, 3)
+    assert set(eng.step_times.measured) == {(k, b) for k in ks for b in (1, 2, 4, 8)}
+    assert "adaptive speculation: step times of" in eng.warm_up_report
+    assert [o.token_ids for o in eng.generate(prompts, params, arrivals)] == ref
+    if kind == "draft_model":
+        zero = engine(target, drafter, "FULL_AND_PIECEWISE", speculation="adaptive", synthetic_acceptance=(0.0,) * 3)
+        zero.generate(prompts, params, arrivals)
+        spec = zero.stats()["speculation"]
+        assert spec["probes"] <= 1 and spec["histogram"][0] > 0.5 * sum(spec["histogram"].values()), spec
