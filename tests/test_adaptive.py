@@ -200,8 +200,8 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
-    moved = {k for (k, b), x in eng.step_times.scale.items() if x < 0.9}
-    assert moved == {0, 2, 3} and min(eng.step_times.scale.values()) > 0
+    scales = eng.step_times.scale  # one per request count, for every K (1 s modelled against the CPU's steps)
+    assert scales and all(0 < x < 0.9 for x in scales.values()), scales
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]
