@@ -195,6 +195,7 @@ def copy_bandwidth(device) -> float | None:
 def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode):
     max_b = max(sizes)
     cfg = dg.CompileConfig(
+        speculation="fixed",
         mode=mode,
         num_speculative_tokens=k,
         max_num_seqs=max_b,

@@ -52,7 +52,7 @@ def main():
     for name, extra in builds.items():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**{**base, **extra}))
+        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(speculation="fixed", **{**base, **extra}))
         c = engines[name].compiled.counters if engines[name].compiled else None
         print(
             f"{name}: ready in {time.perf_counter() - t0:.1f} s, "

@@ -107,7 +107,7 @@ def build_engines(target, drafter, args, device) -> dict:
             extra["capture_sizes"] = tuple(sorted({b * q for b in all_b for q in rows}))
             extra["full_capture_sizes"] = tuple(all_b)
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra))
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(speculation="fixed", **base, **extra))
         e = engines[name]
         print(f"{name}: mode {e.config.mode.value}, ready in {time.perf_counter() - t0:.1f} s  {e.warm_up_report}")
     return engines
@@ -129,7 +129,7 @@ def ngram_bench(target, spec, args, device) -> None:
             extra["capture_sizes"] = tuple(sorted({b * q for b in args.batches for q in rows}))
             extra["full_capture_sizes"] = tuple(args.batches)
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra))
+        engines[name] = dg.compile_model(target, d, dg.CompileConfig(speculation="fixed", **base, **extra))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
     g = torch.Generator().manual_seed(0)
     xs = torch.randint(0, spec.vocab_size, (b_max, args.prompt_len), generator=g).tolist()

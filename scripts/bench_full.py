@@ -53,7 +53,7 @@ def compile_engines(target, drafter, modes, sizes, k, ctx, min_batched_tokens) -
     engines = {}
     for name, extra in modes.items():
         t0 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
+        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(speculation="fixed", **base, **extra))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}")
     return engines
 

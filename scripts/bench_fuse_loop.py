@@ -39,9 +39,11 @@ def config_for(pair: str, fuse: bool, sizes=(1, 8, 32)):
     import draftgraph as dg
 
     if pair == "builtin":  # as `draftgraph generate --device cuda` configures it
-        return dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0, fuse_draft_loop=fuse)
+        return dg.CompileConfig(
+            speculation="fixed", device="cuda", progress=False, gpu_memory_utilization=0.0, fuse_draft_loop=fuse
+        )
     return dg.CompileConfig(
-        mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=max(32, *sizes),
+        speculation="fixed", mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=max(32, *sizes),
         max_num_batched_tokens=512, max_model_len=1024, device="cuda", progress=False,
         gpu_memory_utilization=0.0, fuse_draft_loop=fuse,
     )  # fmt: skip

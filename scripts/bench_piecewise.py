@@ -173,7 +173,7 @@ def main():
         ("piecewise", dict(mode="PIECEWISE")),
     ):
         t1 = time.perf_counter()
-        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(**base, **extra))
+        engines[name] = dg.compile_model(target, drafter, dg.CompileConfig(speculation="fixed", **base, **extra))
         print(f"{name}: ready in {time.perf_counter() - t1:.1f} s  {engines[name].warm_up_report}")
     t_bytes, d_bytes = target_layer_bytes(target), layer_bytes(drafter)
     head_bytes = target.head_weight.numel() * target.head_weight.element_size()

@@ -51,6 +51,7 @@ def ttfts(eng, prompts: list[list[int]], params) -> tuple[list[float], list[list
 
 def run(args, target, drafter, prefix_caching: bool, prompts, system) -> dict:
     cfg = dg.CompileConfig(
+        speculation="fixed",
         num_speculative_tokens=args.k,
         max_num_seqs=args.requests,
         max_num_batched_tokens=args.budget,

@@ -59,6 +59,7 @@ def build():
 
 def engine(target, drafter, k, ctx):
     cfg = dg.CompileConfig(
+        speculation="fixed",
         mode="FULL", num_speculative_tokens=k, max_num_seqs=max(SIZES), max_num_batched_tokens=2048,
         max_model_len=ctx + 96, device="cuda", gpu_memory_utilization=0.0, progress=False, full_capture_sizes=SIZES,
     )  # fmt: skip

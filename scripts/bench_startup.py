@@ -31,6 +31,7 @@ def config(args, **kw):
     import draftgraph as dg
 
     return dg.CompileConfig(
+        speculation="fixed",
         mode="FULL_AND_PIECEWISE",
         num_speculative_tokens=args.k,
         max_num_seqs=args.max_num_seqs,

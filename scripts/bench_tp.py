@@ -164,6 +164,7 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
     spec = case == "spec"
     k = (3 if key != "1b" else 4) if spec else 0
     cfg = dg.CompileConfig(
+        speculation="fixed",
         mode=mode,
         device=device.type,
         dtype="bfloat16" if device.type == "cuda" else "float32",

@@ -32,10 +32,13 @@ def main():
         from draftgraph.models.builtin import builtin_pair
 
         target, drafter = builtin_pair(device="cuda", attn_impl="triton")
-        config = dg.CompileConfig(device="cuda", progress=False, gpu_memory_utilization=0.0, compile_workers=workers)
+        config = dg.CompileConfig(
+            speculation="fixed", device="cuda", progress=False, gpu_memory_utilization=0.0, compile_workers=workers
+        )
     else:
         target, drafter = build_pair()
         config = dg.CompileConfig(
+            speculation="fixed",
             mode="FULL_AND_PIECEWISE", num_speculative_tokens=4, max_num_seqs=32, max_num_batched_tokens=512,
             max_model_len=1024, device="cuda", progress=False, gpu_memory_utilization=0.0, compile_workers=workers,
         )  # fmt: skip

@@ -31,6 +31,7 @@ def engine(target, drafter, b, k, ctx, inductor_options=None, sizes=None, tokeni
     sizes = tuple(sizes) if sizes else (b,)
     max_b = max(sizes)
     cfg = dg.CompileConfig(
+        speculation="fixed",
         mode="FULL",
         num_speculative_tokens=k if drafter is not None else 0,
         max_num_seqs=max_b,

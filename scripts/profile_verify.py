@@ -21,6 +21,7 @@ def main():
     b, k, ctx = args.b, args.k, args.context
     target, drafter = build_pair()
     cfg = dg.CompileConfig(
+        speculation="fixed",
         mode="FULL",
         num_speculative_tokens=k,
         max_num_seqs=b,

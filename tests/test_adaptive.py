@@ -129,15 +129,22 @@ def test_controller_margin_and_unknown_times():
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match=r"speculation='dynamic' is unknown; choose one of \['fixed', 'adaptive'\]"):
+    with pytest.raises(ValueError, match=r"unknown; choose one of \['auto', 'fixed', 'adaptive'\]"):
         dg.CompileConfig(speculation="dynamic")
-    from draftgraph.compiler.config import resolve
+    from draftgraph.compiler.config import resolve, resolve_speculation
 
     cfg = dg.CompileConfig(speculation="adaptive", tensor_parallel_size=2, max_num_seqs=4)
     with pytest.raises(ValueError, match="speculation='fixed' there"):
         resolve(cfg, 128, has_drafter=True)
     assert resolve(dg.CompileConfig(speculation="adaptive"), 128, has_drafter=True).speculation_ks == (0, 2, 3)
     assert resolve(dg.CompileConfig(speculation="adaptive"), 128, has_drafter=False).speculation_ks == ()
+    # the default, "auto": adaptive only where start-up times the steps (CUDA graphs of the one-graph step) and no
+    # other rank steps with this one; fixed here on the CPU, so the CPU suite's engines keep K fixed
+    assert dg.CompileConfig().speculation == "auto"
+    assert resolve(dg.CompileConfig(mode="FULL_AND_PIECEWISE"), 128, has_drafter=True).speculation_ks == ()
+    assert resolve_speculation(dg.CompileConfig(), 4, measured=True) == (0, 2, 4)
+    assert resolve_speculation(dg.CompileConfig(), 4, measured=False) == ()
+    assert resolve_speculation(dg.CompileConfig(tensor_parallel_size=2), 4, measured=True) == ()
 
 
 # ---- engines ---------------------------------------------------------------------------------------

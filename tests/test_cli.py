@@ -48,7 +48,7 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     assert config.mode == "auto" and config.max_model_len == 128 and config.gpu_memory_utilization == 0.5
     assert config.overlap_steps and not _config(parser.parse_args(["generate", "--no-overlap-steps"])).overlap_steps
     assert config.prefix_caching
-    assert config.speculation == "fixed"
+    assert config.speculation == "auto"
     assert _config(parser.parse_args(["generate", "--speculation", "adaptive"])).speculation == "adaptive"
     args = parser.parse_args(["generate", "--drafter", "ngram", "--ngram-min", "2", "--ngram-max", "4"])
     assert args.drafter == "ngram" and (_config(args).ngram_min, _config(args).ngram_max) == (2, 4)

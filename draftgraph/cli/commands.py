@@ -26,7 +26,7 @@ def _config(args, **over):
     fields = dict(
         mode=args.mode,
         num_speculative_tokens=args.num_speculative_tokens,
-        speculation=getattr(args, "speculation", "fixed"),
+        speculation=getattr(args, "speculation", "auto"),
         attention=args.attention,
         device=args.device,
         dtype=args.dtype,

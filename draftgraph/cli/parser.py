@@ -30,10 +30,10 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     )
     p.add_argument(
         "--speculation",
-        choices=["fixed", "adaptive"],
-        default="fixed",
-        help="fixed: K drafts every step (default); adaptive: each decode step picks K from 0, ceil(K/2), K by "
-        "measured step times and running acceptance",
+        choices=["auto", "fixed", "adaptive"],
+        default="auto",
+        help="fixed: K drafts every step; adaptive: each decode step picks K from 0, ceil(K/2), K by measured step "
+        "times and running acceptance; auto (default): adaptive where CUDA graphs time the steps, else fixed",
     )
     p.add_argument("--mode", default="auto", choices=MODES, help=mode_help)
     p.add_argument(

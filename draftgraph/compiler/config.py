@@ -49,7 +49,7 @@ FOLDED_MODES = {
     )
 }
 _said = {"graphs_off": False}
-SPECULATION = ("fixed", "adaptive")  # CompileConfig.speculation
+SPECULATION = ("auto", "fixed", "adaptive")  # CompileConfig.speculation
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALL_REDUCE_CHOICES = ("auto", "nccl")
 
@@ -152,7 +152,10 @@ class CompileConfig:
     # K from {0, ceil(K/2), K} (K = num_speculative_tokens, the largest) by a cost model: step time per (K, batch)
     # measured on the captured step graphs at start-up against the tokens expected from running per-position
     # acceptance rates (runtime/adaptive.py). Steps with prompt chunks run K, or 0 while the controller is there.
-    speculation: str = "fixed"
+    # "auto": "adaptive" where its step times are measured (CUDA graphs of the one-graph step, captured at start-up)
+    # and no other rank steps with this one (tensor parallelism, expert-parallel replicas); "fixed" elsewhere (the
+    # CPU, mode NONE, lazy capture), logged.
+    speculation: str = "auto"
 
     def __post_init__(self):
         check_synthetic_acceptance(self.synthetic_acceptance)
@@ -160,7 +163,7 @@ class CompileConfig:
             raise ValueError(
                 f"speculation={self.speculation!r} is unknown; choose one of {list(SPECULATION)} ('fixed': K drafts "
                 "every step; 'adaptive': each decode step picks K from {0, ceil(K/2), K} by measured step times and "
-                "running acceptance)"
+                "running acceptance; 'auto': adaptive where CUDA graphs time the steps, else fixed)"
             )
         check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.ops is not None and not isinstance(self.ops, OpChoices):
@@ -400,7 +403,9 @@ def resolve(
         synthetic_acceptance=synthetic,
         prefix_caching=config.prefix_caching,
         ngram=(config.ngram_min, config.ngram_max) if has_drafter and config.drafter_kind == "ngram" else None,
-        speculation_ks=resolve_speculation(config, k),
+        speculation_ks=resolve_speculation(
+            config, k, measured=graphs and full and config.one_graph_step and config.capture != "lazy"
+        ),  # fmt: skip
     )
     log.info(
         "draftgraph config: mode %s on %s, attention %s, K=%d, up to %d requests / %d tokens per step, "
@@ -424,13 +429,20 @@ def resolve(
     return rc
 
 
-def resolve_speculation(config: CompileConfig, k: int) -> tuple[int, ...]:
+def resolve_speculation(config: CompileConfig, k: int, measured: bool = False) -> tuple[int, ...]:
     """CompileConfig.speculation as the K a decode step may choose: () for "fixed" (or nothing to choose: no
     drafter, K = 0); {0, ceil(K/2), K} for "adaptive", logged. Refused where the ranks would have to agree on K
-    (tensor parallelism, lock-stepped replicas): not built yet."""
+    (tensor parallelism, lock-stepped replicas): not built yet. "auto" is "adaptive" where start-up measures the
+    step times (`measured`: CUDA graphs of the one-graph step captured at start-up) and no rank steps with another,
+    else "fixed"."""
     if config.speculation == "fixed" or k == 0:
         return ()
-    if config.tensor_parallel_size > 1 or (config.expert_parallel and config.data_parallel_size > 1):
+    lockstep = config.tensor_parallel_size > 1 or (config.expert_parallel and config.data_parallel_size > 1)
+    if config.speculation == "auto" and (lockstep or not measured):
+        why = "ranks step together" if lockstep else "no step times measured here (CUDA graphs of the one-graph step)"
+        log.info("speculation auto -> fixed: %s", why)
+        return ()
+    if lockstep:
         raise ValueError(
             f"speculation='adaptive' with tensor_parallel_size={config.tensor_parallel_size}, data_parallel_size="
             f"{config.data_parallel_size}, expert_parallel={config.expert_parallel}: ranks that step together would "

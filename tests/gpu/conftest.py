@@ -57,6 +57,19 @@ def _shared_compile_workers(request):
     yield _POOL[0]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fixed_speculation():
+    """The tier's engines keep K fixed unless a test asks for speculation="adaptive" (tests/gpu/test_adaptive_cuda.py):
+    their structural counts (graphs captured, replays by key, drafts verified) are derived for a fixed K, and the
+    default, "auto", is adaptive where CUDA graphs time the steps. "auto" resolves as where nothing is measured."""
+    from draftgraph.compiler import config
+
+    resolve = config.resolve_speculation
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "resolve_speculation", lambda cfg, k, measured=False: resolve(cfg, k, measured=False))
+        yield
+
+
 _SIDE_RUNS: dict = {}  # reference name -> tests.gpu.side_process.SideRun, started once the tests are collected
 
 
