@@ -20,7 +20,7 @@ import torch
 import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import truncated_draft_model
-from draftgraph.runtime.adaptive import AdaptiveK
+from draftgraph.runtime.adaptive import AdaptiveK, StepTimes
 from draftgraph.runtime.warmup import measure_step_times
 from tests.copy_drafters import make_drafter
 from tests.helpers import hf_greedy, tiny_hf_model
@@ -128,6 +128,23 @@ def test_controller_margin_and_unknown_times():
     assert ctl.choose(64) == 4  # no measured time for this batch: the largest K, as "fixed"
 
 
+def test_calibration_moves_the_choice():
+    """Start-up's step times at batch 128 (an H200, the 1B pair: K = 0 1.39 ms + 1.26 us a cached token, K = 2 3.22
+    + 2.92, K = 4 4.92 + 4.85) favour K = 2 at 2.5 tokens a step; steady K = 2 steps that take 4.2 ms (the host's
+    share at 128 requests) move its entry alone, and K = 0 wins."""
+    st = StepTimes((64, 128), None, None)
+    for k, t, per in ((0, 1.39e-3, 1.26e-6), (2, 3.22e-3, 2.92e-6), (4, 4.92e-3, 4.85e-6)):
+        st.measured[(k, 128)], st.per_token[(k, 128)] = t, per
+    ctl = AdaptiveK((0, 2, 4), st)
+    ctl.rates = [0.85, 0.76, 0.7, 0.7]
+    assert ctl.choose(100, 128.0) == 2  # (bucket 128)
+    for _ in range(10):
+        st.calibrate(2, 100, 4.2e-3, 128.0)
+    assert ctl.choose(100, 128.0) == 0
+    assert set(st.scale) == {(2, 128)} and st.scale[(2, 128)] > 1.1
+    assert st(0, 128, 128.0) == pytest.approx(1.39e-3 + 128 * 1.26e-6)  # K = 0's entry as measured
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match=r"unknown; choose one of \['auto', 'fixed', 'adaptive'\]"):
         dg.CompileConfig(speculation="dynamic")
@@ -207,8 +224,8 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
-    scales = eng.step_times.scale  # one per request count, for every K (1 s modelled against the CPU's steps)
-    assert scales and all(0 < x < 0.9 for x in scales.values()), scales
+    scales = eng.step_times.scale  # (K, batch) -> observed / modelled (1 s modelled against the CPU's steps)
+    assert {k for k, b in scales} == {0, 2, 3} and all(0 < x < 0.9 for x in scales.values()), scales
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]
@@ -223,6 +240,27 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     assert again == hf_greedy(hf, prompts, 10)
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert real and all(a == k for k, a in real)
+
+
+def test_prefixes_stay_cached_at_k0_and_the_draft_model_catches_up_on_them(hf, target, monkeypatch):
+    """Requests run at K = 0 throughout (their prompts too: the draft model skipped) still register their blocks, as
+    missing the draft model's entries; a later call with the same prompts finds them (as plain decoding would), and
+    at K = 3 its draft model, equal to the target, catches up on them first: every real draft accepted."""
+    eng = dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), config("FULL_AND_PIECEWISE"))
+    prompts = [list(range(1 + i, 40 + i)) for i in range(4)]  # 39 tokens: 2 full blocks of 16 each
+    params = [dg.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
+    want = hf_greedy(hf, prompts, 12)
+    eng.adaptive.current = 0  # prompts at K = 0 from the first step on
+    forced(monkeypatch, eng, [0])
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert eng.stats()["speculation"]["catch_up_tokens"] == 0
+    seen = forced(monkeypatch, eng, [3])
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    s = eng.stats()
+    assert s["prefix_cache"]["hit_tokens"] == 4 * 32  # each prompt's 2 blocks
+    assert s["speculation"]["catch_up_tokens"] >= 4 * 32
+    real = [(k, a) for k, acc in seen if k for a in acc]
+    assert len(real) > 8 and all(a == k for k, a in real)
 
 
 def test_step_times_on_real_rows_leave_the_engine_exact(target, want):

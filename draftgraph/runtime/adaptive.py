@@ -162,11 +162,10 @@ class AdaptiveK:
 class StepTimes:
     """Seconds of a decode step per (K, padded request count) as a line in the requests' mean cached length, the
     controller's `step_time`: `measured` (the step at cached length 0, every row a request) and `per_token` (its
-    slope) filled at start-up on the captured one-graph steps (runtime/warmup.py), times a `scale` per request count
-    moved toward the ratio of the step times observed in steady decoding to them (`calibrate`). One scale for every
-    K: the choice rests on the start-up's relative costs (each K's own scale, moved only while that K runs, made the
-    others look cheaper or dearer than they were and K flap); the scale makes the probes' step times absolute
-    against the catch-up's seconds. Without measurements (no CUDA graphs),
+    slope) filled at start-up on the captured one-graph steps (runtime/warmup.py), times a `scale` per entry moved
+    toward the ratio of the step times observed in steady decoding to them (`calibrate`: what the start-up's rows
+    lack, such as the host's share of a step with many requests, which grows with K). An entry no step has run keeps
+    the start-up's time. Without measurements (no CUDA graphs),
     estimated from the bytes a step reads (the target's weights once, the drafter's once per draft), in units of the
     target's bytes, whatever the batch."""
 
@@ -175,7 +174,7 @@ class StepTimes:
         self._bucket = [next((s for s in self.sizes if s >= b), None) for b in range(max(self.sizes, default=0) + 1)]
         self.measured: dict[tuple[int, int], float] = {}
         self.per_token: dict[tuple[int, int], float] = {}
-        self.scale: dict[int, float] = {}  # padded request count -> observed / modelled step time
+        self.scale: dict[tuple[int, int], float] = {}  # observed / modelled step time
         t = param_bytes(target)
         self.t_target, self.t_draft = t, param_bytes(drafter) or t // 50  # (the n-gram drafter: its lookup)
 
@@ -190,20 +189,19 @@ class StepTimes:
         t = self.measured.get((k, b))
         if t is None:
             return None
-        return (t + self.per_token.get((k, b), 0.0) * ctx) * self.scale.get(b, 1.0)
+        return (t + self.per_token.get((k, b), 0.0) * ctx) * self.scale.get((k, b), 1.0)
 
     def calibrate(self, k: int, batch: int, seconds: float, ctx: float = 0.0, weight: float = 0.2) -> None:
-        """One steady step's time at K for `batch` requests of `ctx` cached tokens on average: the batch's scale
-        moves toward its ratio to the model's time (what the start-up rows did not have: real tokens, the spread of
-        lengths, the host's share)."""
+        """One steady step's time at K for `batch` requests of `ctx` cached tokens on average: the entry's scale
+        moves toward its ratio to the model's time."""
         b = self.bucket(batch)
         t = self.measured.get((k, b))
         if t is None:
             return
         model = t + self.per_token.get((k, b), 0.0) * ctx
         if model > 0:
-            s = self.scale.get(b, 1.0)
-            self.scale[b] = s + weight * (seconds / model - s)
+            s = self.scale.get((k, b), 1.0)
+            self.scale[(k, b)] = s + weight * (seconds / model - s)
 
 
 def param_bytes(module) -> int:

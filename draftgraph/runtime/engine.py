@@ -293,9 +293,7 @@ class Engine:
         elif k is None:
             k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes))
         runner = self.runners[k]
-        for c in chunks:  # a prefill from its start (or after cached blocks, which hold the drafter's KV too)
-            if c.first:
-                c.req.draft_lag = -1
+        # (a prefill's first chunk lags where its cached blocks lack the draft model's KV: runtime/scheduler.py)
         reqs = batch.decodes + [c.req for c in chunks]
         if k:
             t0 = time.perf_counter()

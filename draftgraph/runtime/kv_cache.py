@@ -149,6 +149,9 @@ class BlockAllocator:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks no request holds, oldest first
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # registered blocks without a draft model's entries (adaptive speculation's K = 0 steps skipped them): a
+        # request that finds one catches the draft model up from there (runtime/scheduler.py sets its `draft_lag`)
+        self._draft_missing: set[int] = set()
         self.evictions = 0
 
     @property
@@ -177,6 +180,7 @@ class BlockAllocator:
             else:  # evict the least recently freed cached block
                 b, _ = self._lru.popitem(last=False)
                 del self._block_of[self._hash_of.pop(b)]
+                self._draft_missing.discard(b)
                 self.evictions += 1
             self._ref[b] = 1
             out.append(b)
@@ -220,14 +224,24 @@ class BlockAllocator:
                 del self._lru[b]
             self._ref[b] += 1
 
-    def register(self, block: int, h: bytes) -> bool:
+    def register(self, block: int, h: bytes, draft_missing: bool = False) -> bool:
         """Name a held block, whose every cache entry is final, by its chain hash; False when another block
-        holds that hash already (two requests computed the same prefix at once: the first one's is kept)."""
+        holds that hash already (two requests computed the same prefix at once: the first one's is kept).
+        `draft_missing`: every entry is final but a draft model's, which steps at K = 0 skipped."""
         if h in self._block_of or block in self._hash_of:
             return False
         self._block_of[h] = block
         self._hash_of[block] = h
+        if draft_missing:
+            self._draft_missing.add(block)
         return True
+
+    def draft_missing(self, block: int) -> bool:
+        return block in self._draft_missing
+
+    def draft_written(self, block: int) -> None:
+        """A draft model caught up on this block (its request's `catch_up`): its entries are final too."""
+        self._draft_missing.discard(block)
 
 
 class BlockTable:
@@ -238,7 +252,8 @@ class BlockTable:
 
     With prefix caching the table may start with shared cached blocks (`adopt`), and remembers its request's
     chain hashes (`hashes`: they depend on tokens only, which never change, so they outlive a release) and how
-    many of its blocks were registered (`num_registered`)."""
+    many of its blocks were registered (`num_registered`), and of those how many hold a draft model's entries too
+    (`num_draft_written`; adaptive speculation's K = 0 steps skip them)."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator = allocator
@@ -247,6 +262,7 @@ class BlockTable:
         self._n = 0
         self.hashes: list[bytes] = []
         self.num_registered = 0
+        self.num_draft_written = 0
 
     @property
     def blocks(self) -> np.ndarray:
@@ -272,6 +288,8 @@ class BlockTable:
         self.allocator.share(cached)
         self._append(cached)
         self.num_registered = len(cached)
+        missing = [i for i, b in enumerate(cached) if self.allocator.draft_missing(b)]
+        self.num_draft_written = missing[0] if missing else len(cached)
 
     def _append(self, new: list[int]) -> None:
         needed = len(new)
@@ -286,3 +304,4 @@ class BlockTable:
         self.allocator.free(self.blocks.tolist())
         self._n = 0
         self.num_registered = 0
+        self.num_draft_written = 0

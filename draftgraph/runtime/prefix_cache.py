@@ -15,7 +15,11 @@ cache's entries for its positions, and may be registered only once all of them a
 * speculative writes (a verify's rejected drafts, the draft loop's later steps, a draft model's extra row)
   lie at positions >= the request's `num_computed`, and each step rewrites them before anything reads them.
 * with adaptive speculation a draft model skipped by K = 0 steps has no entries from the request's `draft_lag` on
-  until it catches up (runtime/step.py `catch_up`): blocks are registered only up to there.
+  until it catches up (runtime/step.py `catch_up`): blocks past there are registered as missing them
+  (`BlockAllocator.draft_missing`: every other entry is final), and marked once it caught up. A request whose
+  cached prefix holds such a block starts with its `draft_lag` there, and the draft model catches up on it
+  (writing the shared block's entries: the same values for the same tokens) before its next step at K > 0; so at
+  K = 0 prompts still find their prefixes cached, as in plain decoding.
 The rule: block i (positions i*B .. (i+1)*B-1) is registered once (i+1)*B <= num_computed, and its hash's
 tokens (up to (i+1)*B - 1 + lookahead) are in the request's tokens. Every position < num_computed holds an
 accepted token in every cache (a head drafter's entry at num_computed - 1 reads tokens[num_computed], the

@@ -138,6 +138,9 @@ class Scheduler:
             r.block_table = table
             table.adopt(hits)
             r.num_computed = start
+            # a cached block without a draft model's entries (runtime/prefix_cache.py): caught up from there
+            written = table.num_draft_written * self.block_size
+            r.draft_lag = written if written < start else -1
             table.ensure_capacity(slots)
             if r.slot < 0:
                 r.slot = self._free_slots.pop()
@@ -170,21 +173,25 @@ class Scheduler:
 
     def _register(self, r: Request) -> None:
         """Register r's blocks that became final (runtime/prefix_cache.py: every position < num_computed is an
-        accepted token in every cache, and a block's hash reads `lookahead` tokens past it); not past a draft model's
-        KV that steps at K = 0 skipped (adaptive speculation: `draft_lag`), which would hold stale entries."""
+        accepted token in every cache, and a block's hash reads `lookahead` tokens past it); those past where a draft
+        model's KV lags (adaptive speculation's K = 0 steps skipped it: `draft_lag`) as missing its entries, and
+        marked written once it caught up."""
         if self.prefix is None or r.block_table is None:
             return
-        table = r.block_table
-        final = r.num_computed if r.draft_lag < 0 else min(r.num_computed, r.draft_lag)  # a lagging draft model's KV
-        full = min(final // self.block_size, len(table.blocks))
-        if full <= table.num_registered:
-            return
-        hashes = self.prefix.extend(table.hashes, r.tokens, full)
-        full = min(full, len(hashes))
+        table, bs = r.block_table, self.block_size
+        written = r.num_computed if r.draft_lag < 0 else min(r.num_computed, r.draft_lag)
+        full = min(r.num_computed // bs, len(table.blocks))
         blocks = table.blocks
-        for i in range(table.num_registered, full):
-            self.allocator.register(int(blocks[i]), hashes[i])
-        table.num_registered = max(table.num_registered, full)
+        if full > table.num_registered:
+            hashes = self.prefix.extend(table.hashes, r.tokens, full)
+            full = min(full, len(hashes))
+            for i in range(table.num_registered, full):
+                self.allocator.register(int(blocks[i]), hashes[i], draft_missing=(i + 1) * bs > written)
+            table.num_registered = max(table.num_registered, full)
+        done = min(written // bs, table.num_registered)
+        for i in range(table.num_draft_written, done):
+            self.allocator.draft_written(int(blocks[i]))
+        table.num_draft_written = max(table.num_draft_written, done)
 
     def _grow(self, r: Request, slots: int, scheduled: set[int], preempted: set[int]) -> bool:
         """Give r blocks for `slots` positions, preempting the latest admitted running requests not scheduled
