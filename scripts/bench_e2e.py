@@ -214,8 +214,11 @@ def adaptive_bench(target, drafter, args, device) -> None:
             s = eng.stats()
             hist[name, b] = s["speculation"]["histogram"]
             acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+            hits = s["prefix_cache"]["hit_tokens"]
             print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step (last run) "
-                  f"{hist[name, b]}", flush=True)  # fmt: skip
+                  f"{hist[name, b]}, steps {s['steps']}, prefix-cache hit tokens {hits}, catch-up tokens "
+                  f"{s['speculation'].get('catch_up_tokens', 0)}, probes {s['speculation'].get('probes', 0)}",
+                  flush=True)  # fmt: skip
     for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
         fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
         if f"adaptive{suffix}" not in variants:
