@@ -458,6 +458,8 @@ class Engine:
         self._padded: set[int] = set()  # requests whose drafts the step about to be read padded (fit_drafts)
         self.runner.forwards.reset()
         self.scheduler.reset_stats()
+        if self.adaptive is not None:
+            self.adaptive.reset_stats()  # (its probes; the K per step is counted above)
 
     def stats(self) -> dict:
         """What ran since the last generate() call started (or reset_stats(), for callers of step()): steps,
