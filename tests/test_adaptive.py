@@ -98,7 +98,7 @@ def test_probes_stay_within_budget_when_nothing_is_accepted():
     cached token of the batch, here 20 steps' time) cost at most 1 % over K = 0 alone, also as the context grows;
     the interval keeps doubling (no cap below the budget's)."""
     ctl = AdaptiveK((0, 2, 4), lambda k, b, c: 1.0 + 0.25 * k + 0.001 * c)
-    batch, per_token, extra, zero_time, probes, steps = 8, 0.005, 0.0, 0.0, 0, 100_000
+    batch, per_token, extra, zero_time, probes, steps = 8, 0.005, 0.0, 0.0, 0, 40_000
     for s in range(steps):
         ctx = 100 + s % 400  # requests of 500 tokens in turn
         k = ctl.choose(batch, ctx)
@@ -112,7 +112,7 @@ def test_probes_stay_within_budget_when_nothing_is_accepted():
             zero_time += t0
         ctl.observe(k, [0] * batch)
     assert ctl.histogram[0] > 0.99 * steps
-    assert 0 < probes <= 12 and ctl.stats()["probes"] == probes  # 32, 64, ... steps apart, at least the budget's
+    assert 0 < probes <= 10 and ctl.stats()["probes"] == probes  # 32, 64, ... steps apart, at least the budget's
     assert extra <= 0.01 * zero_time, (extra, zero_time)
 
 
@@ -263,10 +263,17 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
 
 
 def test_prefixes_stay_cached_at_k0_and_the_draft_model_catches_up_on_them(hf, target, monkeypatch):
-    """Requests run at K = 0 throughout (their prompts too: the draft model skipped) still register their blocks, as
-    missing the draft model's entries; a later call with the same prompts finds them (as plain decoding would), and
-    at K = 3 its draft model, equal to the target, catches up on them first: every real draft accepted."""
+    """Start-up's step times first (runtime/warmup.py; on CUDA the captured graphs, here their code): every (K, FULL
+    size) at cached length 0 and at a longer one, every row a request on blocks of its own, leaving nothing behind in
+    the caches and block tables. Then requests run at K = 0 throughout (their prompts too: the draft model skipped)
+    still register their blocks, as missing the draft model's entries; a later call with the same prompts finds them
+    (as plain decoding would), and at K = 3 its draft model, equal to the target, catches up on them first: every
+    real draft accepted; the tokens equal transformers' throughout."""
     eng = dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), config("FULL_AND_PIECEWISE"))
+    line = measure_step_times(eng, runs=1, max_context=24, timer=wall_time, captured_only=False)
+    want_keys = {(k, b) for k in (0, 2, 3) for b in eng.config.full_capture_sizes}
+    assert set(eng.step_times.measured) == want_keys == set(eng.step_times.per_token), eng.step_times.measured
+    assert "adaptive speculation: step times of" in line
     prompts = [list(range(1 + i, 40 + i)) for i in range(4)]  # 39 tokens: 2 full blocks of 16 each
     params = [dg.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * len(prompts)
     want = hf_greedy(hf, prompts, 12)
@@ -281,18 +288,6 @@ def test_prefixes_stay_cached_at_k0_and_the_draft_model_catches_up_on_them(hf, t
     assert s["speculation"]["catch_up_tokens"] >= 4 * 32
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 8 and all(a == k for k, a in real)
-
-
-def test_step_times_on_real_rows_leave_the_engine_exact(target, want):
-    """Start-up's step times (runtime/warmup.py; on CUDA the captured graphs, here their code): every (K, FULL size)
-    at cached length 0 and at a longer one, every row a request on blocks of its own; afterwards the caches and
-    block tables hold nothing of it: the tokens still equal transformers'."""
-    eng = dg.compile_model(target, truncated_draft_model(target, 1), config("FULL_AND_PIECEWISE"))
-    line = measure_step_times(eng, runs=1, max_context=24, timer=wall_time, captured_only=False)
-    want_keys = {(k, b) for k in (0, 2, 3) for b in eng.config.full_capture_sizes}
-    assert set(eng.step_times.measured) == want_keys == set(eng.step_times.per_token), eng.step_times.measured
-    assert "adaptive speculation: step times of" in line
-    assert [o.token_ids for o in eng.generate(*workload())] == want
 
 
 def wall_time(fn) -> float:
