@@ -10,8 +10,18 @@ the phases; the table shows the whole process (wall clock around the command), t
 processes and the highest one-minute load seen. The printed tokens and acceptance of every run are compared:
 a start-up change must not change them.
 
+Python's bytecode (--bytecode): a user's `pip install` byte-compiles every package, but some machines (this project's
+GPU machines: no .pyc shipped, PYTHONDONTWRITEBYTECODE=1) compile every import from source in every process, about
+5 s of a start. `--bytecode installed` (the default) first runs the command once, untimed, writing bytecode into a
+PYTHONPYCACHEPREFIX under the run's temporary directory, which every timed run then reads, as after a pip install;
+`--bytecode as-is` leaves the machine's setting.
+
+--pair acceptance: the realistic-acceptance 1B pair (models/builtin.py LLAMA_1B_ACCEPTANCE: Llama-3.2-1B's shape,
+bf16, a draft model of its first 2 layers) saved once as two checkpoints (not timed), then every run loads them as a
+user's would: `--target T --drafter D -k 4 --max-num-seqs 32 --num-prompts 32` (issue 44's 1B pair, batches to 32).
+
 Usage: python scripts/bench_cold_start.py --variant base: [--variant w0::--compile-workers 0] [--warm]
-       [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline]
+       [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline] [--pair acceptance]
 A variant is NAME:ENV=V,ENV=V:EXTRA CLI ARGS (either part may be empty).
 """
 
@@ -100,6 +110,27 @@ def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
     }
 
 
+def save_acceptance_pair(root: str) -> list[str]:
+    """The 1B acceptance pair as two checkpoints under `root` (target; its first layers as a draft model, the same
+    tensors), and the generate flags that load them."""
+    import torch
+
+    from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
+
+    spec = LLAMA_1B_ACCEPTANCE
+    hf = builtin_hf_target(spec, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
+    hf.save_pretrained(target)
+    hf.model.layers = hf.model.layers[: spec.draft_layers]  # the draft model: the first layers, shared tensors
+    hf.config.num_hidden_layers = spec.draft_layers
+    if getattr(hf.config, "layer_types", None):
+        hf.config.layer_types = hf.config.layer_types[: spec.draft_layers]
+    hf.save_pretrained(drafter)
+    del hf
+    flags = ["--target", target, "--drafter", drafter, "-k", "4", "--max-num-seqs", "32", "--num-prompts", "32"]
+    return flags + ["--dtype", "bfloat16"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:ENV=V,...[:EXTRA ARGS]")
@@ -112,6 +143,10 @@ def main() -> None:
     ap.add_argument("--build-args", default="", help="`draftgraph build` arguments for --artifacts (its model flags)")
     ap.add_argument("--timeline", action="store_true", help="print every run's start-up timeline")
     ap.add_argument("--timeout", type=float, default=200.0)
+    ap.add_argument("--bytecode", choices=["installed", "as-is"], default="installed", help="installed: bytecode "
+                    "written once by an untimed run, as a pip install leaves it; as-is: the machine's setting")  # fmt: skip
+    ap.add_argument("--pair", choices=["builtin", "acceptance"], default="builtin", help="builtin: generate's own "
+                    "pair (no flags); acceptance: the 1B pair from checkpoints saved once (see above)")  # fmt: skip
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
@@ -120,9 +155,21 @@ def main() -> None:
     generate = [sys.executable, "-m", "draftgraph", "-v", "generate", "--device", "cuda", *base_args]
     root = tempfile.mkdtemp(prefix="bench-cold-start-")
     try:
+        if args.pair == "acceptance":
+            t0 = time.perf_counter()
+            pair = save_acceptance_pair(root)
+            generate += pair
+            args.build_args = " ".join([*pair[:6], "--max-num-seqs", "32", "--dtype", "bfloat16", args.build_args])
+            print(f"the 1B acceptance pair saved in {time.perf_counter() - t0:.1f} s (not timed as a start)", flush=True)
+        bytecode = {}
+        if args.bytecode == "installed":
+            bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": os.path.join(root, "pycache")}
+            env = dict(os.environ, **bytecode, **fresh_caches(root))
+            res = run_once(generate + variants[0][2], env, args.timeout)
+            print(f"bytecode written by an untimed run ({res['wall']:.1f} s, rc {res['rc']})", flush=True)
         for r in range(args.repeats):
             for name, env_extra, extra in variants:
-                env = dict(os.environ, **env_extra, **fresh_caches(root))
+                env = dict(os.environ, **bytecode, **env_extra, **fresh_caches(root))
                 for kind in kinds:
                     cmd, run_env = generate + extra, env  # warm: the caches the cold run filled
                     if kind == "artifacts":

@@ -120,9 +120,11 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
     p.add_argument(
         "--capture",
-        default="eager",
-        choices=["eager", "lazy"],
-        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy)",
+        default="auto",
+        choices=["auto", "eager", "lazy"],
+        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy); default auto: "
+        "lazy for generate (a one-off job, whose start is most of what the user waits for), eager for serve and "
+        "with --speculation adaptive (its step times are measured on the captured graphs)",
     )
     p.add_argument(
         "--fuse-draft-loop",
