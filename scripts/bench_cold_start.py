@@ -143,10 +143,14 @@ def main() -> None:
     ap.add_argument("--build-args", default="", help="`draftgraph build` arguments for --artifacts (its model flags)")
     ap.add_argument("--timeline", action="store_true", help="print every run's start-up timeline")
     ap.add_argument("--timeout", type=float, default=200.0)
-    ap.add_argument("--bytecode", choices=["installed", "as-is"], default="installed", help="installed: bytecode "
-                    "written once by an untimed run, as a pip install leaves it; as-is: the machine's setting")  # fmt: skip
-    ap.add_argument("--pair", choices=["builtin", "acceptance"], default="builtin", help="builtin: generate's own "
-                    "pair (no flags); acceptance: the 1B pair from checkpoints saved once (see above)")  # fmt: skip
+    ap.add_argument(
+        "--bytecode", choices=["installed", "as-is"], default="installed",
+        help="installed: bytecode written once by an untimed run, as a pip install leaves it; as-is: the machine's",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pair", choices=["builtin", "acceptance"], default="builtin",
+        help="builtin: generate's own pair (no flags); acceptance: the 1B pair from checkpoints saved once",
+    )  # fmt: skip
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
@@ -160,7 +164,7 @@ def main() -> None:
             pair = save_acceptance_pair(root)
             generate += pair
             args.build_args = " ".join([*pair[:6], "--max-num-seqs", "32", "--dtype", "bfloat16", args.build_args])
-            print(f"the 1B acceptance pair saved in {time.perf_counter() - t0:.1f} s (not timed as a start)", flush=True)
+            print(f"the 1B acceptance pair saved in {time.perf_counter() - t0:.1f} s (not a start)", flush=True)
         bytecode = {}
         if args.bytecode == "installed":
             bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": os.path.join(root, "pycache")}
