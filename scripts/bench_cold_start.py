@@ -107,6 +107,7 @@ def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
         "procs": peak["procs"],
         "load": peak["load"],
         "tail": "" if rc == 0 else (err + out)[-2500:],
+        "stdout": out,
     }
 
 
@@ -131,6 +132,24 @@ def save_acceptance_pair(root: str) -> list[str]:
     return flags + ["--dtype", "bfloat16"]
 
 
+# --profile: the command under cProfile; the CLI ends with os._exit after its exit handlers, so the stats are printed
+# by an exit handler registered first (handlers run last-in, first-out: this one after the CLI's own).
+PROFILED = """
+import atexit, cProfile, pstats, runpy, sys
+profile = cProfile.Profile()
+def report():
+    profile.disable()
+    print("== cProfile of the whole process, by cumulative time")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(50)
+    print("== by own time")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+atexit.register(report)
+sys.argv = ["draftgraph", *sys.argv[1:]]
+profile.enable()
+runpy.run_module("draftgraph", run_name="__main__", alter_sys=True)
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:ENV=V,...[:EXTRA ARGS]")
@@ -151,6 +170,7 @@ def main() -> None:
         "--pair", choices=["builtin", "acceptance"], default="builtin",
         help="builtin: generate's own pair (no flags); acceptance: the 1B pair from checkpoints saved once",
     )  # fmt: skip
+    ap.add_argument("--profile", default="", help="starts run under cProfile, printed: cold, warm and/or artifacts")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
@@ -186,7 +206,11 @@ def main() -> None:
                         if b.returncode:
                             print(f"build failed:\n{(b.stderr + b.stdout)[-2500:]}")
                         cmd, run_env = cmd + ["--artifacts", out], dict(env, **fresh_caches(root))
+                    if kind in args.profile.split(","):
+                        cmd = [sys.executable, "-c", PROFILED, *cmd[3:]]  # the same argv after `-m draftgraph`
                     res = run_once(cmd, run_env, args.timeout)
+                    if kind in args.profile.split(","):
+                        print(res["stdout"][res["stdout"].find("== cProfile") :], flush=True)
                     results[(name, kind)].append(res)
                     p = {k: f"{v:.1f} s" for k, v in res["phases"].items()}
                     print(
