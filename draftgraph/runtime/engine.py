@@ -155,12 +155,13 @@ class Engine:
             report = "; ".join(x for x in (report, self.memory_plan.describe()) if x)
         self.warm_up_report = "; ".join(x for x in (*notes, report) if x)
 
-    def warm_up(self, lazy: bool | None = None) -> str:
+    def warm_up(self, lazy: bool | None = None, largest_only: bool = False) -> str:
         """Compile every piece and (on CUDA) capture every graph, largest size first, or leave capture to the
-        steps with lazy capture (`lazy` overrides the config's choice); returns the report line."""
+        steps with lazy capture (`lazy` overrides the config's choice; `largest_only`: only the largest size of
+        each kind, which bounds the shared pool); returns the report line."""
         from draftgraph.runtime.warmup import warm_up_and_capture
 
-        return warm_up_and_capture(self, lazy)
+        return warm_up_and_capture(self, lazy, largest_only)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Both KV caches at `num_blocks` blocks (no request may be running). Graphs read the caches in place:

@@ -25,16 +25,16 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
 
 
-def run(target, kind, mode, k=3, capture="eager"):
+def run(target, kind, mode, k=3, capture="eager", **over):
     prompts, params, arrivals = ragged(16)
     cfg = dg.CompileConfig(
+        **{"gpu_memory_utilization": 0.0, **over},  # 0.0: a KV cache of max_num_seqs requests, not sized from memory
         capture=capture,
         mode=mode,
         num_speculative_tokens=k,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
-        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=SIZES,
         full_capture_sizes=(1, 2, 4, 8),
         progress=False,
@@ -100,6 +100,30 @@ def test_lazy_capture_captures_what_steps_use(target):
     again = lazy.generate(*ragged(16))  # the same steps again: nothing new to capture
     assert lazy.compiled.counters.graphs_captured == n_lazy and [o.token_ids for o in again] == ref
     print(f"lazy capture: {n_lazy} graphs captured by the steps, against {n_eager} captured eagerly")
+
+
+@pytest.mark.whole_device
+def test_lazy_capture_with_kv_sizing_captures_only_the_largest_sizes_at_start(target):
+    """capture="lazy" with the KV cache sized from free memory: the sizing probe captures the largest FULL request
+    count and piece size only (every graph goes into one pool, largest first: those bound it), the steps capture
+    the rest; the same tokens as eager capture, no fallbacks."""
+    ref, _, eager = run(target, "eagle", "FULL_AND_PIECEWISE")
+    n_eager = eager.compiled.counters.graphs_captured
+    del eager
+    prompts, params, arrivals = ragged(16)
+    cfg = dg.CompileConfig(
+        capture="lazy", mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+        device="cuda", gpu_memory_utilization=0.3, capture_sizes=SIZES, full_capture_sizes=(1, 2, 4, 8),
+        progress=False, check_addresses=True,
+    )  # fmt: skip
+    eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
+    at_start = eng.compiled.counters.graphs_captured
+    assert 0 < at_start < n_eager / 4, (at_start, n_eager)  # 1 of 4 FULL counts and 1 of 8 piece sizes
+    assert eng.memory_plan is not None and eng.memory_plan.num_blocks > 0
+    out = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+    assert out == ref and eng.stats()["fallbacks"] == 0
+    assert eng.compiled.counters.graphs_captured > at_start  # the steps captured the sizes they needed
+    print(f"lazy capture, KV sized: {at_start} graphs at start, {eng.compiled.counters.graphs_captured} after")
 
 
 def test_penalties_and_logprobs_run_inside_the_step_graph(target):
