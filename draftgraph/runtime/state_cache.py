@@ -10,7 +10,8 @@ freed with it); the last row is scratch. L = K + 1 for a target, K + 2 for a dra
 says why), Lc = L + conv_kernel - 2.
 
 Why a block -> row map: a forward sees only the attention metadata, whose block tables start with each
-request's first block, unique to it while it lives. The engine writes the map when a request is admitted
+request's first block, unique to it while it lives (a prefix-cache hit's first block is a private copy of the cached
+one: runtime/state_snapshots.py). The engine writes the map when a request is admitted
 (its first prefill chunk: new blocks, also after a preemption), a tiny copy outside any graph; steps then
 find rows on the device. Nothing is reset between requests: a forward from position 0 starts from zeros.
 Rollback needs nothing here: the op reads the state by position (the op's docstring).
@@ -94,8 +95,8 @@ class StateSlots:
         self.caches = caches
 
     def admit(self, chunks: list[ScheduledChunk]) -> None:
-        """Before a step: each request just admitted (new, or recomputed: from position 0, as prefix caching is off for
-        these models) gets its row."""
+        """Before a step: each request just admitted (new, or recomputed) gets its row: its first block is its own
+        (a prefix-cache hit's is a private copy: runtime/state_snapshots.py, which also restores the state)."""
         firsts = [(c.req.block_table.blocks[0], c.req.slot) for c in chunks if c.first]
         if not firsts:
             return
