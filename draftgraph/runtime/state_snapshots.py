@@ -9,9 +9,10 @@ starting at h: ops/linear_attention/op.py) before its first chunk runs.
 What is kept. A fixed pool of `prefix_state_snapshots` slots (CompileConfig; auto: max_num_seqs), allocated once
 beside the rings (never reallocated: graphs never read it, only copies outside them do), per linear layer of the
 target: conv [S, W-1, conv_dim] in the model dtype and ssm [S, HV, Dk, Dv] float32. Bytes per snapshot =
-linear layers x ((W-1) x conv_dim x dtype bytes + HV x Dk x Dv x 4) (`bytes_per_snapshot`); the Qwen3.5-shaped
-1B of scripts/bench_qwen3_5.py (12 GDN layers, HV 16, Dk = Dv = 128, conv_dim 6144, W 4, bf16): 12 x (36,864 +
-1,048,576) B = 13.0 MB per snapshot, as 4 tokens... of nothing else: the ssm state dominates.
+linear layers x ((W-1) x conv_dim x dtype bytes + HV x Dk x Dv x 4) (`bytes_per_snapshot`, in stats()); the
+Qwen3.5-shaped 1B of scripts/bench_qwen3_5.py (12 GDN layers, HV 16, Dk = Dv = 128, conv_dim 6144, W 4, bf16):
+12 x (36,864 + 1,048,576) B = 13.0 MB (12.4 MiB) per snapshot, the recurrent state 97 % of it; the auto pool
+(max_num_seqs slots) costs 1/L of the per-request rings (L = K + 1 states per request and layer).
 
 Which boundaries. A snapshot is named by the chain hash of the block that ends at its boundary e (a multiple of
 the block size B), so it is found with the blocks; it is taken when a prefill chunk ends exactly at e (the ring
