@@ -53,8 +53,8 @@ class StateCacheSpec:
 
 
 class StateCache:
-    """`reserve_blocks` > 0: the block map is a view of a map of that many blocks, so that a KV cache growing in
-    place (kv_cache.py) keeps its address too."""
+    """`reserve_blocks` > 0: the block map is a map of that many blocks, so that a KV cache growing in place
+    (kv_cache.py) keeps its address and size too."""
 
     def __init__(self, spec: StateCacheSpec, num_blocks: int, device, reserve_blocks: int = 0):
         self.spec, self.device = spec, torch.device(device)
@@ -77,9 +77,11 @@ class StateCache:
         """A new block map for a cache of `num_blocks` blocks (while no request runs)."""
         from torch._dynamo.decorators import maybe_mark_dynamic  # as kv_cache.py: the block count is dynamic
 
-        if self._rows_reserved is not None:
+        if self._rows_reserved is not None:  # the whole map, not a view of num_blocks: graphs captured before the
+            # cache grew keep reading it, and compiled code checks a gather's index against the size it was given
+            # (a view of the probe's size failed that check once block ids passed it: a device-side assert)
             self._rows_reserved.zero_()
-            self.block_rows = self._rows_reserved[:num_blocks]
+            self.block_rows = self._rows_reserved
         else:
             self.block_rows = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
         maybe_mark_dynamic(self.block_rows, 0)
