@@ -48,6 +48,7 @@ def _config(args, **over):
         fuse_draft_loop=_FUSE[args.fuse_draft_loop],
         overlap_steps=not getattr(args, "no_overlap_steps", False),
         prefix_caching=not getattr(args, "no_prefix_caching", False),
+        prefix_state_snapshots=getattr(args, "prefix_state_snapshots", 0),
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),

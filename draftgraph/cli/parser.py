@@ -143,7 +143,15 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         "--no-prefix-caching",
         action="store_true",
         help="prefill every prompt from its start (default: full KV blocks are kept and shared by later requests "
-        "whose tokens start the same, which prefill only the rest; off by itself for hybrid models)",
+        "whose tokens start the same, which prefill only the rest; hybrid models keep state snapshots too)",
+    )
+    p.add_argument(
+        "--prefix-state-snapshots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hybrid models (Qwen3.5): device slots for Gated DeltaNet state snapshots at block boundaries, which "
+        "prefix-cache hits need (default 0 = auto: max-num-seqs)",
     )
     p.add_argument(
         "--check-addresses",
