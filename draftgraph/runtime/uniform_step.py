@@ -233,7 +233,7 @@ class UniformStep:
                 if r.ngram is not None:  # a K = 0 step of the n-gram drafter (adaptive): its history still grows
                     r.ngram.record(slots, tokens[:, None], accepted + 1)
                 self._advance(x, accepted, tokens)
-                lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
+                lp = [gather_logprobs(logits[:, 0], tokens, r.shape.logits_kernels)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
             q = r.proposer.draft_probs[slots] if sampled and r.ngram is None else None  # n-gram: one-hot q
             tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel,
@@ -245,7 +245,9 @@ class UniformStep:
                 drafts = r.ngram.step(slots, tokens, accepted + 1)[:, :k]  # a view's K: the first k (adaptive)
             else:
                 drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
-            lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []
+            lp = []
+            if logprobs:
+                lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten(), r.shape.logits_kernels)]
             packed = torch.cat([accepted, tokens.flatten(), drafts.flatten(), *lp])
             self._advance(x, accepted, torch.cat([y[:, None], drafts], dim=1).flatten())
             return packed
