@@ -109,3 +109,20 @@ def test_logprobs_of_vocabularies_near_the_width(vocab):
     ref = gather_reference(logits, chosen, n)
     assert torch.equal(ours[: 3 * n], ref[: 3 * n])
     torch.testing.assert_close(ours[3 * n :].view(torch.float64), ref[3 * n :].view(torch.float64), atol=1e-5, rtol=0)
+
+
+def test_logprobs_with_more_chunks_than_top_tokens():
+    """40 chunks of 16 columns (more than the 20 top tokens: most chunks offer nothing, the rest only their values
+    at or above the 20th largest chunk maximum): distinct values, the top 20 inside 3 chunks, and 30 tied maxima
+    over 30 chunks (the first 20 by id)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 640, generator=g)
+    logits[1, 100:120] += 10.0  # the top 20 in chunks 6, 7 (and none elsewhere)
+    logits[2, 5::21] = 9.0  # 31 tied maxima, one per chunk or so
+    chosen = torch.tensor([3, 110, 5])
+    ours = gather_triton(logits.to(DEVICE), chosen.to(DEVICE), 20, block=16).cpu()
+    ref = gather_reference(logits, chosen, 20)
+    ids = ours[:60].view(3, 20)
+    assert torch.equal(ids[:2], ref[:40].view(2, 20))
+    assert sorted(ids[1].tolist()) == list(range(100, 120)) and ids[2].tolist() == list(range(5, 640, 21))[:20]
+    torch.testing.assert_close(ours[60:].view(torch.float64), ref[60:].view(torch.float64), atol=1e-5, rtol=0)

@@ -1,16 +1,19 @@
-"""The logprobs gather (logprobs.py) in two Triton launches, one read of the logits.
+"""The logprobs gather (logprobs.py) in three Triton launches: one read of the logits and a partial second one.
 
-1. `_chunks`, grid (N, S): program (row, s) loads `block` columns of the row once, and writes their maximum, their
-   sum of exp(x - maximum) and their top n as int64 keys: the value's order-preserving int32 bits above, the
-   column's complement below, so one integer maximum is the largest value at its lowest column (ties: lowest
-   column first). n rounds of maximum-and-remove find them (n is 20: cheaper than a sort of the block).
-2. `_merge`, grid (N,): the row's log-sum-exp from its S partials, its top n from the S * n keys, the chosen
+1. `_stats`, grid (N, S): program (row, s) loads `block` columns of the row and writes their maximum and their sum
+   of exp(x - maximum).
+2. `_top`, grid (N, S): the chunk's candidates for the row's top n, as int64 keys: the value's order-preserving
+   int32 bits above, the column's complement below, so one integer maximum is the largest value at its lowest column
+   (ties: lowest column first). The chunk maxima bound the work: a chunk below n others' maxima offers nothing (most
+   chunks: nothing read), and every top value is at least the n-th largest chunk maximum, so a chunk offers only its
+   values at or above it (one maximum-and-remove round each, at most n; typically one or two rounds, not n).
+3. `_merge`, grid (N,): the row's log-sum-exp from its S partials, its top n from the S * n keys, the chosen
    token's logit, and the packed result (ids, then float64 bits of each value minus the log-sum-exp).
 
 Values: exp and log are libdevice's on CUDA (torch's), but the sum runs in another order than torch.logsumexp's, so
 logprobs agree to float32 rounding (~1e-6), not to the bit. The top list is exact (torch.topk leaves the order of
 equal values open; here the lowest column comes first). Grids depend on N and V only (S from V); nothing is read
-back to the host: both launches sit inside CUDA graphs.
+back to the host: the launches sit inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -36,25 +39,46 @@ def _keys(x, cols):
 
 
 @triton.jit(do_not_specialize=["S"])
-def _chunks(x_ptr, stride_row, stride_col, V, m_ptr, s_ptr, key_ptr, S, N_TOP: tl.constexpr, BLOCK: tl.constexpr,
-            ACCURATE: tl.constexpr):  # fmt: skip
+def _stats(x_ptr, stride_row, stride_col, V, m_ptr, s_ptr, S, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     cols = split * BLOCK + tl.arange(0, BLOCK)
-    valid = cols < V
-    x = tl.load(x_ptr + row * stride_row + cols.to(tl.int64) * stride_col, mask=valid, other=float("-inf"))
+    x = tl.load(x_ptr + row * stride_row + cols.to(tl.int64) * stride_col, mask=cols < V, other=float("-inf"))
     x = x.to(tl.float32)
     m = tl.max(x, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(exp(x - m_safe, ACCURATE), axis=0)
+    s = tl.sum(exp(x - tl.where(m == float("-inf"), 0.0, m), ACCURATE), axis=0)
     tl.store(m_ptr + row * S + split, m)
     tl.store(s_ptr + row * S + split, s)
-    keys = tl.where(valid, _keys(x, cols), _LOW)
-    out = key_ptr + (row * S + split) * N_TOP
-    for t in tl.static_range(N_TOP):
-        best = tl.max(keys, axis=0)
-        tl.store(out + t, best)
-        keys = tl.where(keys == best, _LOW, keys)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _top(x_ptr, stride_row, stride_col, V, m_ptr, key_ptr, S, N_TOP: tl.constexpr, TB: tl.constexpr,
+         SB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    sp = tl.arange(0, SB)
+    ms = tl.load(m_ptr + row * S + sp, mask=sp < S, other=float("-inf"))  # [SB] the row's chunk maxima
+    mine = tl.load(m_ptr + row * S + split)
+    found = tl.full([TB], _LOW, tl.int64)
+    t_at = tl.arange(0, TB)
+    # N_TOP chunks whose maxima all exceed this chunk's hold N_TOP values above each of its own: it offers none.
+    if tl.sum((ms > mine).to(tl.int32), axis=0) < N_TOP:
+        # Every top value is >= the N_TOP-th largest chunk maximum (those chunks hold N_TOP values >= it): the
+        # smallest maximum of rank < N_TOP; with fewer than N_TOP chunks, no bound.
+        rank = tl.sum((ms[None, :] > ms[:, None]).to(tl.int32), axis=1)  # [SB]
+        bound = tl.min(tl.where((rank < N_TOP) & (sp < S), ms, float("inf")), axis=0)
+        bound = tl.where(S < N_TOP, float("-inf"), bound)
+        cols = split * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < V
+        x = tl.load(x_ptr + row * stride_row + cols.to(tl.int64) * stride_col, mask=valid, other=float("-inf"))
+        x = x.to(tl.float32)
+        keys = tl.where(valid, _keys(x, cols), _LOW)
+        wanted = tl.minimum(tl.sum((valid & (x >= bound)).to(tl.int32), axis=0), N_TOP)
+        for t in range(wanted):
+            best = tl.max(keys, axis=0)
+            found = tl.where(t_at == t, best, found)
+            keys = tl.where(keys == best, _LOW, keys)
+    tl.store(key_ptr + (row * S + split) * N_TOP + t_at, found, mask=t_at < N_TOP)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -99,9 +123,11 @@ def gather_triton(logits: torch.Tensor, chosen: torch.Tensor, n: int, block: int
     s = torch.empty(rows, splits, dtype=torch.float32, device=dev)
     keys = torch.empty(rows, splits, n, dtype=torch.int64, device=dev)
     lead = (logits, logits.stride(0), logits.stride(1))
-    launch(_chunks, (rows, splits))(*lead, vocab, m, s, keys, splits, N_TOP=n, BLOCK=block, ACCURATE=acc,
-                                    num_warps=4)  # fmt: skip
+    sb = triton.next_power_of_2(splits)
+    launch(_stats, (rows, splits))(*lead, vocab, m, s, splits, BLOCK=block, ACCURATE=acc, num_warps=4)
+    launch(_top, (rows, splits))(*lead, vocab, m, keys, splits, N_TOP=n, TB=triton.next_power_of_2(n), SB=sb,
+                                 BLOCK=block, num_warps=4)  # fmt: skip
     launch(_merge, (rows,))(*lead, chosen, m, s, keys, out, rows, splits, N_TOP=n,
-                            SB=triton.next_power_of_2(splits), CB=triton.next_power_of_2(splits * n), ACCURATE=acc,
+                            SB=sb, CB=triton.next_power_of_2(splits * n), ACCURATE=acc,
                             num_warps=4)  # fmt: skip
     return out
