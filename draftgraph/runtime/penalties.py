@@ -21,9 +21,14 @@ The processing itself is ops/logits/penalties.py: on CUDA two Triton launches, o
 for bit, and a step whose requests ask for none of it (host-known) runs none of this: the one-graph step's
 "_penalties" variants.
 
-Only the target's logits are processed: the drafter proposes from its raw logits. Greedy and sampled outputs stay
-exact (rejection sampling needs only the q the drafts were drawn from); acceptance may drop where the penalties
-change the target's choice.
+The drafter's proposals get the same processing (`process_draft`, from runtime/drafting.py's loop): draft j is
+chosen from the drafter's logits processed after the slot's output (this step's emitted tokens already recorded)
+and drafts 0..j-1, exactly as the next verify's row j will process the target's, so a drafter that agrees with the
+target keeps agreeing under penalties. Sampled drafts are drawn from, and their q kept as, the processed
+distribution: rejection sampling stays exact. Not processed (raw logits: exact, acceptance may drop where the
+penalties change the target's choice): a drafter over a reduced vocabulary (EAGLE-3's d2t; the tables are over
+the target's), and the fused draft loop (fuse_draft_loop=True: one traced graph per variant, which has no
+penalties variant).
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ class PenaltyState:
         slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1):
         ops/logits/penalties.py (the Triton kernels on CUDA unless OpChoices.logits_kernels is off)."""
         return process_logits(logits, slots, drafts, self.tables, self.kernel)
+
+    def process_draft(self, logits: torch.Tensor, slots: torch.Tensor, prior: list[torch.Tensor]) -> torch.Tensor:
+        """The drafter's logits [B, V] of a draft step (over the target's vocabulary) processed as the next verify's
+        row j = len(prior) will be: after the slot's output and the drafts `prior` ([B] each) proposed before it."""
+        drafts = torch.stack(prior, dim=1) if prior else None
+        return process_logits(logits[:, None], slots, drafts, self.tables, self.kernel, len(prior))[:, 0]
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         """Count the tokens a step emitted: tokens [B, R] of requests in slots [B], the first num_emitted [B] of

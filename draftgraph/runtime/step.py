@@ -348,7 +348,9 @@ class StepRunner:
         elif k and self.ngram is None and (sampled or chunks):  # drafter KV for prompt chunks is written anyway
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
-            parts.append(self.proposer.propose(v).flatten())
+            # the drafts get the target's processing (runtime/penalties.py) where the vocabularies agree
+            process = self.penalties.process_draft if penalties and self.proposer.processes_drafts else None
+            parts.append(self.proposer.propose(v, process).flatten())
         host = self.host.fetch(torch.cat(parts))  # the step's one device -> host copy
 
         dec_flat, host = host[: nd * (k + 1)], host[nd * (k + 1) :]

@@ -244,7 +244,7 @@ class UniformStep:
             if r.ngram is not None:  # prompt lookup over the slots' histories, with this step's tokens appended
                 drafts = r.ngram.step(slots, tokens, accepted + 1)[:, :k]  # a view's K: the first k (adaptive)
             else:
-                drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
+                drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled, penalties)
             lp = []
             if logprobs:
                 lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten(), r.shape.logits_kernels)]
@@ -263,9 +263,10 @@ class UniformStep:
         lengths.add_(torch.where(x["valid"] != 0, accepted + 1, torch.zeros_like(accepted)))
         x["input_ids"].copy_(next_ids)
 
-    def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
+    def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool, penalties: bool) -> torch.Tensor:
         """The K drafts [B, K] after acceptance: the drafter's first-step tokens from the accepted count, then
-        the loop (runtime/proposer.py says which rows the first step reads)."""
+        the loop (runtime/proposer.py says which rows the first step reads); with `penalties`, each draft step's
+        logits processed as the next verify's row (runtime/penalties.py)."""
         r, k, p = self.r, self.k, self.r.proposer
         ids, slots = x["input_ids"], x["slots"]
         b = slots.shape[0]
@@ -298,5 +299,7 @@ class UniformStep:
         def drafter(ids_, pos_, h_, m_):
             return r.forwards.drafter_fn(ids_, pos_, h_, m_, r.draft_cache.layers)
 
+        process = self.penalties.process_draft if penalties and p.processes_drafts else None
         return draft_loop(drafter, drafter, p.choose, k, p.shift, r.shape.block_size, p.hidden_kind, tok, d_pos, h_in,
-                          d_meta, sample_rows, valid, d_meta.block_tables, sampling, slots, p.draft_probs)  # fmt: skip
+                          d_meta, sample_rows, valid, d_meta.block_tables, sampling, slots, p.draft_probs,
+                          process)  # fmt: skip

@@ -1,5 +1,7 @@
 """Logits processing per request: logit_bias, min_tokens, repetition / presence / frequency penalties, over
-logits [B, R, V] whose row i of a request comes after drafts 0..i-1 (runtime/penalties.py keeps the tables).
+logits [B, R, V] whose row i of a request comes after drafts 0..first_row+i-1 (runtime/penalties.py keeps the
+tables): the verify's rows (first_row 0, drafts [B, R - 1]) or a draft step's one row (first_row j, the j drafts
+proposed before it).
 
 In vLLM's order: the bias is added, stop tokens get -inf while fewer than min_tokens tokens are generated, then
 the repetition penalty over seen tokens (in the prompt or counted: a logit > 0 is divided by it, else multiplied),
@@ -37,19 +39,24 @@ class PenaltyTables(NamedTuple):
 
 
 def process_logits(
-    logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None, t: PenaltyTables, kernel: bool
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    drafts: torch.Tensor | None,
+    t: PenaltyTables,
+    kernel: bool,
+    first_row: int = 0,
 ) -> torch.Tensor:
-    """Processed logits [B, R, V] (logits' dtype) for logits [B, R, V] of the requests in slots [B], row i after
-    drafts[:, :i] (drafts [B, >= R - 1], or None: every row counts the slot's tokens alone)."""
+    """Processed logits [B, R, V] (logits' dtype) for logits [B, R, V] of the requests in slots [B], row i coming
+    after the slot's output and drafts[:, :first_row + i] (drafts [B, K], or None: no drafts)."""
     if kernel and logits.is_cuda:
         from draftgraph.ops.logits.triton_penalties import process_triton  # Triton loads on first use
 
-        return process_triton(logits, slots, drafts, t)
-    return process_reference(logits, slots, drafts, t)
+        return process_triton(logits, slots, drafts, t, first_row)
+    return process_reference(logits, slots, drafts, t, first_row)
 
 
 def process_reference(
-    logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None, t: PenaltyTables
+    logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None, t: PenaltyTables, first_row: int = 0
 ) -> torch.Tensor:
     """The torch ops. Every row is processed with the slot's counts ([B, 1, V], broadcast); then the only entries
     whose count differs between a request's rows, the K draft columns, are processed again with row i's counts
@@ -59,17 +66,17 @@ def process_reference(
     counts, flags = t.counts[slots], t.flags[slots]  # [B, V]
     bias = torch.zeros(b, v, dtype=torch.float32, device=logits.device)
     bias.scatter_add_(-1, t.bias_ids[slots], t.bias_vals[slots])  # absent pairs add 0 to token 0
-    generated = t.generated[slots][:, None] + torch.arange(r, device=logits.device)[None, :]  # [B, R]
+    generated = t.generated[slots][:, None] + first_row + torch.arange(r, device=logits.device)[None, :]  # [B, R]
     too_early = (generated < t.min_tokens[slots][:, None])[..., None]  # [B, R, 1]
     rep, freq, pres = (x[slots][:, None, None] for x in (t.repetition, t.frequency, t.presence))
     x = _processed(logits.float(), counts[:, None], flags[:, None], bias[:, None], too_early, rep, freq, pres)
-    if drafts is not None and r > 1:  # row i also counts drafts 0..i-1: only their columns change
-        k = r - 1
-        cols = drafts[:, :k].long()  # [B, K]
+    if drafts is not None and drafts.shape[1]:  # row i also counts drafts before it: only their columns change
+        k = drafts.shape[1]
+        cols = drafts.long()  # [B, K]
         at = cols[:, None, :].expand(b, r, k)  # [B, R, K]: row i, draft column j
         same = cols[:, :, None] == cols[:, None, :]  # [B, K (j'), K (j)]: draft j' is the token of column j
-        ar = torch.arange(r, device=logits.device)
-        before = (torch.arange(k, device=logits.device)[None, :] < ar[:, None])[None, :, :, None]  # j' < i
+        ar = first_row + torch.arange(r, device=logits.device)
+        before = (torch.arange(k, device=logits.device)[None, :] < ar[:, None])[None, :, :, None]  # j' < first + i
         extra = (before & same[:, None]).sum(2, dtype=torch.int32)  # [B, R, K]
         fixed = _processed(
             logits.gather(-1, at).float(), counts.gather(-1, cols)[:, None, :] + extra,

@@ -5,7 +5,8 @@
    or copies the rows unchanged when the slot is inactive (bit for bit).
 2. `_columns`, grid (B,): the only entries the dense pass got wrong, processed again from the raw logits: the
    bias columns (ids are distinct: SamplingParams refuses repeats; zero biases and padding pairs are skipped) and
-   the K draft columns, each with row i's counts there (the slot's plus drafts 0..i-1 equal to it) and its bias.
+   the K draft columns, each with row i's counts there (the slot's plus the drafts before row i equal to it) and
+   its bias.
    A column that is both, or drafted twice, is written with the same value by every write.
 
 Values equal the torch ops' to the bit on CUDA: the division is IEEE (`div_rn`; Triton's `/` is approximate) and
@@ -37,9 +38,9 @@ def _penalized(x, bias, cnt, flag, too_early, rep, freq, pres):
     return x - pres * (cnt > 0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["FIRST"])  # a draft step's index: one compiled variant for all of them
 def _dense(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, counts_ptr, flags_ptr, rep_ptr, freq_ptr, pres_ptr,
-           min_ptr, gen_ptr, active_ptr, V, R, BLOCK: tl.constexpr):  # fmt: skip
+           min_ptr, gen_ptr, active_ptr, V, R, FIRST, BLOCK: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < V
@@ -50,7 +51,7 @@ def _dense(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, counts_ptr, flags_ptr, r
         cnt = tl.load(counts_ptr + slot * V + cols, mask=valid, other=0)
         flag = tl.load(flags_ptr + slot * V + cols, mask=valid, other=0).to(tl.int32)
         rep, freq, pres = tl.load(rep_ptr + slot), tl.load(freq_ptr + slot), tl.load(pres_ptr + slot)
-        gen, least = tl.load(gen_ptr + slot), tl.load(min_ptr + slot)
+        gen, least = tl.load(gen_ptr + slot) + FIRST, tl.load(min_ptr + slot)
         for i in range(R):
             x = tl.load(src + i * sx_r, mask=valid, other=0.0).to(tl.float32)
             y = _penalized(x, 0.0, cnt, flag, gen + i < least, rep, freq, pres)
@@ -60,9 +61,9 @@ def _dense(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, counts_ptr, flags_ptr, r
             tl.store(dst + i * V, tl.load(src + i * sx_r, mask=valid, other=0.0), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "FIRST"])
 def _columns(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, drafts_ptr, sd_b, sd_k, K, counts_ptr, flags_ptr, rep_ptr,
-             freq_ptr, pres_ptr, min_ptr, gen_ptr, active_ptr, ids_ptr, vals_ptr, NB, V, R, KB: tl.constexpr,
+             freq_ptr, pres_ptr, min_ptr, gen_ptr, active_ptr, ids_ptr, vals_ptr, NB, V, R, FIRST, KB: tl.constexpr,
              BB: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -85,10 +86,10 @@ def _columns(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, drafts_ptr, sd_b, sd_k
         src = x_ptr + b * sx_b
         dst = out_ptr + b * R * V
         for i in range(R):
-            before = in_k & (j < i)  # drafts 0..i-1
+            before = in_k & (j < FIRST + i)  # the drafts before row i
             d_extra = tl.sum(((d[:, None] == d[None, :]) & before[None, :]).to(tl.int32), axis=1)
             b_extra = tl.sum(((ids[:, None] == d[None, :]) & before[None, :]).to(tl.int32), axis=1)
-            too_early = gen + i < least
+            too_early = gen + FIRST + i < least
             x = tl.load(src + i * sx_r + dc * sx_v, mask=in_k, other=0.0).to(tl.float32)
             y = _penalized(x, d_bias, d_cnt + d_extra, d_flag, too_early, rep, freq, pres)
             tl.store(dst + i * V + dc, y.to(out_ptr.dtype.element_ty), mask=in_k)
@@ -98,7 +99,12 @@ def _columns(x_ptr, sx_b, sx_r, sx_v, out_ptr, slots_ptr, drafts_ptr, sd_b, sd_k
 
 
 def process_triton(
-    logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None, t: PenaltyTables, block: int = BLOCK
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    drafts: torch.Tensor | None,
+    t: PenaltyTables,
+    first_row: int = 0,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """penalties.process_reference's result by the two launches (module docstring); `block`: columns per dense
     program (tests use small ones)."""
@@ -106,14 +112,15 @@ def process_triton(
     out = torch.empty(b, r, v, dtype=logits.dtype, device=logits.device)
     if b == 0 or v == 0:
         return out
-    k = r - 1 if drafts is not None and r > 1 else 0
+    k = drafts.shape[1] if drafts is not None else 0
     d = drafts if k else slots.view(-1, 1)  # never read when k = 0
     sx = logits.stride()
     tables = (t.counts, t.flags, t.repetition, t.frequency, t.presence, t.min_tokens, t.generated, t.active)
-    launch(_dense, (b, triton.cdiv(v, block)))(logits, *sx, out, slots, *tables, v, r, BLOCK=block,
+    launch(_dense, (b, triton.cdiv(v, block)))(logits, *sx, out, slots, *tables, v, r, first_row, BLOCK=block,
                                                enable_fp_fusion=False)  # fmt: skip
     nb = t.bias_ids.shape[1]
-    launch(_columns, (b,))(logits, *sx, out, slots, d, *d.stride(), k, *tables, t.bias_ids, t.bias_vals, nb, v, r,
+    columns = (t.bias_ids, t.bias_vals, nb, v, r, first_row)
+    launch(_columns, (b,))(logits, *sx, out, slots, d, *d.stride(), k, *tables, *columns,
                            KB=max(triton.next_power_of_2(k), 2), BB=triton.next_power_of_2(max(nb, 2)),
                            enable_fp_fusion=False)  # fmt: skip
     return out
