@@ -126,3 +126,21 @@ def test_logprobs_with_more_chunks_than_top_tokens():
     assert torch.equal(ids[:2], ref[:40].view(2, 20))
     assert sorted(ids[1].tolist()) == list(range(100, 120)) and ids[2].tolist() == list(range(5, 640, 21))[:20]
     torch.testing.assert_close(ours[60:].view(torch.float64), ref[60:].view(torch.float64), atol=1e-5, rtol=0)
+
+
+def test_penalties_of_a_draft_step_match_the_reference():
+    """A draft step's one row after the j = 3 drafts proposed before it (first_row 3: min_tokens counts them, their
+    columns count them, one of them repeated and one on the biased token)."""
+    vocab = 50
+    g = torch.Generator().manual_seed(5)
+    p = dg.SamplingParams(max_tokens=20, frequency_penalty=0.9, presence_penalty=0.2, repetition_penalty=1.2,
+                          min_tokens=4, logit_bias={8: 2.0}, stop_token_ids=(1,))  # fmt: skip
+    pen = _state(vocab, [_Req(0, [3], [], p, frozenset({1})), _Req(2, [4], [6], p, frozenset({1}))])
+    logits = torch.randn(3, 1, vocab, generator=g)
+    prior = torch.tensor([[8, 8, 5], [6, 9, 1], [2, 2, 2]])
+    slots = torch.tensor([0, 2, 4])
+    args = (logits.to(DEVICE), slots.to(DEVICE), prior.to(DEVICE), pen.tables)
+    ours, ref = process_triton(*args, first_row=3, block=16).cpu(), process_reference(*args, first_row=3).cpu()
+    assert torch.equal(ours, ref)
+    assert torch.isinf(ours[0, 0, 1]) and not torch.isinf(ours[1, 0, 1])  # 0 + 3 < 4 <= 1 + 3
+    assert not torch.equal(ref, process_reference(logits, slots, prior, pen.tables))  # first_row 0 differs

@@ -11,10 +11,11 @@ In FULL modes on CUDA it is one graph per (padded request count, variant): `Grap
 "greedy" (every request greedy, known on the host) and "sample", and the same two with "_logprobs" when a
 request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
 When a request of the batch asks for logit bias, min_tokens or penalties, the "_penalties" variants (before
-"_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it) and count
-the emitted tokens in the slot buffers. When a request asks for structured output, the "_grammar" variants (after
-"_penalties", before "_logprobs") set the tokens its grammar forbids to -inf on every verify row (the bitmask the
-host filled before the launch, row i after drafts 0..i-1: runtime/grammar.py). Only "greedy" and "sample" are
+"_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it), count
+the emitted tokens in the slot buffers, and process each draft step's logits as the next verify's row. When a
+request asks for structured output, the "_grammar" variants (after "_penalties", before "_logprobs") set the
+tokens its grammar forbids to -inf on every verify row (the bitmask the host filled before the launch, row i
+after drafts 0..i-1: runtime/grammar.py). Only "greedy" and "sample" are
 captured at warm-up; every variant with a suffix is captured at the first step that needs it, so engines whose
 requests never ask for logprobs, penalties or structured output capture no more graphs than that.
 Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
