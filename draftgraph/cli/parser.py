@@ -99,7 +99,7 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         metavar="NAME=0|1,...",
         help="draftgraph's kernels on CUDA (CompileConfig.ops, ops/choices.py): turn one off to run the torch ops, "
         "e.g. gemv=0,rope_kv_write=0; names: gemv, norm_kernel, rope_kernel, norm_in_projection, rope_kv_write, "
-        "race_sampler, unfuse_addmm (default: all on)",
+        "race_sampler, unfuse_addmm, logits_kernels (default: all on)",
     )
     p.add_argument(
         "--inductor-option",

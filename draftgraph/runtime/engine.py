@@ -95,6 +95,7 @@ class Engine:
             rc.synthetic_acceptance,
             ngram=rc.ngram,  # the n-gram drafter (runtime/ngram_state.py): no drafter model, K drafts per step
             max_model_len=rc.max_model_len,
+            logits_kernels=rc.ops.logits_kernels,
         )
         hidden = drafter is None or drafter.target_hidden != "none"
         self.shapes = StepShapes(self.k, hidden)

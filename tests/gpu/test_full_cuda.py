@@ -155,6 +155,28 @@ def test_penalties_and_logprobs_run_inside_the_step_graph(target):
     print({k: v for k, v in replays.items() if k.startswith("step/")})
 
 
+def test_drafts_get_the_penalties_on_cuda(target):
+    """A draft model of all the target's layers under repetition penalty 1.5, FULL_AND_PIECEWISE on CUDA: each draft
+    step's logits go through the Triton processing as the next verify's row, so (nearly) every draft is accepted,
+    and the tokens are NONE's (tests/test_penalties.py: 0.245 accepted when drafts were not processed)."""
+    from draftgraph.models.drafters import truncated_draft_model
+
+    prompts, params, arrivals = ragged(8)
+    params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, repetition_penalty=1.5) for p in params]
+    outs, stats = {}, {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+                               device="cuda", gpu_memory_utilization=0.0, capture_sizes=SIZES,
+                               full_capture_sizes=(1, 2, 4, 8), progress=False)  # fmt: skip
+        with dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), cfg) as eng:
+            outs[mode] = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+            stats[mode] = eng.stats()
+    assert outs["FULL_AND_PIECEWISE"] == outs["NONE"]
+    rates = {m: s["acceptance_rate"] for m, s in stats.items()}
+    assert min(rates.values()) >= 0.9 and stats["FULL_AND_PIECEWISE"]["fallbacks"] == 0, rates
+    print(f"acceptance with repetition penalty 1.5 and processed drafts: {rates}")
+
+
 def _padding_engine(target, mode):
     cfg = dg.CompileConfig(
         mode=mode,
