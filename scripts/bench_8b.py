@@ -7,7 +7,8 @@ RoPE llama3 (theta 500000, factor 8), untied LM head; bf16, seeded random weight
 Drafter: EAGLE-3 as published for Llama-3.1-8B (config.json LlamaForCausalLMEagle3, draft_vocab_size 32000):
 fc over three target layers (3 x 4096 -> 4096), one decoder layer over [norm(emb); norm(hidden)] (q/k/v read
 8192), its LM head over 32000 draft tokens mapped to target ids through d2t on the device; the target's
-embedding. TP 1.
+embedding. TP 1, or TP N under torchrun (scripts/ranks.py: each rank builds the models as modules and loads its
+share into its own engine, the ranks step in lock-step; rank 0 prints, and the floor is one rank's share).
 
 Pinned rates (conditional: rate_i = P(draft i accepted | drafts 0..i-1 accepted)); the mean acceptance
 length (tokens per request per step) is L = 1 + sum_i prod_{j<=i} rate_j:
@@ -30,7 +31,8 @@ it must read once (target layers + its LM head + KV; plus K x (the head's layer,
 its KV)) over the measured device-to-device copy speed, as scripts/bench_step.py computes it.
 
 Usage: python scripts/bench_8b.py [--sizes 1,8,32,64] [--cases plain,vllm_ci_k3,...] [--context 512]
-       python scripts/bench_8b.py --tiny   (smoke test: a tiny shape on the CPU, mode NONE)
+       torchrun --nproc-per-node 2 scripts/bench_8b.py [...]   (TP 2)
+       python scripts/bench_8b.py --tiny   (smoke test: a tiny shape on the CPU, mode NONE; under torchrun: gloo)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters import load_drafter
+from scripts.ranks import inner_engine, join_ranks, rank_env, say
 
 LLAMA_3_1_8B = dict(
     model_type="llama",
@@ -128,8 +131,8 @@ def layer_shapes(prefix: str, h: int, inter: int, q: int, kv: int, in_features: 
     }
 
 
-def build_target(shape: dict, device, attn_impl: str) -> CausalLM:
-    """The target from a transformers-named state dict of seeded random weights made on the device."""
+def target_state(shape: dict, device) -> dict:
+    """The target's transformers-named state dict of seeded random weights, made on the device."""
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
@@ -138,8 +141,21 @@ def build_target(shape: dict, device, attn_impl: str) -> CausalLM:
     gen = torch.Generator(device=device).manual_seed(0)
     state = random_weights(shapes, device, gen)
     state["model.embed_tokens.weight"].mul_(50)  # embeddings of RMS ~1, as trained ones are
+    return state
+
+
+def build_target(shape: dict, device, attn_impl: str) -> CausalLM:
+    """The target (TP 1) from target_state."""
     cfg = ModelConfig.from_hf(shape, dtype=torch.bfloat16)
-    return CausalLM.from_state_dict(cfg, state, device, attn_impl)
+    return CausalLM.from_state_dict(cfg, target_state(shape, device), device, attn_impl)
+
+
+def hf_8b(shape: dict, device) -> torch.nn.Module:
+    """The target as a module of target_state's weights carrying its config (at TP N each rank takes its share
+    when the engine loads it)."""
+    holder = module_from_state_dict(target_state(shape, device))
+    holder.config = dict(shape)
+    return holder
 
 
 def eagle3_config(shape: dict, draft_vocab: int) -> dict:
@@ -162,9 +178,9 @@ def eagle3_config(shape: dict, draft_vocab: int) -> dict:
     }
 
 
-def build_head(shape: dict, target: CausalLM, draft_vocab: int, device):
+def eagle3_8b(shape: dict, draft_vocab: int, device) -> torch.nn.Module:
     """EAGLE-3 at the published layout (midlayer.*, fc, norm, lm_head over the draft vocabulary, d2t, t2d; the
-    target's embedding), random weights, loaded as a module carrying the published config."""
+    target's embedding), random weights, as a module carrying the published config."""
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     shapes = layer_shapes("midlayer.", h, inter, q, kv, 2 * h)
@@ -177,7 +193,12 @@ def build_head(shape: dict, target: CausalLM, draft_vocab: int, device):
     state["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill_(0, kept, True).to(device)
     holder = module_from_state_dict(state)
     holder.config = eagle3_config(shape, draft_vocab)
-    return load_drafter(holder, target, kind="eagle3")
+    return holder
+
+
+def build_head(shape: dict, target: CausalLM, draft_vocab: int, device):
+    """eagle3_8b's head loaded as a drafter of `target` (TP 1)."""
+    return load_drafter(eagle3_8b(shape, draft_vocab, device), target, kind="eagle3")
 
 
 def weight_bytes(params) -> int:
@@ -192,8 +213,14 @@ def copy_bandwidth(device) -> float | None:
     return measured()
 
 
-def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode):
+def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode, tp=1):
+    """An engine at TP `tp` (above 1: `target` and `drafter` are modules each rank takes its share of, under
+    torchrun, ranks joined)."""
     max_b = max(sizes)
+    parallel = {}
+    if tp > 1:
+        parallel = dict(tensor_parallel_size=tp, drafter_kind="eagle3" if k else None,
+                        dtype="bfloat16" if device.type == "cuda" else "float32")  # fmt: skip
     cfg = dg.CompileConfig(
         speculation="fixed",
         mode=mode,
@@ -206,8 +233,21 @@ def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode)
         progress=False,
         full_capture_sizes=tuple(sizes) if mode != "NONE" else (),
         synthetic_acceptance=rates,
+        **parallel,
     )
     return dg.compile_model(target, drafter if k else None, cfg)
+
+
+def step_bytes(engine, k: int) -> tuple[int, int, int]:
+    """What one step of `engine` (this rank's Engine) reads once, from its own (at TP N: this rank's) models:
+    the target's layers, final norm and LM head; K times the drafter's weights but the shared embedding (0 for
+    plain decoding); the K and V of one token in one layer."""
+    t, c = engine.target, engine.target.cfg
+    t_bytes = weight_bytes(p for m in (t.layers, t.norm) for p in m.parameters())
+    t_bytes += t.head_weight.numel() * t.head_weight.element_size()
+    d = engine.drafter if k else None
+    d_bytes = weight_bytes(p for n, p in d.named_parameters() if "embed_tokens" not in n) if d is not None else 0
+    return t_bytes, d_bytes, 2 * c.num_kv_heads * c.head_dim * t.head_weight.element_size()
 
 
 def measure(engine, b, k, ctx, warm, steps, vocab) -> dict:
@@ -269,7 +309,7 @@ def main():
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--mode", default="FULL", help="CUDAGraphMode (the tiny smoke test runs NONE)")
     ap.add_argument("--tiny", action="store_true", help="smoke test: a tiny shape, CPU unless CUDA is here")
-    ap.add_argument("--json", default="", help="also write the rows here")
+    ap.add_argument("--json", default="", help="also write the rows here (rank 0)")
     ap.add_argument("--profile", default="", help="cases whose batch-1 step is profiled after timing (CUDA): GPU "
                     "time per kernel, kernels in graphs vs outside")  # fmt: skip
     args = ap.parse_args()
@@ -277,60 +317,68 @@ def main():
     cases = args.cases.split(",")
     if bad := [c for c in cases if c not in CASES]:
         raise SystemExit(f"--cases: {bad} unknown; choose from {list(CASES)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = join_ranks()  # under torchrun: this rank's GPU, the process group joined
+    rank, tp, _ = rank_env()
     shape, key = (TINY, "tiny") if args.tiny else (LLAMA_3_1_8B, "8b")
     mode = "NONE" if device.type == "cpu" else args.mode
     attn = "triton" if device.type == "cuda" else "reference"
     t0 = time.perf_counter()
-    target = build_target(shape, device, attn)
-    head = build_head(shape, target, DRAFT_VOCAB[key], device)
-    print(f"models built in {time.perf_counter() - t0:.1f} s: target {weight_bytes(target.parameters()) / 2**30:.2f} "
-          f"GiB, EAGLE-3 head {weight_bytes(head.parameters()) / 2**30:.3f} GiB (draft vocabulary "
-          f"{head.draft_vocab_size}, target layers {head.aux_layers})", flush=True)  # fmt: skip
+    if tp == 1:
+        target = build_target(shape, device, attn)
+        head = build_head(shape, target, DRAFT_VOCAB[key], device)
+        say(f"models built in {time.perf_counter() - t0:.1f} s: target {weight_bytes(target.parameters()) / 2**30:.2f}"
+            f" GiB, EAGLE-3 head {weight_bytes(head.parameters()) / 2**30:.3f} GiB (draft vocabulary "
+            f"{head.draft_vocab_size}, target layers {head.aux_layers})")  # fmt: skip
+    else:  # each engine loads this rank's share of the modules
+        target, head = hf_8b(shape, device), eagle3_8b(shape, DRAFT_VOCAB[key], device)
+        gib = [weight_bytes(m.parameters()) / 2**30 for m in (target, head)]
+        say(
+            f"models built in {time.perf_counter() - t0:.1f} s on each of {tp} ranks: target {gib[0]:.2f} GiB, "
+            f"EAGLE-3 head {gib[1]:.3f} GiB (draft vocabulary {DRAFT_VOCAB[key]}), each rank loads its share"
+        )
     bw = copy_bandwidth(device)
-    c = target.cfg
-    t_bytes = weight_bytes(p for m in (target.layers, target.norm) for p in m.parameters())
-    t_bytes += target.head_weight.numel() * target.head_weight.element_size()
-    d_bytes = weight_bytes(p for n, p in head.named_parameters() if "embed_tokens" not in n)
-    kv_token = 2 * c.num_kv_heads * c.head_dim * 2  # K and V of one layer, one token, bf16
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"{gpu}  torch {torch.__version__}  copy bandwidth {bw / 1e9:.0f} GB/s" if bw else gpu, flush=True)
+    say(f"{tp} x {gpu}  torch {torch.__version__}  copy bandwidth {bw / 1e9:.0f} GB/s" if bw else f"{tp} x {gpu}")
 
     rows = []
-    hdr = (f"{'case':<28} {'K':>2} {'L pin':>6} {'B':>3} | {'L meas':>6} {'step ms':>8} {'floor ms':>8} "
+    hdr = (f"{'case':<28} {'K':>2} {'L pin':>6} {'TP':>2} {'B':>3} | {'L meas':>6} {'step ms':>8} {'floor ms':>8} "
            f"{'x floor':>7} {'tok/s':>8} {'TPOT ms':>8}")  # fmt: skip
     title = (f"PINNED ACCEPTANCE (synthetic_acceptance: the accept decision is drawn; step times are real): "
-             f"Llama-3.1-8B shape, bf16, random weights, EAGLE-3 head (1 layer, draft vocab {head.draft_vocab_size}),"
-             f" TP 1, context {args.context}, mode {mode}")  # fmt: skip
-    print("\n" + title + "\n" + hdr + "\n" + "-" * len(hdr), flush=True)
+             f"Llama-3.1-8B shape, bf16, random weights, EAGLE-3 head (1 layer, draft vocab {DRAFT_VOCAB[key]}),"
+             f" TP {tp}, context {args.context}, mode {mode}")  # fmt: skip
+    say("\n" + title + "\n" + hdr + "\n" + "-" * len(hdr))
     with dg.shared_compile_workers() if device.type == "cuda" else contextlib.nullcontext():
         for name in cases:
             label, k, rates = CASES[name]
             t1 = time.perf_counter()
             max_tokens = (args.warm + args.steps) * (k + 1) + 16
-            eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode)
-            print(f"  ({label}: engine ready in {time.perf_counter() - t1:.1f} s)", flush=True)
+            eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp)
+            inner = inner_engine(eng)  # at TP N this rank's Engine: the ranks step in lock-step
+            t_bytes, d_bytes, kv_token = step_bytes(inner, k)
+            num_layers = inner.target.cfg.num_layers
+            say(f"  ({label}: engine ready in {time.perf_counter() - t1:.1f} s)")
             for b in sizes:
-                m = measure(eng, b, k, args.context, args.warm, args.steps, c.vocab_size)
+                m = measure(inner, b, k, args.context, args.warm, args.steps, shape["vocab_size"])
                 kv = b * args.context * kv_token
-                floor_ms = (t_bytes + c.num_layers * kv + k * (d_bytes + kv)) / bw * 1e3 if bw else float("nan")
+                floor_ms = (t_bytes + num_layers * kv + k * (d_bytes + kv)) / bw * 1e3 if bw else float("nan")
                 pinned = expected_acceptance_length(rates)  # 1 for plain decoding
-                row = dict(case=name, label=label, k=k, rates=list(rates), pinned_length=pinned,
+                row = dict(case=name, label=label, k=k, rates=list(rates), pinned_length=pinned, tp=tp,
                            batch=b, length=m["length"], step_ms=m["step_ms"], floor_ms=floor_ms,
                            tok_s=b * pinned / m["step_ms"] * 1e3, wall_tok_s=m["wall_tok_s"],
                            tpot_ms=m["step_ms"] / pinned, gpu=gpu)  # fmt: skip
                 rows.append(row)
-                print(f"{label:<28} {k:>2} {row['pinned_length']:>6.3f} {b:>3} | {row['length']:>6.3f} "
-                      f"{row['step_ms']:>8.3f} {floor_ms:>8.3f} {row['step_ms'] / floor_ms:>7.2f} "
-                      f"{row['tok_s']:>8.1f} {row['tpot_ms']:>8.3f}", flush=True)  # fmt: skip
-                if args.json:
+                say(f"{label:<28} {k:>2} {row['pinned_length']:>6.3f} {tp:>2} {b:>3} | {row['length']:>6.3f} "
+                    f"{row['step_ms']:>8.3f} {floor_ms:>8.3f} {row['step_ms'] / floor_ms:>7.2f} "
+                    f"{row['tok_s']:>8.1f} {row['tpot_ms']:>8.3f}")  # fmt: skip
+                if args.json and rank == 0:
                     with open(args.json, "w") as f:
                         json.dump({"title": title, "rows": rows}, f, indent=1)
-            if name in args.profile.split(",") and device.type == "cuda":
-                print(f"  profile of {label} at B=1 (pinned acceptance):\n{profile(eng, k, args.context)}", flush=True)
+            if name in args.profile.split(",") and device.type == "cuda":  # every rank profiles, in lock-step
+                say(f"  profile of {label} at B=1 (pinned acceptance):\n{profile(inner, k, args.context)}")
             eng.close()
-    print(f"\n(all rows: pinned acceptance; tok/s = B x L pinned / step; TPOT = step / L pinned; floor = weights"
-          f" + KV read once over the copy bandwidth) total {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    say(f"\n(all rows: pinned acceptance; tok/s = B x L pinned / step; TPOT = step / L pinned; floor = weights"
+        " + KV read once over the copy bandwidth, at TP N this rank's share) total "
+        f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,8 +10,18 @@ the phases; the table shows the whole process (wall clock around the command), t
 processes and the highest one-minute load seen. The printed tokens and acceptance of every run are compared:
 a start-up change must not change them.
 
+Python's bytecode (--bytecode): a user's `pip install` byte-compiles every package, but some machines (this project's
+GPU machines: no .pyc shipped, PYTHONDONTWRITEBYTECODE=1) compile every import from source in every process, about
+5 s of a start. `--bytecode installed` (the default) first runs the command once, untimed, writing bytecode into a
+PYTHONPYCACHEPREFIX under the run's temporary directory, which every timed run then reads, as after a pip install;
+`--bytecode as-is` leaves the machine's setting.
+
+--pair acceptance: the realistic-acceptance 1B pair (models/builtin.py LLAMA_1B_ACCEPTANCE: Llama-3.2-1B's shape,
+bf16, a draft model of its first 2 layers) saved once as two checkpoints (not timed), then every run loads them as a
+user's would: `--target T --drafter D -k 4 --max-num-seqs 32 --num-prompts 32` (issue 44's 1B pair, batches to 32).
+
 Usage: python scripts/bench_cold_start.py --variant base: [--variant w0::--compile-workers 0] [--warm]
-       [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline]
+       [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline] [--pair acceptance]
 A variant is NAME:ENV=V,ENV=V:EXTRA CLI ARGS (either part may be empty).
 """
 
@@ -97,7 +107,47 @@ def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
         "procs": peak["procs"],
         "load": peak["load"],
         "tail": "" if rc == 0 else (err + out)[-2500:],
+        "stdout": out,
     }
+
+
+def save_acceptance_pair(root: str) -> list[str]:
+    """The 1B acceptance pair as two checkpoints under `root` (target; its first layers as a draft model, the same
+    tensors), and the generate flags that load them."""
+    import torch
+
+    from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
+
+    spec = LLAMA_1B_ACCEPTANCE
+    hf = builtin_hf_target(spec, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    target, drafter = os.path.join(root, "target"), os.path.join(root, "drafter")
+    hf.save_pretrained(target)
+    hf.model.layers = hf.model.layers[: spec.draft_layers]  # the draft model: the first layers, shared tensors
+    hf.config.num_hidden_layers = spec.draft_layers
+    if getattr(hf.config, "layer_types", None):
+        hf.config.layer_types = hf.config.layer_types[: spec.draft_layers]
+    hf.save_pretrained(drafter)
+    del hf
+    flags = ["--target", target, "--drafter", drafter, "-k", "4", "--max-num-seqs", "32", "--num-prompts", "32"]
+    return flags + ["--dtype", "bfloat16"]
+
+
+# --profile: the command under cProfile; the CLI ends with os._exit after its exit handlers, so the stats are printed
+# by an exit handler registered first (handlers run last-in, first-out: this one after the CLI's own).
+PROFILED = """
+import atexit, cProfile, pstats, runpy, sys
+profile = cProfile.Profile()
+def report():
+    profile.disable()
+    print("== cProfile of the whole process, by cumulative time")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(50)
+    print("== by own time")
+    pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+atexit.register(report)
+sys.argv = ["draftgraph", *sys.argv[1:]]
+profile.enable()
+runpy.run_module("draftgraph", run_name="__main__", alter_sys=True)
+"""
 
 
 def main() -> None:
@@ -112,6 +162,15 @@ def main() -> None:
     ap.add_argument("--build-args", default="", help="`draftgraph build` arguments for --artifacts (its model flags)")
     ap.add_argument("--timeline", action="store_true", help="print every run's start-up timeline")
     ap.add_argument("--timeout", type=float, default=200.0)
+    ap.add_argument(
+        "--bytecode", choices=["installed", "as-is"], default="installed",
+        help="installed: bytecode written once by an untimed run, as a pip install leaves it; as-is: the machine's",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pair", choices=["builtin", "acceptance"], default="builtin",
+        help="builtin: generate's own pair (no flags); acceptance: the 1B pair from checkpoints saved once",
+    )  # fmt: skip
+    ap.add_argument("--profile", default="", help="starts run under cProfile, printed: cold, warm and/or artifacts")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
@@ -120,9 +179,21 @@ def main() -> None:
     generate = [sys.executable, "-m", "draftgraph", "-v", "generate", "--device", "cuda", *base_args]
     root = tempfile.mkdtemp(prefix="bench-cold-start-")
     try:
+        if args.pair == "acceptance":
+            t0 = time.perf_counter()
+            pair = save_acceptance_pair(root)
+            generate += pair
+            args.build_args = " ".join([*pair[:6], "--max-num-seqs", "32", "--dtype", "bfloat16", args.build_args])
+            print(f"the 1B acceptance pair saved in {time.perf_counter() - t0:.1f} s (not a start)", flush=True)
+        bytecode = {}
+        if args.bytecode == "installed":
+            bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": os.path.join(root, "pycache")}
+            env = dict(os.environ, **bytecode, **fresh_caches(root))
+            res = run_once(generate + variants[0][2], env, args.timeout)
+            print(f"bytecode written by an untimed run ({res['wall']:.1f} s, rc {res['rc']})", flush=True)
         for r in range(args.repeats):
             for name, env_extra, extra in variants:
-                env = dict(os.environ, **env_extra, **fresh_caches(root))
+                env = dict(os.environ, **bytecode, **env_extra, **fresh_caches(root))
                 for kind in kinds:
                     cmd, run_env = generate + extra, env  # warm: the caches the cold run filled
                     if kind == "artifacts":
@@ -135,7 +206,11 @@ def main() -> None:
                         if b.returncode:
                             print(f"build failed:\n{(b.stderr + b.stdout)[-2500:]}")
                         cmd, run_env = cmd + ["--artifacts", out], dict(env, **fresh_caches(root))
+                    if kind in args.profile.split(","):
+                        cmd = [sys.executable, "-c", PROFILED, *cmd[3:]]  # the same argv after `-m draftgraph`
                     res = run_once(cmd, run_env, args.timeout)
+                    if kind in args.profile.split(","):
+                        print(res["stdout"][res["stdout"].find("== cProfile") :], flush=True)
                     results[(name, kind)].append(res)
                     p = {k: f"{v:.1f} s" for k, v in res["phases"].items()}
                     print(

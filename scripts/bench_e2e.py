@@ -13,9 +13,13 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     KV; spec: that + K x (drafter layers + LM head + drafter KV)) over the measured copy bandwidth. Unlike
     bench_full.py's step floor this counts the target's LM head.
 (d) `--ngram`: instead of (a)-(c), plain decoding against the n-gram drafter (drafter="ngram", prompt lookup,
-    no drafter model) on the target alone, on a repetitive workload: each prompt is a random text X, the
-    target's own greedy continuation G of it (`--new-tokens`), then X again, so the text to produce is in the
-    prompt (as when rewriting or editing it); tokens/s, accepted drafts per step, speedup, tokens equal.
+    no drafter model) on a target that repeats itself (models/builtin.py LLAMA_1B_SUCCESSOR: Llama-3.2-1B's shape
+    and step cost, bf16, random weights, but small residual branches and an LM head that is the permuted
+    embedding, so its greedy next token is the last token's fixed successor; a random-weight target copies
+    nothing from its context otherwise). Workloads: each prompt is a random text X, the target's own greedy
+    continuation G of it (`--new-tokens`), then X again, so the text to produce is in the prompt (as when
+    rewriting it); the same with every E-th token of G's copy edited (`--edit-every`); X alone (nothing to look
+    up: the drafter's cost). Tokens/s, accepted drafts per step, speedup, tokens equal.
 (e) `--adaptive`: instead of (a)-(c), adaptive speculation (CompileConfig.speculation="adaptive", K from
     {0, ceil(K/2), K}) against plain decoding and each fixed K of those choices, at each batch of `--batches`
     (default 1, 8, 32, 64, 128), with the pair's drafter (real acceptance) and with the same drafter accepting
@@ -41,7 +45,14 @@ import torch
 import transformers
 
 import draftgraph as dg
-from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, TINY_ACCEPTANCE, acceptance_pair
+from draftgraph.models.builtin import (
+    LLAMA_1B_ACCEPTANCE,
+    LLAMA_1B_SUCCESSOR,
+    TINY_ACCEPTANCE,
+    TINY_SUCCESSOR,
+    acceptance_pair,
+    successor_target,
+)
 from scripts.bench_piecewise import copy_bandwidth, layer_bytes, target_layer_bytes
 
 
@@ -113,9 +124,27 @@ def build_engines(target, drafter, args, device) -> dict:
     return engines
 
 
+def ngram_workloads(xs: list[list[int]], conts: list[list[int]], edit_every: list[int], vocab: int) -> dict:
+    """(d)'s prompts by workload name: X + G + X (the text to produce is in the prompt), the same with every E-th
+    token of G's copy replaced by a random one (a document with edits), and X alone (nothing to look up)."""
+    work = {}
+    g = torch.Generator().manual_seed(1)
+    for e in edit_every:
+        prompts = []
+        for x, c in zip(xs, conts):
+            c = list(c)
+            for i in range(e - 1, len(c), e) if e else ():
+                c[i] = (c[i] + 1 + int(torch.randint(0, vocab - 1, (1,), generator=g))) % vocab  # never c[i] itself
+            prompts.append(x + c + x)
+        work[f"X+G+X, 1 in {e} of G edited" if e else "X+G+X"] = prompts
+    work["X alone"] = xs
+    return work
+
+
 def ngram_bench(target, spec, args, device) -> None:
-    """(d): plain decoding against the n-gram drafter on prompts X + G + X (G: the target's greedy continuation of
-    X), at each batch of `--batches`; prints tokens/s, accepted drafts per step, speedup and equal tokens."""
+    """(d): plain decoding against the n-gram drafter on the successor target (its greedy next token is the last
+    token's fixed successor, so it produces again what its prompt holds), at each batch of `--batches`, on the
+    workloads of ngram_workloads; prints tokens/s, accepted drafts per step, speedup and equal tokens."""
     k, n, b_max = args.k, args.new_tokens, max(args.batches)
     base = dict(
         max_num_seqs=b_max, max_num_batched_tokens=max(b_max * (k + 1), 2048),
@@ -135,25 +164,37 @@ def ngram_bench(target, spec, args, device) -> None:
     xs = torch.randint(0, spec.vocab_size, (b_max, args.prompt_len), generator=g).tolist()
     params = dg.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     conts = [o.token_ids for o in engines["plain"].generate(xs, params)]
-    prompts = [x + c + x for x, c in zip(xs, conts)]
+    work = ngram_workloads(xs, conts, args.edit_every, spec.vocab_size)
     res, tokens = {}, {}
-    for b in args.batches:
-        for name, eng in engines.items():
-            sec, outs = timed_runs(lambda e=eng, ps=prompts[:b]: e.generate(ps, params), device, args.runs)
-            s = eng.stats()
-            res[name, b] = (b * n / sec, s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0)
-            tokens[name, b] = [o.token_ids for o in outs]
+    for w, prompts in work.items():
+        for b in args.batches:
+            for name, eng in engines.items():
+                sec, outs = timed_runs(lambda e=eng, ps=prompts[:b]: e.generate(ps, params), device, args.runs)
+                s = eng.stats()  # the last generate() call's
+                acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
+                res[w, name, b] = (b * n / sec, acc)
+                tokens[w, name, b] = [o.token_ids for o in outs]
     print(
         f"\n{versions(device)}; {str(target.cfg.dtype).removeprefix('torch.')}, greedy, K={k}, n-gram sizes "
-        f"1..{args.ngram_max}\n(d) generate(): {n} new tokens after X + G + X ({2 * args.prompt_len + n} tokens; G = "
-        f"the target's own {n}-token continuation of X), tokens/s (median of {args.runs})"
+        f"1..{args.ngram_max}\nTarget: {'tiny' if args.tiny else 'Llama-3.2-1B'}-shaped, random weights, every "
+        f"residual branch scaled by {spec.late_scale} and an untied LM head that is the embedding with rows permuted "
+        f"(models/builtin.py {'TINY' if args.tiny else 'LLAMA_1B'}_SUCCESSOR): its greedy next token is the last "
+        "token's fixed successor, so it repeats text it produced before."
+        f"\n(d) generate(): {n} new tokens; X: {args.prompt_len} random tokens, G: the target's own {n}-token "
+        f"continuation of X; tokens/s (median of {args.runs}); accepted drafts per verify step"
     )
-    hdr = f"{'B':>4} | {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} | {'accepted/step':>13} | ngram = plain"
+    hdr = (
+        f"{'workload':<28} {'B':>4} | {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} | {'accepted/step':>13} "
+        "| ngram = plain"
+    )
     print(hdr + "\n" + "-" * len(hdr))
-    for b in args.batches:
-        (p, _), (s_, acc) = res["plain", b], res["ngram", b]
-        same, total = leading_matches(tokens["ngram", b], tokens["plain", b])
-        print(f"{b:>4} | {p:>11.1f} {s_:>11.1f} {s_ / p:>7.2f} | {acc:>13.2f} | {same}/{total} tokens")
+    for w in work:
+        for b in args.batches:
+            (p, _), (s_, acc) = res[w, "plain", b], res[w, "ngram", b]
+            same, total = leading_matches(tokens[w, "ngram", b], tokens[w, "plain", b])
+            print(f"{w:<28} {b:>4} | {p:>11.1f} {s_:>11.1f} {s_ / p:>7.2f} | {acc:>13.2f} | {same}/{total} tokens")
+            if target.cfg.dtype == torch.float32:
+                assert same == total, f"{w}, B={b}: ngram {same}/{total} tokens equal plain's in float32"
     print(f"\nngram engine forwards by artifact (last call): {engines['ngram'].stats()['dispatch']}")
 
 
@@ -312,6 +353,9 @@ def parse_args():
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache compiled decoding")
     ap.add_argument("--ngram", action="store_true", help="(d) only: plain against prompt lookup, repetitive prompts")
     ap.add_argument("--ngram-max", type=int, default=3, help="(d): the longest n-gram matched (default 3)")
+    ap.add_argument(
+        "--edit-every", default="0,16", help="(d): X+G+X workloads, every E-th token of G's copy edited (0: none)"
+    )
     ap.add_argument("--adaptive", action="store_true", help="(e) only: adaptive speculation against plain, fixed K")
     ap.add_argument("--skip", default="", help="(e): variants left out, comma-separated (e.g. 'K=2 acc 0')")
     args = ap.parse_args()
@@ -323,6 +367,7 @@ def parse_args():
     args.new_tokens = args.new_tokens or (24 if tiny else 256)
     args.context = args.context or (32 if tiny else 512)
     args.runs = args.runs or (1 if tiny else 3)
+    args.edit_every = [int(x) for x in args.edit_every.split(",")]
     return args
 
 
@@ -332,12 +377,16 @@ def main():
     spec, dtype = (TINY_ACCEPTANCE, torch.float32) if args.tiny else (LLAMA_1B_ACCEPTANCE, torch.bfloat16)
     t0 = time.perf_counter()
     attn = "triton" if device.type == "cuda" else "sdpa"
+    if args.ngram:  # (d) alone: the successor target, no drafter model
+        spec = TINY_SUCCESSOR if args.tiny else LLAMA_1B_SUCCESSOR
+        _, target, _ = successor_target(spec, dtype=dtype, device=device, attn_impl=attn)
+        sync(device)
+        print(f"built the successor target ({spec.num_layers} layers) in {time.perf_counter() - t0:.1f} s")
+        ngram_bench(target, spec, args, device)
+        return
     hf, target, drafter = acceptance_pair(spec, dtype=dtype, device=device, attn_impl=attn)
     sync(device)
     print(f"built the pair ({spec.num_layers} layers, drafter {spec.draft_layers}) in {time.perf_counter() - t0:.1f} s")
-    if args.ngram:  # (d) alone: the target without its drafter
-        ngram_bench(target, spec, args, device)
-        return
     if args.adaptive:  # (e) alone
         adaptive_bench(target, drafter, args, device)
         return

@@ -53,6 +53,7 @@ kernels_group() {
   TAIL=16 step bench_race 200 python3 scripts/bench_race.py --rows 1,8,32,128 --sizes 1,32
   TAIL=8 step bench_sampling 90 python3 scripts/bench_sampling.py --rows 1,32,160
   TAIL=10 step bench_argmax 90 python3 scripts/bench_argmax.py --rows 1,5,32,160,640 --dtypes bfloat16
+  TAIL=8 step bench_logits 60 python3 scripts/bench_logits.py
   TAIL=10 step bench_decode_attention 90 python3 scripts/bench_decode_attention.py --contexts 512,8192
 }
 

@@ -13,8 +13,8 @@ Each row: B requests decoding together at `--context` cached tokens, the median 
 ends in the step's one device-to-host copy), the step's floor (this rank's weights + KV read once over the
 measured device-to-device copy speed: layers, LM head; plus K x the drafter's), the GPU time of collective
 kernels per step (all-reduce and all-gather kernels, from the profiler over 20 steps at that B), and tok/s
-(B x mean accepted length / step). Ranks step in lock-step (SPMD), each on its own engine (LaunchedEngine.engine),
-so no driver round trip is timed.
+(B x mean accepted length / step). Ranks step in lock-step (SPMD), each on its own engine (scripts/ranks.py), so no
+driver round trip is timed.
 
 Usage:
   python scripts/bench_tp.py --model 8b                                   (TP 1)
@@ -28,72 +28,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 
 import torch
 
 import draftgraph as dg
-from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target, module_from_state_dict
-from scripts.bench_8b import (
-    LLAMA_3_1_8B,
-    TINY,
-    VLLM_CI_K3,
-    conditional,
-    layer_shapes,
-    measure,
-    random_weights,
-    steady_profile,
-)
+from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
+from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, eagle3_8b, hf_8b, measure, steady_profile
+from scripts.ranks import inner_engine, join_ranks, rank_env, say
 
 COLLECTIVE_NAMES = ("allreduce", "all_reduce", "allgather", "all_gather")
 
 
-def rank_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) of a torchrun launch, or (0, 1, 0)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def say(*args) -> None:
-    if rank_env()[0] == 0:
-        print(*args, flush=True)
-
-
 # ----------------------------------------------------------------------------------------------------------- models
-def hf_8b(shape: dict, device) -> torch.nn.Module:
-    """The 8B-shaped target as a module of transformers-named random weights carrying its config (each rank takes
-    its share when the engine loads it)."""
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for i in range(shape["num_hidden_layers"]):
-        shapes.update(layer_shapes(f"model.layers.{i}.", h, inter, q, kv, h))
-    state = random_weights(shapes, device, torch.Generator(device=device).manual_seed(0))
-    state["model.embed_tokens.weight"].mul_(50)  # embeddings of RMS ~1, as trained ones are
-    holder = module_from_state_dict(state)
-    holder.config = dict(shape)
-    return holder
-
-
-def eagle3_8b(shape: dict, draft_vocab: int, device) -> torch.nn.Module:
-    """The published EAGLE-3 head's layout as a module carrying its config (bench_8b.build_head's weights)."""
-    from scripts.bench_8b import eagle3_config
-
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
-    shapes = layer_shapes("midlayer.", h, inter, q, kv, 2 * h)
-    shapes.update({"midlayer.hidden_norm.weight": (h,), "fc.weight": (h, 3 * h), "norm.weight": (h,),
-                   "lm_head.weight": (draft_vocab, h)})  # fmt: skip
-    state = random_weights(shapes, device, torch.Generator(device=device).manual_seed(1))
-    kept = torch.randperm(v, generator=torch.Generator().manual_seed(2))[:draft_vocab].sort().values
-    state["d2t"] = (kept - torch.arange(draft_vocab)).to(device)
-    state["t2d"] = torch.zeros(v, dtype=torch.bool).index_fill_(0, kept, True).to(device)
-    holder = module_from_state_dict(state)
-    holder.config = eagle3_config(shape, draft_vocab)
-    return holder
-
-
 def hf_1b_pair(device):
     """The realistic-acceptance pair as transformers objects on `device`: the target and a model of its first
     draft_layers layers sharing its tensors."""
@@ -260,15 +208,9 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="batch sizes whose profiled steps are printed (top kernels)")
     args = ap.parse_args()
-    rank, world, local = rank_env()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1:  # joined once here: the engines built in turn use it (compile_model leaves it up)
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    device = join_ranks()  # joined once here: the engines built in turn use it (compile_model leaves it up)
+    rank, world, _ = rank_env()
+    cuda = device.type == "cuda"
     if args.sweep:
         sweep(device)
         return
@@ -303,7 +245,7 @@ def main():
                 t1 = time.perf_counter()
                 max_tokens = (args.warm + args.steps + 40) * 5 + 16
                 eng, k = make_engine(key, case, world, ar, sizes, args.context, max_tokens, device, mode, models)
-                inner = getattr(eng, "engine", eng)  # a launched rank's own Engine: the ranks step together
+                inner = inner_engine(eng)  # a launched rank's own Engine: the ranks step together
                 say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")
                 for b in sizes:
                     m = measure(inner, b, k, args.context, args.warm, args.steps, vocab)

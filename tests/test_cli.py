@@ -55,6 +55,14 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     for command in ("generate", "serve", "build"):  # the commands that build an engine
         extra = {"generate": [], "serve": [], "build": ["--out", "x"]}[command]
         assert not _config(parser.parse_args([command, "--no-prefix-caching", *extra])).prefix_caching
+    # --capture auto: lazy for generate (a one-off job), eager for serve, build and adaptive speculation
+    capture = {
+        ("generate",): "lazy", ("serve",): "eager", ("build", "--out", "x"): "eager",
+        ("generate", "--speculation", "adaptive"): "eager", ("generate", "--capture", "eager"): "eager",
+        ("serve", "--capture", "lazy"): "lazy",
+    }  # fmt: skip
+    for argv, want in capture.items():
+        assert _config(parser.parse_args(list(argv))).capture == want, argv
 
 
 @pytest.mark.parametrize(

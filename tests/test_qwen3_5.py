@@ -123,6 +123,21 @@ def _cache(target, ring: int):
     return cache
 
 
+def test_a_reserved_block_map_keeps_its_size_and_address_as_the_cache_grows():
+    """A KV cache growing in place (CUDA VMM) under graphs captured on its probe: the state block map is the whole
+    reservation from the start, so those graphs' gather of a block id past the probe's size stays in bounds (a view
+    of num_blocks failed compiled code's bounds check on the H200: a device-side assert)."""
+    spec = StateCacheSpec((0, 2), num_rows=3, ring=4, conv_ring=6, conv_dim=8, num_v_heads=2, head_k_dim=4,
+                          head_v_dim=4, dtype=torch.float32)  # fmt: skip
+    state = StateCache(spec, num_blocks=5, device="cpu", reserve_blocks=64)
+    before = state.block_rows
+    state.block_rows[40] = 2
+    state.resize_blocks(48)
+    assert state.block_rows.shape == (64,) and state.block_rows.data_ptr() == before.data_ptr()
+    assert not state.block_rows.any()  # a resize starts every map entry afresh
+    assert StateCache(spec, num_blocks=5, device="cpu").block_rows.shape == (5,)  # no reservation: num_blocks
+
+
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])
 def test_rejection_leaves_the_state_of_the_accepted_tokens(dense, accepted):
     """A verify of 1 + K tokens, `accepted` drafts accepted: the state the next forward starts from (ring entry

@@ -96,6 +96,7 @@ def config_fields(rc) -> dict[str, str]:
     # all_reduce: the graphs hold the same opaque op either way; its kernel is chosen when it runs
     skip = {"num_kv_blocks", "seed", "graphs_enabled", "lazy_capture", "gpu_memory_utilization", "mode_reason",
             "compile_workers", "overlap_steps", "kv_grow_in_place", "ops", "prefix_caching",
+            "prefix_state_snapshots",
             "speculation_ks", "all_reduce"}  # fmt: skip
     out = {f.name: str(getattr(rc, f.name)) for f in dataclasses.fields(rc) if f.name not in skip}
     out.update({f"ops.{k}": str(v) for k, v in rc.ops.fields().items()})

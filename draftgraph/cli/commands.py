@@ -44,10 +44,11 @@ def _config(args, **over):
         compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
         compile_backend=args.compile_backend,
         use_cuda_graphs=not args.no_cuda_graphs,
-        capture=args.capture,
+        capture=_capture(args),
         fuse_draft_loop=_FUSE[args.fuse_draft_loop],
         overlap_steps=not getattr(args, "no_overlap_steps", False),
         prefix_caching=not getattr(args, "no_prefix_caching", False),
+        prefix_state_snapshots=getattr(args, "prefix_state_snapshots", 0),
         check_addresses=args.check_addresses,
         dump_graphs_dir=args.dump_graphs,
         inductor_options=_inductor_options(args.inductor_option),
@@ -65,6 +66,16 @@ def _config(args, **over):
 
     uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
     return config
+
+
+def _capture(args) -> str:
+    """--capture auto: lazy for `generate` (graphs captured by the steps that need them: the first token does not
+    wait for sizes the job may never run), eager for `serve` (steady latency from the first request) and for
+    adaptive speculation (its cost model measures the captured graphs at start)."""
+    if args.capture != "auto":
+        return args.capture
+    adaptive = getattr(args, "speculation", "fixed") == "adaptive"
+    return "lazy" if getattr(args, "command", "") == "generate" and not adaptive else "eager"
 
 
 _FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop

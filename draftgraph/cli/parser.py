@@ -99,7 +99,7 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         metavar="NAME=0|1,...",
         help="draftgraph's kernels on CUDA (CompileConfig.ops, ops/choices.py): turn one off to run the torch ops, "
         "e.g. gemv=0,rope_kv_write=0; names: gemv, norm_kernel, rope_kernel, norm_in_projection, rope_kv_write, "
-        "race_sampler, unfuse_addmm (default: all on)",
+        "race_sampler, unfuse_addmm, logits_kernels (default: all on)",
     )
     p.add_argument(
         "--inductor-option",
@@ -120,9 +120,11 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="compiled pieces without CUDA graphs")
     p.add_argument(
         "--capture",
-        default="eager",
-        choices=["eager", "lazy"],
-        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy)",
+        default="auto",
+        choices=["auto", "eager", "lazy"],
+        help="capture every CUDA graph at start (eager), or each when a step first needs it (lazy); default auto: "
+        "lazy for generate (a one-off job, whose start is most of what the user waits for), eager for serve and "
+        "with --speculation adaptive (its step times are measured on the captured graphs)",
     )
     p.add_argument(
         "--fuse-draft-loop",
@@ -141,7 +143,15 @@ def _add_common(p: argparse.ArgumentParser, mode_help: str) -> None:
         "--no-prefix-caching",
         action="store_true",
         help="prefill every prompt from its start (default: full KV blocks are kept and shared by later requests "
-        "whose tokens start the same, which prefill only the rest; off by itself for hybrid models)",
+        "whose tokens start the same, which prefill only the rest; hybrid models keep state snapshots too)",
+    )
+    p.add_argument(
+        "--prefix-state-snapshots",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hybrid models (Qwen3.5): device slots for Gated DeltaNet state snapshots at block boundaries, which "
+        "prefix-cache hits need (default 0 = auto: max-num-seqs)",
     )
     p.add_argument(
         "--check-addresses",

@@ -145,9 +145,14 @@ class CompileConfig:
     # WARNING and labelled in stats(). () = off: real acceptance. runtime/rejection.py: synthetic_accept.
     synthetic_acceptance: tuple[float, ...] = ()
     # Automatic prefix caching (runtime/prefix_cache.py): full KV blocks are kept after their requests end and
-    # shared by later requests whose tokens start the same, which then prefill only the rest. Off for hybrid
-    # models (Gated DeltaNet state is per request). False: every prompt is prefilled from its start.
+    # shared by later requests whose tokens start the same, which then prefill only the rest. Hybrid models (Gated
+    # DeltaNet) also keep snapshots of the recurrent and conv states at block boundaries (runtime/state_snapshots.py).
+    # False: every prompt is prefilled from its start.
     prefix_caching: bool = True
+    # Hybrid models with prefix caching: the device slots for state snapshots (each one state per Gated DeltaNet
+    # layer: runtime/state_snapshots.py gives the bytes); a prefix is a hit only up to a snapshot. 0 = auto:
+    # max_num_seqs (1/L of the per-request state rings' memory, L = K + 1).
+    prefix_state_snapshots: int = 0
     # With a drafter: "fixed" verifies num_speculative_tokens drafts every step; "adaptive" picks each decode step's
     # K from {0, ceil(K/2), K} (K = num_speculative_tokens, the largest) by a cost model: step time per (K, batch)
     # measured on the captured step graphs at start-up against the tokens expected from running per-position
@@ -175,6 +180,10 @@ class CompileConfig:
             raise TypeError(f"kv_grow_in_place={self.kv_grow_in_place!r} must be True (default) or False")
         if not isinstance(self.prefix_caching, bool):
             raise TypeError(f"prefix_caching={self.prefix_caching!r} must be True (default) or False")
+        if not isinstance(self.prefix_state_snapshots, int) or self.prefix_state_snapshots < 0:
+            raise ValueError(
+                f"prefix_state_snapshots={self.prefix_state_snapshots!r} must be an int >= 0 (0 = auto: max_num_seqs)"
+            )
         modes = ["auto", *(m.value for m in CUDAGraphMode)]
         if self.mode in FOLDED_MODES:
             ours, why = FOLDED_MODES[self.mode]
@@ -274,6 +283,7 @@ class ResolvedConfig:
     kv_grow_in_place: bool = True  # a KV cache sized after capture grows under the probe's graphs where it can
     synthetic_acceptance: tuple[float, ...] = ()  # pinned conditional acceptance rates (benchmarks only); () = off
     prefix_caching: bool = True  # full KV blocks kept and shared across requests (runtime/prefix_cache.py)
+    prefix_state_snapshots: int = 16  # hybrid models: device slots for state snapshots (runtime/state_snapshots.py)
     ngram: tuple[int, int] | None = None  # the n-gram drafter's (ngram_min, ngram_max); None: another or no drafter
     # speculation="adaptive": the K a decode step may run at, ascending, the largest num_speculative_tokens
     # (runtime/adaptive.py); () = fixed K
@@ -402,6 +412,7 @@ def resolve(
         kv_grow_in_place=config.kv_grow_in_place,
         synthetic_acceptance=synthetic,
         prefix_caching=config.prefix_caching,
+        prefix_state_snapshots=config.prefix_state_snapshots or config.max_num_seqs,
         ngram=(config.ngram_min, config.ngram_max) if has_drafter and config.drafter_kind == "ngram" else None,
         speculation_ks=resolve_speculation(
             config, k, measured=graphs and full and config.one_graph_step and config.capture != "lazy"

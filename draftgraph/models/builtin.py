@@ -44,16 +44,27 @@ class BuiltinSpec:
     tie_word_embeddings: bool = False
     rope_theta: float | None = None  # None: the family's default
     late_from: int | None = None  # the first layer whose residual branches are scaled; None: draft_layers
+    # The LM head is the embedding with its rows permuted (seeded): the logit of token y peaks where the final
+    # hidden state is y's predecessor's embedding. With every residual branch small (late_from=0, late_scale
+    # small) the hidden state stays near the last token's embedding, so the greedy next token is that token's
+    # fixed successor: the target continues a text as it did before (successor_target; untied embeddings only).
+    successor_head: bool = False
 
     def __post_init__(self):
         if self.family not in HF_CONFIGS:
             raise ValueError(f"family={self.family!r} is unknown; choose one of {sorted(HF_CONFIGS)}")
         if not 1 <= self.draft_layers <= self.num_layers:
             raise ValueError(f"draft_layers={self.draft_layers} must lie in [1, num_layers={self.num_layers}]")
-        if self.late_from is not None and not self.draft_layers <= self.late_from <= self.num_layers:
+        if self.late_from not in (None, 0) and not self.draft_layers <= self.late_from <= self.num_layers:
             raise ValueError(
                 f"late_from={self.late_from} must lie in [draft_layers={self.draft_layers}, "
-                f"num_layers={self.num_layers}] (layers the drafter runs are never scaled)"
+                f"num_layers={self.num_layers}] (layers the drafter runs are never scaled), or be 0 (every layer "
+                "scaled: a target run without the truncated drafter)"
+            )
+        if self.successor_head and self.tie_word_embeddings:
+            raise ValueError(
+                "successor_head=True needs tie_word_embeddings=False (its LM head is a permuted copy of the "
+                "embedding, a separate tensor)"
             )
 
     @property
@@ -91,7 +102,15 @@ def builtin_hf_target(spec: BuiltinSpec = BuiltinSpec(), device=None, dtype=None
             parts = name.split(".")
             if name.endswith(("o_proj.weight", "down_proj.weight")) and int(parts[2]) >= spec.first_late_layer:
                 p.mul_(spec.late_scale)
+        if spec.successor_head:
+            embed = model.get_input_embeddings().weight
+            model.get_output_embeddings().weight.copy_(embed[_head_permutation(spec).to(embed.device)])
     return model
+
+
+def _head_permutation(spec: BuiltinSpec) -> torch.Tensor:
+    """A successor_head spec's LM head row y is embedding row perm[y] (seeded, CPU)."""
+    return torch.randperm(spec.vocab_size, generator=torch.Generator().manual_seed(spec.seed))
 
 
 def builtin_hf_pair(spec: BuiltinSpec = BuiltinSpec()):
@@ -164,6 +183,35 @@ def acceptance_pair(spec: BuiltinSpec = LLAMA_1B_ACCEPTANCE, dtype=torch.bfloat1
     hf = builtin_hf_target(spec, device=device, dtype=dtype)
     target = CausalLM.from_hf(hf, attn_impl=attn_impl)
     return hf, target, truncated_draft_model(target, spec.draft_layers)
+
+
+# A target that repeats itself, for prompt lookup (the n-gram drafter, scripts/bench_e2e.py --ngram): Llama-3.2-1B's
+# shape and step cost, bf16, random seeded weights, but every layer's residual branches scaled by 0.01 and an LM head
+# that is the embedding with its rows permuted (successor_head), untied (the same bytes read per step as the tied
+# head; 0.5 GB more memory). The final hidden state stays near the last token's embedding, so the greedy next token
+# is that token's successor under a fixed random permutation (a bigram model computed by the whole 16-layer stack):
+# text the target produced once, placed in its prompt, is what it produces again. The attention and MLP branches
+# still move the hidden state (by about a fifth of its size at 0.01), but not the argmax: measured on the CPU, bf16,
+# the next token was the last one's successor at every position (scaling 0.05 at 4 layers of hidden 512 still
+# holds; 0.1 breaks it: 63 %).
+LLAMA_1B_SUCCESSOR = replace(
+    LLAMA_1B_ACCEPTANCE, tie_word_embeddings=False, successor_head=True, late_from=0, late_scale=0.01
+)
+# The same construction at the tiny shape, for CPU tests (float32: the successor at every position up to 0.05).
+TINY_SUCCESSOR = replace(TINY_ACCEPTANCE, tie_word_embeddings=False, successor_head=True, late_from=0, late_scale=0.03)
+
+
+def successor_target(spec: BuiltinSpec = LLAMA_1B_SUCCESSOR, dtype=torch.bfloat16, device="cpu", attn_impl="reference"):
+    """(transformers model, target CausalLM, successor) of a successor_head spec, built on `device` directly;
+    `successor` [vocab] (int64, CPU) maps token x to its greedy next token (while the residual branches are small
+    enough to leave the argmax alone, as in LLAMA_1B_SUCCESSOR and TINY_SUCCESSOR)."""
+    if not spec.successor_head:
+        raise ValueError("successor_target needs a spec with successor_head=True, e.g. LLAMA_1B_SUCCESSOR")
+    hf = builtin_hf_target(spec, device=device, dtype=dtype)
+    perm = _head_permutation(spec)
+    successor = torch.empty_like(perm)
+    successor[perm] = torch.arange(spec.vocab_size)  # head row y is embedding row perm[y]: x's logit peaks at y
+    return hf, CausalLM.from_hf(hf, attn_impl=attn_impl), successor
 
 
 def module_from_state_dict(state: dict) -> torch.nn.Module:

@@ -20,6 +20,8 @@ comparisons (`scripts/bench_step.py`'s variants, `draftgraph --ops gemv=0,...`).
   with the Triton attention), not the attention op's own write; needs `rope_kernel`.
 - `race_sampler`: eager token draws on CUDA run the Triton exponential race (`draftgraph::race_sample`,
   ops/sampling/triton_race.py), not torch ops over [N, V] noise.
+- `logits_kernels`: the step's logits processing (penalties, logit bias, min_tokens) and logprobs gather on CUDA run
+  the Triton kernels of ops/logits (one read and one write of the logits; one read), not torch ops.
 - `unfuse_addmm`: Inductor keeps a residual add apart from its matmul (passes/unfuse_addmm.py, installed as
   Inductor's post-grad pass) instead of fusing it into cuBLAS addmm (a copy of the residual first).
 """
@@ -45,6 +47,7 @@ class OpChoices:
     rope_kv_write: bool = True
     race_sampler: bool = True
     unfuse_addmm: bool = True
+    logits_kernels: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

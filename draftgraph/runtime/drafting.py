@@ -71,11 +71,15 @@ class Chooser:
         self.drafter, self.target_vocab = drafter, target_vocab
         self.race_kernel = race_kernel  # OpChoices.race_sampler (sampler.sample_from_probs)
 
-    def __call__(self, logit_h, rows, pred_pos, step, sampling: dict | None, slots, draft_probs):
+    def __call__(self, logit_h, rows, pred_pos, step, sampling: dict | None, slots, draft_probs, process=None,
+                 prior=()):  # fmt: skip
         """`step`: the draft step's index, a 0-dim tensor when sampling (its column of draft_probs; draft_loop
-        passes an int, unused, to greedy choices)."""
+        passes an int, unused, to greedy choices). `process`: the target's logits processing for drafts
+        (PenaltyState.process_draft) applied after the drafts `prior` of this loop, or None."""
         drafter = self.drafter
         logits = drafter.compute_logits(logit_h, rows)
+        if process is not None:  # the processing the next verify applies at this draft's row
+            logits = process(logits, slots, list(prior))
         greedy_ids = greedy_argmax(logits)
         if sampling is None:  # every request greedy (host-known): no probability work at all
             return drafter.to_target_ids(greedy_ids)
@@ -105,8 +109,10 @@ def draft_loop(
     sampling: dict | None,
     slots,
     draft_probs,
+    process=None,
 ) -> torch.Tensor:
-    """K draft tokens [B, K] (target ids) for the B rows of `sample_rows` (one per request slot).
+    """K draft tokens [B, K] (target ids) for the B rows of `sample_rows` (one per request slot); `process`: the
+    logits processing of each draft step after the drafts before it (`Chooser`), or None (raw logits).
 
     `first` runs over the first step's rows; request i's first draft comes from row sample_rows[i],
     which sits at position p_i, so draft j predicts position p_i + j + shift (shift: 2 for drafters
@@ -117,12 +123,12 @@ def draft_loop(
     # The step index and the positions advance as tensors (j and row position + j are never constants):
     # the code between two drafter steps is then the same graph at every step, and compiles once.
     j = torch.zeros((), dtype=torch.long, device=pos.device) if sampling is not None else 0
-    out = [choose(logit_h, sample_rows, pos + shift, j, sampling, slots, draft_probs)]
+    out = [choose(logit_h, sample_rows, pos + shift, j, sampling, slots, draft_probs, process)]
     for _ in range(1, k):
         pos, step_meta = advance_next(tables, pos, valid, block_size)
         j = j + 1
         h, logit_h = step(out[-1], pos, h if feed_hidden else None, step_meta)
-        out.append(choose(logit_h, None, pos + shift, j, sampling, slots, draft_probs))
+        out.append(choose(logit_h, None, pos + shift, j, sampling, slots, draft_probs, process, out))
     return torch.stack(out, dim=1)
 
 

@@ -33,6 +33,7 @@ from draftgraph.runtime.prefix_cache import prefix_key
 from draftgraph.runtime.request import Request, RequestOutput, SamplingParams
 from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
+from draftgraph.runtime.state_snapshots import make_snapshots
 from draftgraph.runtime.step import RunnerShape, StepRunner
 from draftgraph.runtime.step_writes import StepWrites
 from draftgraph.runtime.streaming import StreamDelta, stream_requests
@@ -94,6 +95,7 @@ class Engine:
             rc.synthetic_acceptance,
             ngram=rc.ngram,  # the n-gram drafter (runtime/ngram_state.py): no drafter model, K drafts per step
             max_model_len=rc.max_model_len,
+            logits_kernels=rc.ops.logits_kernels,
         )
         hidden = drafter is None or drafter.target_hidden != "none"
         self.shapes = StepShapes(self.k, hidden)
@@ -118,8 +120,10 @@ class Engine:
         self.adaptive = AdaptiveK(ks, self.step_times) if len(ks) > 1 else None
         self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
         self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
-        # Prefix caching (runtime/prefix_cache.py): None when off, asked or for a hybrid model (logged).
-        prefix = prefix_key(target, drafter, rc, self.k, hybrid=self.states is not None)
+        # Prefix caching (runtime/prefix_cache.py): None when off, asked or where it cannot run (logged). A hybrid
+        # model's cached prefixes also need state snapshots at their ends (runtime/state_snapshots.py).
+        self.snapshots, off = make_snapshots(self.runner, self.states, rc)
+        prefix = prefix_key(target, drafter, rc, self.k, off)
         self.scheduler = Scheduler(
             rc.max_num_seqs,
             rc.max_num_batched_tokens,
@@ -127,6 +131,7 @@ class Engine:
             rc.block_size,
             StepWrites(self.k, 0) if rc.ngram else StepWrites.of(drafter, self.k),  # n-gram: verify rows only
             prefix,
+            self.snapshots if prefix is not None else None,
         )
         self._eos = frozenset(target.cfg.eos_token_ids)  # config.json + generation_config.json
         self.last_step_tokens: list[tuple[int, list[int]]] = []  # (request id, ids emitted) of the last step
@@ -160,12 +165,13 @@ class Engine:
             report = "; ".join(x for x in (report, self.memory_plan.describe()) if x)
         self.warm_up_report = "; ".join(x for x in (*notes, report) if x)
 
-    def warm_up(self, lazy: bool | None = None) -> str:
+    def warm_up(self, lazy: bool | None = None, largest_only: bool = False) -> str:
         """Compile every piece and (on CUDA) capture every graph, largest size first, or leave capture to the
-        steps with lazy capture (`lazy` overrides the config's choice); returns the report line."""
+        steps with lazy capture (`lazy` overrides the config's choice; `largest_only`: only the largest size of
+        each kind, which bounds the shared pool); returns the report line."""
         from draftgraph.runtime.warmup import warm_up_and_capture
 
-        return warm_up_and_capture(self, lazy)
+        return warm_up_and_capture(self, lazy, largest_only)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Both KV caches at `num_blocks` blocks (no request may be running). Graphs read the caches in place:
@@ -177,6 +183,8 @@ class Engine:
         self.runner.resize_kv_cache(num_blocks)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler.allocator = self.allocator
+        if self.snapshots is not None:  # they belonged to the old cache's blocks
+            self.snapshots.clear()
 
     # ---- driving ----------------------------------------------------------------------------------
 
@@ -265,6 +273,8 @@ class Engine:
             return done
         if self.states is not None:
             self.states.admit(batch.prefills)
+            if self.scheduler.snapshots is not None:  # a cached prefix's first block and state
+                self.snapshots.admit(batch.prefills)
         t0 = time.perf_counter()
         defer = self.config.overlap_steps and self.lockstep is None and not batch.prefills
         # a grammar's next bitmask needs this step's drafts on the host (runtime/grammar.py): not overlapped
@@ -277,7 +287,28 @@ class Engine:
         if isinstance(result, Launched):  # read at the next call, once the step after it is queued
             self._pending = (batch, result)
             return done
-        return done + self._apply(batch, result, runner.k)
+        ends = self._snapshot_ends(batch)  # (rows, before requests finishing in the step give theirs back)
+        done += self._apply(batch, result, runner.k)
+        if ends:  # after: a boundary's hash may read the token the step sampled
+            self._take_snapshots(ends)
+        return done
+
+    def _snapshot_ends(self, batch: ScheduledBatch) -> list:
+        """Hybrid prefix caching (runtime/state_snapshots.py): the prompt chunks of this step that end on a block
+        boundary, as (request, its state row, the boundary)."""
+        if self.scheduler.snapshots is None:
+            return []
+        bs = self.config.block_size
+        ends = [(c.req, c.req.slot, c.req.num_computed + c.num_tokens) for c in batch.prefills]
+        return [(r, row, e) for r, row, e in ends if e % bs == 0]
+
+    def _take_snapshots(self, ends: list) -> None:
+        key, out = self.scheduler.prefix, []
+        for r, row, e in ends:
+            hashes = key.extend(r.block_table.hashes, r.tokens, e // self.config.block_size)
+            if len(hashes) >= e // self.config.block_size:
+                out.append((row, e, hashes[e // self.config.block_size - 1]))
+        self.snapshots.take(out, self.allocator.is_cached)
 
     def _runner_for(self, batch: ScheduledBatch) -> StepRunner:
         """The runner of this step's K: the configured one, or with adaptive speculation the controller's choice for
@@ -502,6 +533,8 @@ class Engine:
         s["kv_blocks"] = self.config.num_kv_blocks
         # Prompt tokens (and full blocks) looked up in the prefix cache and found there (runtime/prefix_cache.py).
         s["prefix_cache"] = self.scheduler.prefix_stats.as_dict(self.allocator.num_cached, self.allocator.evictions)
+        if self.scheduler.snapshots is not None:  # hybrid: the state snapshots (runtime/state_snapshots.py)
+            s["prefix_cache"]["state_snapshots"] = self.snapshots.stats()
         if self.memory_plan is not None:
             s["memory"] = self.memory_plan.as_dict()
         return s
@@ -582,7 +615,7 @@ class Engine:
                 for bufs in buffers:  # unmapped now, whoever still holds a view (no graph may replay on it)
                     for buf in bufs:
                         buf._finalizer()
-        self.states = None
+        self.states = self.snapshots = None
         self.target = self.drafter = None
         if cuda:
             gc.collect()  # the graphs' and caches' reference cycles, so the allocator gets their blocks back

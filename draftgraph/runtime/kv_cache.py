@@ -213,6 +213,10 @@ class BlockAllocator:
             out.append(b)
         return out
 
+    def is_cached(self, h: bytes) -> bool:
+        """Whether a block is registered under this chain hash."""
+        return h in self._block_of
+
     def num_unheld(self, blocks) -> int:
         """How many of these cached blocks no request holds (sharing them takes them off `num_free`)."""
         return sum(1 for b in blocks if not self._ref[b])
@@ -281,12 +285,16 @@ class BlockTable:
             return
         self._append(self.allocator.allocate(needed))
 
-    def adopt(self, cached: list[int]) -> None:
-        """Start an empty table with cached blocks found by `BlockAllocator.lookup` (shared here)."""
+    def adopt(self, cached: list[int], private_first: bool = False) -> None:
+        """Start an empty table with cached blocks found by `BlockAllocator.lookup` (shared here). `private_first`:
+        the first is a new block instead, for its owner to fill with the cached one's contents (hybrid models:
+        runtime/state_snapshots.py); it stays unregistered (the cached one holds its hash)."""
         if self._n:
             raise RuntimeError(f"adopt() starts an empty table; this one holds {self._n} blocks")
-        self.allocator.share(cached)
-        self._append(cached)
+        private = private_first and bool(cached)
+        shared = cached[1:] if private else cached
+        self.allocator.share(shared)  # before allocating: the new block must not evict one of these
+        self._append((self.allocator.allocate(1) if private else []) + list(shared))
         self.num_registered = len(cached)
         missing = [i for i, b in enumerate(cached) if self.allocator.draft_missing(b)]
         self.num_draft_written = missing[0] if missing else len(cached)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from draftgraph.ops.logits.logprobs import gather_packed
+
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (vLLM's default max_logprobs); fixed graph shape
 
 
@@ -24,15 +26,11 @@ def top_width(vocab_size: int) -> int:
     return min(MAX_LOGPROBS, vocab_size)
 
 
-def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, kernel: bool = True) -> torch.Tensor:
     """Packed int64 [N * (2n + 1)] for logits [N, V] and the chosen token of each row [N]:
-    [top ids (N x n) | chosen logprob (N) and top logprobs (N x n), float64 bits]."""
-    n = top_width(logits.shape[-1])
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [N, 1]
-    top_vals, top_ids = logits.topk(n, dim=-1)  # [N, n]
-    chosen_vals = logits.gather(-1, chosen[:, None].long())  # [N, 1]
-    vals = torch.cat([chosen_vals.float(), top_vals.float()], dim=-1) - lse  # [N, n + 1]
-    return torch.cat([top_ids.flatten(), vals.double().view(torch.int64).flatten()])
+    [top ids (N x n) | chosen logprob (N) and top logprobs (N x n), float64 bits]. ops/logits/logprobs.py: the
+    Triton kernels on CUDA with `kernel` (OpChoices.logits_kernels), the torch ops elsewhere."""
+    return gather_packed(logits, chosen, top_width(logits.shape[-1]), kernel)
 
 
 def packed_size(num_rows: int, vocab_size: int) -> int:

@@ -16,6 +16,9 @@ measured probe on the engine itself:
    graphs stay: every graph is captured once. Otherwise the graphs are released, the caches reallocated at
    that size (the same engine: no second build) and the graphs captured again; the compiled code is re-used
    (no trace, no Inductor compile: the block count is a dynamic dimension), only capture repeats.
+With capture="lazy" the probe captures only the largest FULL request count and the largest piece size: all
+graphs share one pool, captured largest first, so the smaller ones that steps capture later fit in what those
+took; the start does not wait for hundreds of captures.
 """
 
 from __future__ import annotations
@@ -106,8 +109,9 @@ def measure_and_plan(engine, utilization: float) -> tuple[MemoryPlan, str]:
     probe_blocks = rc.num_kv_blocks
     grows = runner.kv_grows_in_place
     torch.cuda.reset_peak_memory_stats()
-    # The probe captures every graph, also with capture="lazy": the cache is sized for all of them.
-    report = engine.warm_up(lazy=False)
+    # The probe captures every graph; with capture="lazy" only the largest FULL request count and piece size: every
+    # graph goes into one pool, largest first, so those bound what the rest will take (captured by their steps).
+    report = engine.warm_up(lazy=False, largest_only=rc.lazy_capture)
     # The largest batch a step can hold, on whatever path it takes (past the capture sizes: no graph).
     runner.dummy_run(rc.max_num_batched_tokens)
     torch.cuda.synchronize()

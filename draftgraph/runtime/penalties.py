@@ -16,27 +16,36 @@ records its emitted tokens into them on the device (`record`), so overlapped ste
 host writes a slot's row only when its request starts a prefill at position 0 (a new request, or one recomputed
 after a preemption: its counts are rebuilt from its output), in `admit`.
 
-Rows whose request asks for none of it keep their raw logits bit for bit (a final where), and a step whose
-requests ask for none of it (host-known) runs none of this: the one-graph step's "_penalties" variants.
+The processing itself is ops/logits/penalties.py: on CUDA two Triton launches, one read and one write of the logits
+(OpChoices.logits_kernels; the torch ops elsewhere). Rows whose request asks for none of it keep their raw logits bit
+for bit, and a step whose requests ask for none of it (host-known) runs none of this: the one-graph step's
+"_penalties" variants.
 
-Only the target's logits are processed: the drafter proposes from its raw logits. Greedy and sampled outputs stay
-exact (rejection sampling needs only the q the drafts were drawn from); acceptance may drop where the penalties
-change the target's choice.
+The drafter's proposals get the same processing (`process_draft`, from runtime/drafting.py's loop): draft j is
+chosen from the drafter's logits processed after the slot's output (this step's emitted tokens already recorded)
+and drafts 0..j-1, exactly as the next verify's row j will process the target's, so a drafter that agrees with the
+target keeps agreeing under penalties. Sampled drafts are drawn from, and their q kept as, the processed
+distribution: rejection sampling stays exact. Not processed (raw logits: exact, acceptance may drop where the
+penalties change the target's choice): a drafter over a reduced vocabulary (EAGLE-3's d2t; the tables are over
+the target's), and the fused draft loop (fuse_draft_loop=True: one traced graph per variant, which has no
+penalties variant).
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_LOGIT_BIAS = 300  # (id, bias) pairs a request may give: OpenAI's limit; a fixed width of the device table
-PROMPT, STOP = 1, 2  # flag bits per vocabulary entry: in the prompt (repetition penalty), a stop token (min_tokens)
+from draftgraph.ops.logits.penalties import MAX_LOGIT_BIAS, PROMPT, STOP, PenaltyTables, process_logits
+
+__all__ = ["MAX_LOGIT_BIAS", "PROMPT", "STOP", "PenaltyState"]
 
 
 class PenaltyState:
     """Per request slot device buffers of the logits processing (`max_num_seqs` slots plus a scratch row)."""
 
-    def __init__(self, max_num_seqs: int, vocab_size: int, device):
+    def __init__(self, max_num_seqs: int, vocab_size: int, device, kernel: bool = True):
         self.rows, self.scratch, self.vocab_size, self.device = max_num_seqs + 1, max_num_seqs, vocab_size, device
+        self.kernel = kernel  # OpChoices.logits_kernels: the Triton kernels on CUDA (ops/logits/triton_penalties.py)
         self.allocated = False  # the buffers come with the first request that asks for logits processing
 
     def _allocate(self) -> None:
@@ -53,6 +62,10 @@ class PenaltyState:
         self.bias_ids = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.long, device=dev)
         self.bias_vals = torch.zeros(rows, MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
         self.active = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.tables = PenaltyTables(
+            self.counts, self.flags, self.repetition, self.presence, self.frequency, self.min_tokens,
+            self.generated, self.bias_ids, self.bias_vals, self.active,
+        )  # fmt: skip
         self.allocated = True
 
     # ---- the host side ------------------------------------------------------------------------------
@@ -92,34 +105,15 @@ class PenaltyState:
 
     def process(self, logits: torch.Tensor, slots: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
         """Processed logits [B, R, V] for logits [B, R, V] of requests in slots [B] (padding rows: the scratch
-        slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1).
+        slot), where row i of a request comes after drafts[:, :i] (drafts [B, R - 1], None when R = 1):
+        ops/logits/penalties.py (the Triton kernels on CUDA unless OpChoices.logits_kernels is off)."""
+        return process_logits(logits, slots, drafts, self.tables, self.kernel)
 
-        Every row is processed with the slot's counts ([B, 1, V], broadcast); then the only entries whose count
-        differs between a request's rows, the K draft columns, are processed again with row i's counts there
-        (the slot's plus the drafts before i equal to that column) and written over: [B, R, K] values, not a
-        [B, R, V] count tensor per step."""
-        b, r, v = logits.shape
-        counts, flags = self.counts[slots], self.flags[slots]  # [B, V]
-        bias = torch.zeros(b, v, dtype=torch.float32, device=logits.device)
-        bias.scatter_add_(-1, self.bias_ids[slots], self.bias_vals[slots])  # absent pairs add 0 to token 0
-        generated = self.generated[slots][:, None] + torch.arange(r, device=logits.device)[None, :]  # [B, R]
-        too_early = (generated < self.min_tokens[slots][:, None])[..., None]  # [B, R, 1]
-        rep, freq, pres = (t[slots][:, None, None] for t in (self.repetition, self.frequency, self.presence))
-        x = _processed(logits.float(), counts[:, None], flags[:, None], bias[:, None], too_early, rep, freq, pres)
-        if drafts is not None and r > 1:  # row i also counts drafts 0..i-1: only their columns change
-            k = r - 1
-            cols = drafts[:, :k].long()  # [B, K]
-            at = cols[:, None, :].expand(b, r, k)  # [B, R, K]: row i, draft column j
-            same = cols[:, :, None] == cols[:, None, :]  # [B, K (j'), K (j)]: draft j' is the token of column j
-            ar = torch.arange(r, device=logits.device)
-            before = (torch.arange(k, device=logits.device)[None, :] < ar[:, None])[None, :, :, None]  # j' < i
-            extra = (before & same[:, None]).sum(2, dtype=torch.int32)  # [B, R, K]
-            fixed = _processed(
-                logits.gather(-1, at).float(), counts.gather(-1, cols)[:, None, :] + extra,
-                flags.gather(-1, cols)[:, None, :], bias.gather(-1, cols)[:, None, :], too_early, rep, freq, pres,
-            )  # fmt: skip
-            x = x.scatter(-1, at, fixed)  # a column drafted twice gets the same value from both
-        return torch.where(self.active[slots][:, None, None], x.to(logits.dtype), logits)
+    def process_draft(self, logits: torch.Tensor, slots: torch.Tensor, prior: list[torch.Tensor]) -> torch.Tensor:
+        """The drafter's logits [B, V] of a draft step (over the target's vocabulary) processed as the next verify's
+        row j = len(prior) will be: after the slot's output and the drafts `prior` ([B] each) proposed before it."""
+        drafts = torch.stack(prior, dim=1) if prior else None
+        return process_logits(logits[:, None], slots, drafts, self.tables, self.kernel, len(prior))[:, 0]
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         """Count the tokens a step emitted: tokens [B, R] of requests in slots [B], the first num_emitted [B] of
@@ -129,12 +123,3 @@ class PenaltyState:
         flat = (slots[:, None] * self.vocab_size + tokens.long()).reshape(-1)  # into counts viewed flat
         self.counts.view(-1).index_add_(0, flat, keep.reshape(-1).int())  # atomic adds: padding rows share scratch
         self.generated.index_add_(0, slots, num_emitted.long())
-
-
-def _processed(x, counts, flags, bias, too_early, rep, freq, pres):
-    """The processing of module docstring's order on logits x (float32) with counts, flags and bias broadcast to
-    it: bias; -inf on stop tokens while too early; repetition over seen tokens; frequency and presence."""
-    x = (x + bias).masked_fill(too_early & ((flags & STOP) != 0), float("-inf"))
-    seen = (counts > 0) | ((flags & PROMPT) != 0)
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - freq * counts - pres * (counts > 0)

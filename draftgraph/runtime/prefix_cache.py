@@ -27,9 +27,10 @@ request's last token, known), so the last position of such a block and the next 
 a rejected position is never registered. A lookup never covers a whole prompt: at least its last token is
 computed, so the step has logits to sample the first token from (as vLLM).
 
-Hybrid models (Gated DeltaNet, runtime/state_cache.py) keep their recurrent state per request, not per block:
-a cached prefix would need the state at the block boundary, which is not kept, so prefix caching turns itself
-off for them (`prefix_key` logs why).
+Hybrid models (Gated DeltaNet, runtime/state_cache.py) keep their recurrent state per request, not per block: a
+cached prefix also needs the state at its end. runtime/state_snapshots.py keeps snapshots of it at block
+boundaries (named by the same chain hashes), and a hit is cut to the longest prefix that has both its blocks and a
+snapshot at its end; a draft model with linear layers of its own turns prefix caching off (`prefix_key` logs why).
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ class PrefixKey:
 
 @dataclass
 class PrefixCacheStats:
-    """Lookups since the last reset: prompt tokens (and full blocks) looked up, and those found cached."""
+    """Lookups since the last reset: prompt tokens (and full blocks) looked up, and those found cached; and the
+    prompt tokens the models then computed (`prefill_tokens`: every scheduled chunk, cache on or off)."""
 
     enabled: bool
     query_tokens: int = 0
     hit_tokens: int = 0
     query_blocks: int = 0
     hit_blocks: int = 0
+    prefill_tokens: int = 0
 
     def record(self, prefill_len: int, block_size: int, hits: int) -> None:
         self.query_tokens += prefill_len
@@ -102,20 +105,18 @@ class PrefixCacheStats:
             "query_blocks": self.query_blocks,
             "hit_blocks": self.hit_blocks,
             "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            "prefill_tokens": self.prefill_tokens,  # prompt tokens computed (in chunks), not found cached
             "cached_blocks": cached_blocks,  # registered now (held or not)
             "evictions": evictions,  # since the engine was built
         }
 
 
-def prefix_key(target, drafter, rc, k: int, hybrid: bool) -> PrefixKey | None:
-    """The engine's PrefixKey, or None when prefix caching is off (asked, or a hybrid model: logged)."""
+def prefix_key(target, drafter, rc, k: int, off: str = "") -> PrefixKey | None:
+    """The engine's PrefixKey, or None when prefix caching is off (asked, or `off` says why: logged)."""
     if not rc.prefix_caching:
         return None
-    if hybrid:
-        log.info(
-            "prefix caching off: this model keeps Gated DeltaNet recurrent state per request (runtime/state_cache.py), "
-            "not per KV block, so a cached prefix would lack the state at its end"
-        )
+    if off:
+        log.info("prefix caching off: %s", off)
         return None
     # One engine's cache holds one pair's weights, so what else changes its bytes for the same tokens: the models'
     # configurations and dtypes, the drafter's kind and inputs, the kernels that write the KV layout, the block size.

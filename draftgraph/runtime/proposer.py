@@ -93,13 +93,16 @@ class Proposer:
         # q of the pending drafts per request slot; the last row is the padding rows' scratch.
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
         self.choose = Chooser(drafter, target_cfg.vocab_size, race_kernel)
+        # Penalties reach the drafter's logits when they share the target's vocabulary (runtime/penalties.py)
+        self.processes_drafts = drafter.draft_vocab_size == target_cfg.vocab_size
         self.loops = loops  # (greedy, sampled) compiled fused loops (FULL modes), else None
 
     # ---- one proposal ------------------------------------------------------------------------------
 
-    def propose(self, v: Verified) -> torch.Tensor:
+    def propose(self, v: Verified, process=None) -> torch.Tensor:
         """K draft tokens [Bs, K] (target ids) for every request that emitted a token this step. `v.d` is the
-        target's dispatch: a hidden-state drafter's first step runs on the same rows, so the same shape."""
+        target's dispatch: a hidden-state drafter's first step runs on the same rows, so the same shape.
+        `process`: the penalties' processing of each draft step (draft_loop), or None."""
         sampled, decodes, chunks, chunk_rows, ids = v.sampled, v.decodes, v.chunks, v.chunk_rows, v.ids
         input_ids, positions, accepted, y, st, d = v.input_ids, v.positions, v.accepted, v.y, v.st, v.d
         k, dev, nd = self.k, self.device, len(decodes)
@@ -153,10 +156,11 @@ class Proposer:
             return torch.empty(0, k, dtype=torch.long, device=dev)
 
         table_rows = list(range(nd)) + [nd + i for i, c in enumerate(chunks) if c.last]
-        return self.run_loop(d1, tok, d_pos, h_in, d_meta, sample_rows, table_rows, [r.slot for r in sampled], st)
+        slots = [r.slot for r in sampled]
+        return self.run_loop(d1, tok, d_pos, h_in, d_meta, sample_rows, table_rows, slots, st, process)
 
     def run_loop(self, d1: Dispatch, tok, d_pos, h_in, d_meta, sample_rows, table_rows: list[int], slots: list[int],
-                 st: SamplingTensors) -> torch.Tensor:  # fmt: skip
+                 st: SamplingTensors, process=None) -> torch.Tensor:  # fmt: skip
         """Drafts [n, K] for the n requests whose first drafts come from rows `sample_rows` of the first step
         (dispatched as `d1`); request i reads row table_rows[i] of the block tables and owns slot slots[i]."""
         k, dev, n = self.k, self.device, len(slots)
@@ -192,7 +196,7 @@ class Proposer:
 
             drafts = draft_loop(first, step, self.choose, k, self.shift, self.block_size, self.hidden_kind, tok,
                                 d_pos, h_in, d_meta, args["sample_rows"], args["valid"], tables, sampling,
-                                args["slots"], self.draft_probs)  # fmt: skip
+                                args["slots"], self.draft_probs, process)  # fmt: skip
         return drafts[:n]
 
     def probs_for(self, slots: list[int]) -> torch.Tensor:

@@ -124,6 +124,9 @@ class Request:
     drafts: list[int] = field(default_factory=list)
     # The first position whose draft-model KV a K = 0 step skipped (adaptive speculation, StepRunner.catch_up); -1: none
     draft_lag: int = -1
+    # Hybrid prefix caching (runtime/state_snapshots.py): a block boundary its prefill ends a chunk at, so that a
+    # snapshot is taken there (where its lookup found cached blocks past the last snapshot); 0: none
+    state_cut: int = 0
     block_table: BlockTable | None = None
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()  # eos (unless ignore_eos) + stop_token_ids

@@ -17,18 +17,24 @@ admitted in a step that preempted.
 Prefix caching (runtime/prefix_cache.py): a request admitted from the waiting queue (new, or to be recomputed)
 first looks its tokens up; the cached blocks found start its block table and its prefill starts after them.
 Running requests register their blocks as they become final (at each schedule, and when they finish or are
-preempted), so a preempted request usually finds most of its own blocks again.
+preempted), so a preempted request usually finds most of its own blocks again. Hybrid models (`snapshots`,
+runtime/state_snapshots.py): a hit also needs a state snapshot at its end (the hit is cut to the last one), its
+first block is a private copy, and prefill chunks end at the block boundaries where snapshots are wanted.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from draftgraph.runtime.kv_cache import BlockAllocator, BlockTable
 from draftgraph.runtime.prefix_cache import PrefixCacheStats, PrefixKey
 from draftgraph.runtime.request import Request
 from draftgraph.runtime.step_writes import StepWrites
+
+if TYPE_CHECKING:  # (state_snapshots.py imports state_cache.py, which imports this module)
+    from draftgraph.runtime.state_snapshots import StateSnapshots
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,10 @@ class ScheduledChunk:
     # The request's first chunk since it was admitted (new, or recomputed after a preemption): its per-slot state
     # (penalties, linear-attention rows) is written before the step. It starts after any cached prefix.
     first: bool = False
+    # Hybrid prefix hit (runtime/state_snapshots.py): the chain hash of the state snapshot at the chunk's start, and
+    # the cached block whose KV the request's private first block copies.
+    restore: bytes | None = None
+    copy_first: int = -1
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,9 @@ class Scheduler:
         block_size: int,
         writes: StepWrites,
         prefix: PrefixKey | None = None,  # prefix caching on: how blocks are named
+        snapshots: StateSnapshots | None = None,  # hybrid prefix caching: the state snapshots' index
     ):
-        self.prefix = prefix
+        self.prefix, self.snapshots = prefix, snapshots
         self.reset_stats()
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -130,13 +141,15 @@ class Scheduler:
             start = len(hits) * self.block_size
             n, samples = self._chunk_size(r, budget, start)
             slots = self.writes.slots(start, n, samples)
+            private = self.snapshots is not None and bool(hits)  # a hybrid hit's first block: a copy, not shared
+            shared = hits[1:] if private else hits
             # sharing cached blocks nobody holds takes them off the free count too
-            if table.blocks_needed(slots) - len(hits) > self.allocator.num_free - self.allocator.num_unheld(hits):
+            if table.blocks_needed(slots) - len(shared) > self.allocator.num_free - self.allocator.num_unheld(shared):
                 break  # running requests are never preempted for a new one
             if self.prefix is not None:
                 self.prefix_stats.record(r.prefill_len, self.block_size, len(hits))
             r.block_table = table
-            table.adopt(hits)
+            table.adopt(hits, private_first=private)
             r.num_computed = start
             # a cached block without a draft model's entries (runtime/prefix_cache.py): caught up from there
             written = table.num_draft_written * self.block_size
@@ -145,8 +158,10 @@ class Scheduler:
             if r.slot < 0:
                 r.slot = self._free_slots.pop()
             self.running.append(self.waiting.popleft())
-            prefills.append(ScheduledChunk(r, n, samples, first=True))
+            restore = table.hashes[len(hits) - 1] if private else None  # the snapshot at the hit's end
+            prefills.append(ScheduledChunk(r, n, samples, True, restore, hits[0] if private else -1))
             budget -= n
+        self.prefix_stats.prefill_tokens += sum(c.num_tokens for c in prefills)
         return ScheduledBatch(decodes, prefills, len(preempted))
 
     def finish(self, req: Request) -> None:
@@ -161,15 +176,28 @@ class Scheduler:
         then samples its next token."""
         start = r.num_computed if start is None else start
         n = min(r.prefill_len - start, budget)
+        if self.snapshots is not None:  # end at the first boundary inside where a snapshot is wanted
+            bs = self.block_size
+            for cut in sorted((r.state_cut, (r.prefill_len - 1) // bs * bs)):
+                if start < cut < start + n:
+                    n = cut - start
+                    break
         return n, start + n == r.prefill_len and not r.resumes_decode
 
     def _lookup(self, r: Request, table: BlockTable) -> list[int]:
         """The cached blocks r's prefill may start from (none without prefix caching): the longest cached chain of
-        its tokens' full blocks, short of its last prefill token."""
+        its tokens' full blocks, short of its last prefill token; for a hybrid model, short of the last block that
+        ends at a state snapshot (and the prefill then leaves one at the blocks' end: `state_cut`)."""
         if self.prefix is None:
             return []
         limit = self.prefix.max_hit_blocks(r.prefill_len)
-        return self.allocator.lookup(self.prefix.extend(table.hashes, r.tokens, limit)[:limit])
+        hashes = self.prefix.extend(table.hashes, r.tokens, limit)[:limit]
+        hits = self.allocator.lookup(hashes)
+        if self.snapshots is None:
+            return hits
+        m = self.snapshots.longest(hashes, len(hits))
+        r.state_cut = len(hits) * self.block_size if m < len(hits) else 0
+        return hits[:m]
 
     def _register(self, r: Request) -> None:
         """Register r's blocks that became final (runtime/prefix_cache.py: every position < num_computed is an

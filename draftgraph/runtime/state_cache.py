@@ -10,7 +10,8 @@ freed with it); the last row is scratch. L = K + 1 for a target, K + 2 for a dra
 says why), Lc = L + conv_kernel - 2.
 
 Why a block -> row map: a forward sees only the attention metadata, whose block tables start with each
-request's first block, unique to it while it lives. The engine writes the map when a request is admitted
+request's first block, unique to it while it lives (a prefix-cache hit's first block is a private copy of the cached
+one: runtime/state_snapshots.py). The engine writes the map when a request is admitted
 (its first prefill chunk: new blocks, also after a preemption), a tiny copy outside any graph; steps then
 find rows on the device. Nothing is reset between requests: a forward from position 0 starts from zeros.
 Rollback needs nothing here: the op reads the state by position (the op's docstring).
@@ -52,8 +53,8 @@ class StateCacheSpec:
 
 
 class StateCache:
-    """`reserve_blocks` > 0: the block map is a view of a map of that many blocks, so that a KV cache growing in
-    place (kv_cache.py) keeps its address too."""
+    """`reserve_blocks` > 0: the block map is a map of that many blocks, so that a KV cache growing in place
+    (kv_cache.py) keeps its address and size too."""
 
     def __init__(self, spec: StateCacheSpec, num_blocks: int, device, reserve_blocks: int = 0):
         self.spec, self.device = spec, torch.device(device)
@@ -76,9 +77,11 @@ class StateCache:
         """A new block map for a cache of `num_blocks` blocks (while no request runs)."""
         from torch._dynamo.decorators import maybe_mark_dynamic  # as kv_cache.py: the block count is dynamic
 
-        if self._rows_reserved is not None:
+        if self._rows_reserved is not None:  # the whole map, not a view of num_blocks: graphs captured before the
+            # cache grew keep reading it, and compiled code checks a gather's index against the size it was given
+            # (a view of the probe's size failed that check once block ids passed it: a device-side assert)
             self._rows_reserved.zero_()
-            self.block_rows = self._rows_reserved[:num_blocks]
+            self.block_rows = self._rows_reserved
         else:
             self.block_rows = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
         maybe_mark_dynamic(self.block_rows, 0)
@@ -94,8 +97,8 @@ class StateSlots:
         self.caches = caches
 
     def admit(self, chunks: list[ScheduledChunk]) -> None:
-        """Before a step: each request just admitted (new, or recomputed: from position 0, as prefix caching is off for
-        these models) gets its row."""
+        """Before a step: each request just admitted (new, or recomputed) gets its row: its first block is its own
+        (a prefix-cache hit's is a private copy: runtime/state_snapshots.py, which also restores the state)."""
         firsts = [(c.req.block_table.blocks[0], c.req.slot) for c in chunks if c.first]
         if not firsts:
             return

@@ -57,6 +57,7 @@ class RunnerShape:
     synthetic_acceptance: tuple[float, ...] = ()  # pinned acceptance rates (benchmarks; runtime/rejection.py)
     ngram: tuple[int, int] | None = None  # the n-gram drafter's (n_min, n_max) (runtime/ngram_state.py), no model
     max_model_len: int = 0  # the n-gram drafter's history length
+    logits_kernels: bool = True  # OpChoices.logits_kernels: penalties and logprobs on CUDA in Triton (ops/logits)
 
 
 def _reserve_blocks(device: torch.device, target: KVCacheSpec, draft: KVCacheSpec | None) -> int:
@@ -170,7 +171,8 @@ class StepRunner:
         rows = shape.max_num_seqs * (self.k + 1)  # verify rows (with logprobs: each row's gather too)
         capacity = shape.max_num_seqs * (2 * self.k + 2) + packed_size(rows, tc.vocab_size)
         self.host = HostCopy(capacity, self.device)  # the step's one wait
-        self.penalties = PenaltyState(shape.max_num_seqs, tc.vocab_size, self.device)  # per-slot logits processing
+        # per-slot logits processing
+        self.penalties = PenaltyState(shape.max_num_seqs, tc.vocab_size, self.device, shape.logits_kernels)
         # Structured output's bitmask rows (runtime/grammar.py): every verify row of the largest padded uniform batch
         grammar_rows = max((*dispatcher.full_reqs, shape.max_num_seqs)) * (self.k + 1)
         self.grammar = GrammarState(grammar_rows, tc.vocab_size, self.device)
@@ -341,7 +343,8 @@ class StepRunner:
         parts = [dec_tokens.flatten(), accepted, pre_tokens]
         with_lp = wants_logprobs(sampled)
         if with_lp:  # every sampled row's logprobs at the token it emits (before the drafts: a fixed offset)
-            parts.append(gather_logprobs(raw_logits, torch.cat([dec_tokens.flatten(), pre_tokens])))
+            chosen = torch.cat([dec_tokens.flatten(), pre_tokens])
+            parts.append(gather_logprobs(raw_logits, chosen, self.shape.logits_kernels))
         if self.ngram is not None and sampled:  # the emitted tokens join the histories, then the lookup
             slots_ng = torch.tensor([r.slot for r in sampled], dtype=torch.long).to(dev, non_blocking=True)
             self.ngram.record(slots_ng[:nd], dec_tokens, accepted + 1)
@@ -350,7 +353,9 @@ class StepRunner:
         elif k and self.ngram is None and (sampled or chunks):  # drafter KV for prompt chunks is written anyway
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
-            parts.append(self.proposer.propose(v).flatten())
+            # the drafts get the target's processing (runtime/penalties.py) where the vocabularies agree
+            process = self.penalties.process_draft if penalties and self.proposer.processes_drafts else None
+            parts.append(self.proposer.propose(v, process).flatten())
         host = self.host.fetch(torch.cat(parts))  # the step's one device -> host copy
 
         dec_flat, host = host[: nd * (k + 1)], host[nd * (k + 1) :]

@@ -11,10 +11,11 @@ In FULL modes on CUDA it is one graph per (padded request count, variant): `Grap
 "greedy" (every request greedy, known on the host) and "sample", and the same two with "_logprobs" when a
 request of the batch asks for logprobs: every verify row's gather (runtime/logprobs.py) joins the packed result.
 When a request of the batch asks for logit bias, min_tokens or penalties, the "_penalties" variants (before
-"_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it) and count
-the emitted tokens in the slot buffers. When a request asks for structured output, the "_grammar" variants (after
-"_penalties", before "_logprobs") set the tokens its grammar forbids to -inf on every verify row (the bitmask the
-host filled before the launch, row i after drafts 0..i-1: runtime/grammar.py). Only "greedy" and "sample" are
+"_logprobs") process the verify logits (runtime/penalties.py, each row counting the drafts before it), count
+the emitted tokens in the slot buffers, and process each draft step's logits as the next verify's row. When a
+request asks for structured output, the "_grammar" variants (after "_penalties", before "_logprobs") set the
+tokens its grammar forbids to -inf on every verify row (the bitmask the host filled before the launch, row i
+after drafts 0..i-1: runtime/grammar.py). Only "greedy" and "sample" are
 captured at warm-up; every variant with a suffix is captured at the first step that needs it, so engines whose
 requests never ask for logprobs, penalties or structured output capture no more graphs than that.
 Its inputs are the block tables the device keeps per request slot (`DeviceTables`: only new blocks are sent) and
@@ -233,7 +234,7 @@ class UniformStep:
                 if r.ngram is not None:  # a K = 0 step of the n-gram drafter (adaptive): its history still grows
                     r.ngram.record(slots, tokens[:, None], accepted + 1)
                 self._advance(x, accepted, tokens)
-                lp = [gather_logprobs(logits[:, 0], tokens)] if logprobs else []
+                lp = [gather_logprobs(logits[:, 0], tokens, r.shape.logits_kernels)] if logprobs else []
                 return torch.cat([accepted, tokens, *lp])
             q = r.proposer.draft_probs[slots] if sampled and r.ngram is None else None  # n-gram: one-hot q
             tokens, accepted = rejection_sample(chosen, draft_ids, q, st, predicts, r.shape.race_kernel,
@@ -244,8 +245,10 @@ class UniformStep:
             if r.ngram is not None:  # prompt lookup over the slots' histories, with this step's tokens appended
                 drafts = r.ngram.step(slots, tokens, accepted + 1)[:, :k]  # a view's K: the first k (adaptive)
             else:
-                drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled)
-            lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten())] if logprobs else []
+                drafts = self._propose(x, pos, meta, hidden, aux, accepted, y, sampled, penalties)
+            lp = []
+            if logprobs:
+                lp = [gather_logprobs(logits.view(b * (k + 1), -1), tokens.flatten(), r.shape.logits_kernels)]
             packed = torch.cat([accepted, tokens.flatten(), drafts.flatten(), *lp])
             self._advance(x, accepted, torch.cat([y[:, None], drafts], dim=1).flatten())
             return packed
@@ -261,9 +264,10 @@ class UniformStep:
         lengths.add_(torch.where(x["valid"] != 0, accepted + 1, torch.zeros_like(accepted)))
         x["input_ids"].copy_(next_ids)
 
-    def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool) -> torch.Tensor:
+    def _propose(self, x, pos, meta, hidden, aux, accepted, y, sampled: bool, penalties: bool) -> torch.Tensor:
         """The K drafts [B, K] after acceptance: the drafter's first-step tokens from the accepted count, then
-        the loop (runtime/proposer.py says which rows the first step reads)."""
+        the loop (runtime/proposer.py says which rows the first step reads); with `penalties`, each draft step's
+        logits processed as the next verify's row (runtime/penalties.py)."""
         r, k, p = self.r, self.k, self.r.proposer
         ids, slots = x["input_ids"], x["slots"]
         b = slots.shape[0]
@@ -296,5 +300,7 @@ class UniformStep:
         def drafter(ids_, pos_, h_, m_):
             return r.forwards.drafter_fn(ids_, pos_, h_, m_, r.draft_cache.layers)
 
+        process = self.penalties.process_draft if penalties and p.processes_drafts else None
         return draft_loop(drafter, drafter, p.choose, k, p.shift, r.shape.block_size, p.hidden_kind, tok, d_pos, h_in,
-                          d_meta, sample_rows, valid, d_meta.block_tables, sampling, slots, p.draft_probs)  # fmt: skip
+                          d_meta, sample_rows, valid, d_meta.block_tables, sampling, slots, p.draft_probs,
+                          process)  # fmt: skip

@@ -102,9 +102,11 @@ def reset_runtime_counters(engine) -> None:
     engine.runner.forwards.reset()
 
 
-def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
+def warm_up_and_capture(engine, lazy: bool | None = None, largest_only: bool = False) -> str:
     """Compile (first call of each function) and capture; returns the report line. `lazy`: leave capture to
-    the steps (None: as configured)."""
+    the steps (None: as configured). `largest_only`: capture only the largest FULL request count and the largest
+    piece size (KV sizing with lazy capture: every later graph is captured into the same pool, largest first, so
+    these bound its memory; the steps capture the rest)."""
     compiled = engine.compiled
     if compiled is None:
         return "mode NONE: nothing to compile"
@@ -141,6 +143,8 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
         t1 = time.perf_counter()
         full_sizes = sorted(rc.full_capture_sizes, reverse=True) if compiled.full else []
         piece_sizes = sorted(rc.capture_sizes, reverse=True) if graphs.piece_graphs else []
+        if largest_only:
+            full_sizes, piece_sizes = full_sizes[:1], piece_sizes[:1]
         with graphs.capturing(), tqdm(
             total=len(full_sizes) + len(piece_sizes), desc="capturing CUDA graphs", unit="size",
             disable=not graphs.progress, leave=False,
@@ -163,7 +167,10 @@ def warm_up_and_capture(engine, lazy: bool | None = None) -> str:
     if not rc.graphs_enabled:
         timeline.mark("capture", "CUDA graphs off")
     else:
-        timeline.mark("capture", "lazy: each graph at its first step" if lazy else f"{counters.graphs_captured} graphs")
+        done = f"{counters.graphs_captured} graphs" + (
+            " (the largest sizes; the rest at their first step)" if largest_only else ""
+        )
+        timeline.mark("capture", "lazy: each graph at its first step" if lazy else done)
     reset_runtime_counters(engine)
     counters.graph_memory_bytes = graph_bytes
     if rc.graphs_enabled and lazy:

@@ -97,8 +97,16 @@ def merge_stats(replicas: list[dict]) -> dict:
         s[key] = dict(sorted(total.items()))
     if all("prefix_cache" in r for r in replicas):  # each replica's own cache: lookups and blocks added up
         pc = dict(replicas[0]["prefix_cache"])
-        for key in ("query_tokens", "hit_tokens", "query_blocks", "hit_blocks", "cached_blocks", "evictions"):
-            pc[key] = sum(r["prefix_cache"][key] for r in replicas)
+        for key in (
+            "query_tokens",
+            "hit_tokens",
+            "query_blocks",
+            "hit_blocks",
+            "cached_blocks",
+            "evictions",
+            "prefill_tokens",
+        ):
+            pc[key] = sum(r["prefix_cache"].get(key, 0) for r in replicas)
         pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0
         s["prefix_cache"] = pc
     if all("speculation" in r for r in replicas):  # each replica picks its own K (adaptive): steps per K added up

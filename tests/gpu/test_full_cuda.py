@@ -25,16 +25,16 @@ def target():
     return CausalLM.from_hf(tiny_hf_model("llama", vocab_size=96), device="cuda", attn_impl="triton")
 
 
-def run(target, kind, mode, k=3, capture="eager"):
+def run(target, kind, mode, k=3, capture="eager", **over):
     prompts, params, arrivals = ragged(16)
     cfg = dg.CompileConfig(
+        **{"gpu_memory_utilization": 0.0, **over},  # 0.0: a KV cache of max_num_seqs requests, not sized from memory
         capture=capture,
         mode=mode,
         num_speculative_tokens=k,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         device="cuda",
-        gpu_memory_utilization=0.0,  # a KV cache of max_num_seqs requests, not sized from memory
         capture_sizes=SIZES,
         full_capture_sizes=(1, 2, 4, 8),
         progress=False,
@@ -102,6 +102,30 @@ def test_lazy_capture_captures_what_steps_use(target):
     print(f"lazy capture: {n_lazy} graphs captured by the steps, against {n_eager} captured eagerly")
 
 
+@pytest.mark.whole_device
+def test_lazy_capture_with_kv_sizing_captures_only_the_largest_sizes_at_start(target):
+    """capture="lazy" with the KV cache sized from free memory: the sizing probe captures the largest FULL request
+    count and piece size only (every graph goes into one pool, largest first: those bound it), the steps capture
+    the rest; the same tokens as eager capture, no fallbacks."""
+    ref, _, eager = run(target, "eagle", "FULL_AND_PIECEWISE")
+    n_eager = eager.compiled.counters.graphs_captured
+    del eager
+    prompts, params, arrivals = ragged(16)
+    cfg = dg.CompileConfig(
+        capture="lazy", mode="FULL_AND_PIECEWISE", num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+        device="cuda", gpu_memory_utilization=0.3, capture_sizes=SIZES, full_capture_sizes=(1, 2, 4, 8),
+        progress=False, check_addresses=True,
+    )  # fmt: skip
+    eng = dg.compile_model(target, make_drafter("eagle", target), cfg)
+    at_start = eng.compiled.counters.graphs_captured
+    assert 0 < at_start < n_eager / 4, (at_start, n_eager)  # 1 of 4 FULL counts and 1 of 8 piece sizes
+    assert eng.memory_plan is not None and eng.memory_plan.num_blocks > 0
+    out = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+    assert out == ref and eng.stats()["fallbacks"] == 0
+    assert eng.compiled.counters.graphs_captured > at_start  # the steps captured the sizes they needed
+    print(f"lazy capture, KV sized: {at_start} graphs at start, {eng.compiled.counters.graphs_captured} after")
+
+
 def test_penalties_and_logprobs_run_inside_the_step_graph(target):
     """Requests with penalties, logit bias, min_tokens and logprobs on CUDA: FULL_AND_PIECEWISE gives NONE's tokens
     and logprobs, the uniform batches replay the "_penalties" step graphs (captured at the first step that needs
@@ -129,6 +153,28 @@ def test_penalties_and_logprobs_run_inside_the_step_graph(target):
     assert stats["fallbacks"] == 0
     assert any(k.startswith("step/q4/") and "_penalties" in k and v for k, v in replays.items()), replays
     print({k: v for k, v in replays.items() if k.startswith("step/")})
+
+
+def test_drafts_get_the_penalties_on_cuda(target):
+    """A draft model of all the target's layers under repetition penalty 1.5, FULL_AND_PIECEWISE on CUDA: each draft
+    step's logits go through the Triton processing as the next verify's row, so (nearly) every draft is accepted,
+    and the tokens are NONE's (tests/test_penalties.py: 0.245 accepted when drafts were not processed)."""
+    from draftgraph.models.drafters import truncated_draft_model
+
+    prompts, params, arrivals = ragged(8)
+    params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, repetition_penalty=1.5) for p in params]
+    outs, stats = {}, {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+                               device="cuda", gpu_memory_utilization=0.0, capture_sizes=SIZES,
+                               full_capture_sizes=(1, 2, 4, 8), progress=False)  # fmt: skip
+        with dg.compile_model(target, truncated_draft_model(target, target.cfg.num_layers), cfg) as eng:
+            outs[mode] = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+            stats[mode] = eng.stats()
+    assert outs["FULL_AND_PIECEWISE"] == outs["NONE"]
+    rates = {m: s["acceptance_rate"] for m, s in stats.items()}
+    assert min(rates.values()) >= 0.9 and stats["FULL_AND_PIECEWISE"]["fallbacks"] == 0, rates
+    print(f"acceptance with repetition penalty 1.5 and processed drafts: {rates}")
 
 
 def _padding_engine(target, mode):
