@@ -145,26 +145,6 @@ def test_calibration_moves_the_choice():
     assert st(0, 128, 128.0) == pytest.approx(1.39e-3 + 128 * 1.26e-6)  # K = 0's entry as measured
 
 
-def test_a_shrinking_batch_weighs_its_slowest_request():
-    """While nothing waits to join, the choice is for the batch's remaining tokens: at 128 requests of 127 tokens
-    (the H200's batch-128 step times) K = 2's 2.5 tokens a step beat K = 0 per step, but the slowest of 128 requests
-    needs about 5 steps more than the mean (measured: 58 steps against 52 alone), so K = 0; one request alone has no
-    tail; two tokens from the end no K pays."""
-    st = StepTimes((1, 128), None, None)
-    for b in (1, 128):
-        for k, t, per in ((0, 1.39e-3, 1.26e-6), (2, 3.22e-3, 2.92e-6), (4, 4.92e-3, 4.85e-6)):
-            st.measured[(k, b)], st.per_token[(k, b)] = t, per
-    ctl = AdaptiveK((0, 2, 4), st)
-    ctl.rates = [0.85, 0.76, 0.7, 0.7]
-    mean, var = ctl.token_moments(2)
-    assert mean == pytest.approx(ctl.expected_tokens(2)) and var == pytest.approx(6.78 - 2.496**2, abs=1e-3)
-    assert ctl.token_moments(0) == (1.0, 0.0)
-    assert ctl._best(128, 128.0) == 2  # per step (an open batch)
-    assert ctl._best(128, 128.0, remaining=127) == 0
-    assert ctl._best(1, 128.0, remaining=127) == ctl._best(1, 128.0) == 2  # (the same times at one request)
-    assert ctl._best(1, 128.0, remaining=2) == 0
-
-
 def test_config_errors():
     with pytest.raises(ValueError, match=r"unknown; choose one of \['auto', 'fixed', 'adaptive'\]"):
         dg.CompileConfig(speculation="dynamic")
@@ -224,7 +204,7 @@ def forced(monkeypatch, eng, cycle):
     seen, ks = [], itertools.cycle(cycle)
     observe, ctl = eng.adaptive.observe, eng.adaptive
 
-    def choose(batch, ctx=0.0, remaining=None):
+    def choose(batch, ctx=0.0):
         ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
         return ctl.current
 

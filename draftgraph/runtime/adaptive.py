@@ -5,16 +5,6 @@ The choice maximises expected tokens per second for the step's batch:
     tokens(K) = 1 + sum_{i<K} prod_{j<=i} a_j      (a_j: running conditional acceptance of draft position j)
     tokens/s  = tokens(K) / time(K, padded batch, mean cached length)
 
-and, while no request waits to join (the batch only shrinks), of the whole batch's remaining tokens: a batch ends with
-its slowest request, and a padded step costs the same with fewer requests left. A request needing r more tokens takes
-about r / mu_K steps at K (mu_K = tokens(K)), the slowest of n about z_n * sqrt(r * var_K / mu_K^3) more (z_n: the
-expected largest of n standard normal draws; var_K: the variance of a step's tokens from the same rates), so
-
-    tokens/s  = r / (time(K, ...) * max(1, r / mu_K + z_n * sqrt(r * var_K / mu_K^3)))
-
-which is the per-step rate for long requests and favours smaller K near the end of short ones (at K = 2 the slowest
-of 128 requests of 127 tokens took 58 steps, one alone 52: docs/performance.md).
-
 `time` is `StepTimes`, a table per (K, padded request count) of a step's time on real rows as a line in the
 requests' cached length: measured on the captured one-graph step graphs at start-up, every row a request at two
 cached lengths (runtime/warmup.py), and scaled by the step times observed in steady, overlapped decoding
@@ -79,37 +69,17 @@ class AdaptiveK:
             total += p
         return total
 
-    def token_moments(self, k: int) -> tuple[float, float]:
-        """The mean and variance of the tokens a step at K emits per request (1 + accepted drafts)."""
-        mean, square, p = 0.0, 0.0, 1.0  # p: the probability of reaching draft position j
-        for j in range(k + 1):
-            stop = p * (1.0 - self.rates[j]) if j < k else p  # accepted exactly j drafts
-            mean += (1 + j) * stop
-            square += (1 + j) ** 2 * stop
-            if j < k:
-                p *= self.rates[j]
-        return mean, max(0.0, square - mean * mean)
-
-    def throughput(self, k: int, batch: int, ctx: float = 0.0, remaining: int | None = None) -> float | None:
-        """Expected tokens per second at K: of one step, or with `remaining` (the most tokens a request of a batch
-        that only shrinks still needs) of the whole batch until its slowest request ends."""
+    def throughput(self, k: int, batch: int, ctx: float = 0.0) -> float | None:
         t = self.step_time(k, batch, ctx)
-        if not t:
-            return None
-        if remaining is None or not k:
-            return self.expected_tokens(k) / t
-        mean, var = self.token_moments(k)
-        steps = max(1.0, remaining / mean + slowest_of(batch) * math.sqrt(remaining * var / mean**3))
-        return remaining / (t * steps)  # (K = 0: r steps, 1 / t)
+        return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int, ctx: float = 0.0, remaining: int | None = None) -> int:
+    def choose(self, batch: int, ctx: float = 0.0) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
-        histogram); `remaining`: the most tokens one of them still needs while no request waits to join (None:
-        the batch is open)."""
+        histogram)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
-        k = self._best(batch, ctx, remaining)
+        k = self._best(batch, ctx)
         if k == 0:
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
@@ -154,8 +124,8 @@ class AdaptiveK:
         self.histogram[k] += 1
         return k
 
-    def _best(self, batch: int, ctx: float = 0.0, remaining: int | None = None) -> int:
-        scores = {k: self.throughput(k, batch, ctx, remaining) for k in self.ks}
+    def _best(self, batch: int, ctx: float = 0.0) -> int:
+        scores = {k: self.throughput(k, batch, ctx) for k in self.ks}
         if any(s is None for s in scores.values()):  # no time for this batch: K_max, as "fixed"
             return self.k_max
         best = max(self.ks, key=lambda k: (scores[k], k))
@@ -232,14 +202,6 @@ class StepTimes:
         if model > 0:
             s = self.scale.get((k, b), 1.0)
             self.scale[(k, b)] = s + weight * (seconds / model - s)
-
-
-def slowest_of(n: int) -> float:
-    """The expected largest of n standard normal draws (the asymptotic form; 0 for one)."""
-    if n < 2:
-        return 0.0
-    a = math.sqrt(2 * math.log(n))
-    return max(0.0, a - (math.log(math.log(n)) + math.log(4 * math.pi)) / (2 * a))
 
 
 def param_bytes(module) -> int:

@@ -322,8 +322,7 @@ class Engine:
         if chunks or not batch.decodes:
             k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
         elif k is None:
-            remaining = None if self.scheduler.waiting else most_remaining(batch.decodes)  # a batch that only shrinks
-            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes), remaining)
+            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes))
         runner = self.runners[k]
         # (a prefill's first chunk lags where its cached blocks lack the draft model's KV: runtime/scheduler.py)
         reqs = batch.decodes + [c.req for c in chunks]
@@ -379,9 +378,7 @@ class Engine:
         if self.scheduler.waiting:
             return False
         if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
-            # (nothing waits here: the batch only shrinks, and ends with its slowest request)
-            remaining = most_remaining(launched.decodes)
-            self._next_k = self.adaptive.choose(len(launched.decodes), mean_cached(launched.decodes), remaining)
+            self._next_k = self.adaptive.choose(len(launched.decodes), mean_cached(launched.decodes))
             if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
                 return False
         k1, writes = launched.key.query_len, self.scheduler.writes  # the most tokens `launched` emits per request
@@ -645,8 +642,3 @@ class Engine:
 def mean_cached(decodes) -> float:
     """The mean cached length of a decode batch (adaptive speculation's step times grow with it)."""
     return sum(r.num_computed for r in decodes) / len(decodes) if decodes else 0.0
-
-
-def most_remaining(decodes) -> int:
-    """The most tokens a request of a decode batch may still emit (adaptive speculation: the batch's tail)."""
-    return max(r.params.max_tokens - len(r.output) for r in decodes)
