@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters import truncated_draft_model
+from draftgraph.runtime.drafting import Chooser
 from draftgraph.runtime.penalties import MAX_LOGIT_BIAS, PenaltyState
 from tests.copy_drafters import make_drafter
 from tests.helpers import hf_greedy, tiny_hf_model
@@ -178,6 +179,35 @@ def test_drafts_get_the_penalties_so_acceptance_stays_high(models, mode):
         if mode != "NONE":  # the uniform batches ran the one-graph step's penalties variant
             assert any(key.endswith("/greedy_penalties") for key in stats["fallbacks_by_key"]), stats  # CPU: no graphs
     assert rates[False] < 0.5 and rates[True] >= 0.95, rates
+
+
+def test_a_reduced_draft_vocabulary_is_processed_at_its_target_ids(models):
+    """EAGLE-3 over 5/8 of the vocabulary (d2t): a draft step's logits [B, Vd] are processed inside the target's
+    vocabulary (Chooser.processed), which equals processing the target-sized logits and reading the draft ids'
+    columns (the processing is per column); an engine with it gives transformers' tokens under a repetition
+    penalty."""
+    hf, target, _ = models
+    drafter = make_drafter("eagle3_reduced", target)
+    vocab, vd = target.cfg.vocab_size, drafter.draft_vocab_size
+    assert vd < vocab
+    ids = drafter.to_target_ids(torch.arange(vd))
+    pen = PenaltyState(max_num_seqs=2, vocab_size=vocab, device="cpu")
+    a, b, c, d = (int(ids[i]) for i in (1, 3, 5, 7))
+    p = dg.SamplingParams(max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                          min_tokens=4, logit_bias={b: 2.0, d: -1.0}, stop_token_ids=(c,))  # fmt: skip
+    pen.admit([_Req(0, [a, 2], [b, b], p, frozenset({c})), _Req(1, [1], [], dg.SamplingParams())])
+    full = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    slots, prior = torch.tensor([0, 1]), [ids[[3, 9]], ids[[7, 7]]]  # drafts 0, 1 of this step (target ids)
+    choose = Chooser(drafter, vocab, race_kernel=False)
+    got = choose.processed(full[:, ids], slots, pen.process_draft, prior)
+    want = pen.process_draft(full, slots, prior)[:, ids]
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got[0], full[0, ids]) and torch.equal(got[1], full[1, ids])  # processed / untouched
+    q = dg.SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.5)
+    with dg.compile_model(target, drafter, config("NONE")) as eng:
+        outs = eng.generate(PROMPTS[:4], q)
+    for prompt, out in zip(PROMPTS[:4], outs):
+        assert out.token_ids == hf_generate_repetition(hf, prompt, q.max_tokens, q.repetition_penalty)
 
 
 def test_presence_frequency_min_tokens_logit_bias_equal_the_reference(models, plain, run):

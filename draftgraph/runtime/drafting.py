@@ -79,7 +79,7 @@ class Chooser:
         drafter = self.drafter
         logits = drafter.compute_logits(logit_h, rows)
         if process is not None:  # the processing the next verify applies at this draft's row
-            logits = process(logits, slots, list(prior))
+            logits = self.processed(logits, slots, process, prior)
         greedy_ids = greedy_argmax(logits)
         if sampling is None:  # every request greedy (host-known): no probability work at all
             return drafter.to_target_ids(greedy_ids)
@@ -89,6 +89,18 @@ class Chooser:
         col = step.reshape(1)  # [1], broadcast against slots (a 0-dim index would be read as an int)
         draft_probs[slots, col] = drafter.draft_probs_to_target(q, self.target_vocab)
         return drafter.to_target_ids(torch.where(st.temperature <= 0, greedy_ids, drawn))
+
+    def processed(self, logits, slots, process, prior):
+        """`process` (over the target's vocabulary) applied to a draft step's logits [B, Vd]. A reduced draft
+        vocabulary (EAGLE-3's d2t) is processed inside the target's: its logits placed at their target ids, -inf
+        elsewhere (which no processing moves), processed, and read back at the same ids."""
+        drafter = self.drafter
+        if drafter.draft_vocab_size == self.target_vocab:
+            return process(logits, slots, list(prior))
+        ids = drafter.to_target_ids(torch.arange(logits.shape[-1], device=logits.device))  # [Vd] target ids
+        full = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"))
+        full[:, ids] = logits
+        return process(full, slots, list(prior))[:, ids]
 
 
 def draft_loop(

@@ -25,9 +25,10 @@ The drafter's proposals get the same processing (`process_draft`, from runtime/d
 chosen from the drafter's logits processed after the slot's output (this step's emitted tokens already recorded)
 and drafts 0..j-1, exactly as the next verify's row j will process the target's, so a drafter that agrees with the
 target keeps agreeing under penalties. Sampled drafts are drawn from, and their q kept as, the processed
-distribution: rejection sampling stays exact. Not processed (raw logits: exact, acceptance may drop where the
-penalties change the target's choice): a drafter over a reduced vocabulary (EAGLE-3's d2t; the tables are over
-the target's), and the fused draft loop (fuse_draft_loop=True: one traced graph per variant, which has no
+distribution: rejection sampling stays exact. A drafter over a reduced vocabulary (EAGLE-3's d2t) is processed in
+the target's: its logits at their target ids, -inf elsewhere (runtime/drafting.py Chooser.processed). Not processed
+(raw logits: exact, acceptance may drop where the penalties change the target's choice): the fused draft loop
+(fuse_draft_loop=True, used only when the one-graph step is off: one traced graph per variant, which has no
 penalties variant).
 """
 

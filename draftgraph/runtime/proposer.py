@@ -93,8 +93,9 @@ class Proposer:
         # q of the pending drafts per request slot; the last row is the padding rows' scratch.
         self.draft_probs = torch.zeros(max_num_seqs + 1, k, target_cfg.vocab_size, device=self.device)
         self.choose = Chooser(drafter, target_cfg.vocab_size, race_kernel)
-        # Penalties reach the drafter's logits when they share the target's vocabulary (runtime/penalties.py)
-        self.processes_drafts = drafter.draft_vocab_size == target_cfg.vocab_size
+        # Penalties reach the drafter's logits (runtime/penalties.py; a reduced draft vocabulary through its
+        # target ids: Chooser.processed); a flag so that a test can compare with raw drafts
+        self.processes_drafts = True
         self.loops = loops  # (greedy, sampled) compiled fused loops (FULL modes), else None
 
     # ---- one proposal ------------------------------------------------------------------------------
