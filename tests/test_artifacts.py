@@ -187,6 +187,8 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     seconds = [float(row.split(" s ")[0]) for row in timeline]
     expected = ["imports", "models", "weight load", "kernel loads", "tracing", "compiles", "capture", "engine ready"]
     assert phases == [*expected, "first token", "exit"], timeline
+    frozen = int(timeline[0].split("imports: ")[1].split()[0])  # the command's process froze its imports (gc)
+    assert frozen > 10_000, timeline[0]
     assert seconds == sorted(seconds) and 0 < seconds[0] < seconds[-1], timeline  # order, not speed
     first = [line for line in compiled.splitlines() if line.startswith("request ")]
     assert first and first == [line for line in loaded.stdout.splitlines() if line.startswith("request ")]
