@@ -57,7 +57,7 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
         assert not _config(parser.parse_args([command, "--no-prefix-caching", *extra])).prefix_caching
     # --capture auto: lazy for generate (a one-off job), eager for serve, build and adaptive speculation
     capture = {
-        ("generate",): "lazy", ("serve",): "eager", ("build", "--out", "x"): "eager",
+        ("generate",): "lazy", ("run",): "lazy", ("serve",): "eager", ("build", "--out", "x"): "eager",
         ("generate", "--speculation", "adaptive"): "eager", ("generate", "--capture", "eager"): "eager",
         ("serve", "--capture", "lazy"): "lazy",
     }  # fmt: skip

@@ -74,10 +74,17 @@ def test_router_spreads_least_loaded_and_sums_stats():
           "hit_rate": 0.8, "cached_blocks": 3, "evictions": 0}  # fmt: skip
     s = merge_stats([{**one, "prefix_cache": pc}, {**two, "prefix_cache": {**pc, "hit_tokens": 0, "hit_blocks": 0}}])
     assert s["prefix_cache"]["hit_tokens"] == 32 and s["prefix_cache"]["hit_rate"] == 32 / 80  # each cache counted
+    snaps = {"slots": 4, "used": 2, "taken": 2, "restored": 3, "evictions": 1, "bytes_per_snapshot": 1024}
+    s = merge_stats([{**one, "prefix_cache": {**pc, "state_snapshots": snaps}},
+                     {**two, "prefix_cache": {**pc, "state_snapshots": {**snaps, "restored": 0}}}])  # fmt: skip
+    assert s["prefix_cache"]["state_snapshots"] == {**snaps, "slots": 8, "used": 4, "taken": 4, "restored": 3,
+                                                    "evictions": 2}  # fmt: skip  (each replica's own pool)
     # adaptive speculation: each replica picks its own K per step; the steps per K add up
-    spec = {"mode": "adaptive", "choices": [0, 2, 4], "catch_up_tokens": 5, "histogram": {0: 3, 2: 1, 4: 0}}
+    spec = {"mode": "adaptive", "choices": [0, 2, 4], "catch_up_tokens": 5, "probes": 1,
+            "histogram": {0: 3, 2: 1, 4: 0}}  # fmt: skip
     s = merge_stats([{**one, "speculation": spec}, {**two, "speculation": {**spec, "histogram": {0: 0, 2: 0, 4: 1}}}])
     assert s["speculation"]["histogram"] == {0: 3, 2: 1, 4: 1} and s["speculation"]["catch_up_tokens"] == 10
+    assert s["speculation"]["probes"] == 2
 
 
 def test_dense_replicas_of_tensor_parallel_ranks_equal_one_process():

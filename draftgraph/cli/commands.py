@@ -69,13 +69,13 @@ def _config(args, **over):
 
 
 def _capture(args) -> str:
-    """--capture auto: lazy for `generate` (graphs captured by the steps that need them: the first token does not
-    wait for sizes the job may never run), eager for `serve` (steady latency from the first request) and for
-    adaptive speculation (its cost model measures the captured graphs at start)."""
+    """--capture auto: lazy for `generate` and its alias `run` (graphs captured by the steps that need them: the
+    first token does not wait for sizes the job may never run), eager for `serve` (steady latency from the first
+    request) and for adaptive speculation (its cost model measures the captured graphs at start)."""
     if args.capture != "auto":
         return args.capture
     adaptive = getattr(args, "speculation", "fixed") == "adaptive"
-    return "lazy" if getattr(args, "command", "") == "generate" and not adaptive else "eager"
+    return "lazy" if getattr(args, "command", "") in ("generate", "run") and not adaptive else "eager"
 
 
 _FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop

@@ -17,8 +17,9 @@ measured probe on the engine itself:
    that size (the same engine: no second build) and the graphs captured again; the compiled code is re-used
    (no trace, no Inductor compile: the block count is a dynamic dimension), only capture repeats.
 With capture="lazy" the probe captures only the largest FULL request count and the largest piece size: all
-graphs share one pool, captured largest first, so the smaller ones that steps capture later fit in what those
-took; the start does not wait for hundreds of captures.
+graphs share one pool, captured largest first, so the smaller ones that steps capture later reuse what those
+took, except their own outputs, which stay allocated for their replays (activations of a few tokens per piece:
+within the 1 - utilization left over); the start does not wait for hundreds of captures.
 """
 
 from __future__ import annotations

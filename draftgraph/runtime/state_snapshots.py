@@ -23,7 +23,9 @@ then holds the state after e - 1 in every layer). The scheduler ends chunks at (
   prompt inside it, e.g. a shared system prompt followed by different questions): the first such request
   recomputes from the longest snapshot and leaves one at the divergence point, so the next ones hit it all;
 * any chunk that ends on a boundary anyway (the token budget) leaves a snapshot too.
-Generated tokens are not snapshotted (a next turn hits up to its prompt's snapshots).
+Generated tokens are not snapshotted (a next turn hits up to its prompt's snapshots). The first cut costs a prompt
+that would have fit one step a second step before its first token (its last partial block alone); prefix caching
+off (CompileConfig.prefix_caching) avoids it where prompts never repeat.
 
 A hit needs both: the lookup's blocks are cut to the longest prefix that ends at a snapshot. The request's first
 block, shared with the cached prompt, would map two requests to one state row (state_cache.py maps a request's

@@ -353,7 +353,8 @@ class StepRunner:
         elif k and self.ngram is None and (sampled or chunks):  # drafter KV for prompt chunks is written anyway
             v = Verified(sampled, decodes, chunks, chunk_rows, ids, input_ids, positions, meta, hidden, aux, accepted,
                          y, st, d)  # fmt: skip
-            # the drafts get the target's processing (runtime/penalties.py) where the vocabularies agree
+            # the drafts get the target's processing (runtime/penalties.py; a reduced draft vocabulary at its
+            # target ids: drafting.Chooser.processed)
             process = self.penalties.process_draft if penalties and self.proposer.processes_drafts else None
             parts.append(self.proposer.propose(v, process).flatten())
         host = self.host.fetch(torch.cat(parts))  # the step's one device -> host copy

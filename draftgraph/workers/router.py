@@ -108,12 +108,18 @@ def merge_stats(replicas: list[dict]) -> dict:
         ):
             pc[key] = sum(r["prefix_cache"].get(key, 0) for r in replicas)
         pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0
+        if all("state_snapshots" in r["prefix_cache"] for r in replicas):  # hybrid: each replica's own pool
+            snaps = dict(replicas[0]["prefix_cache"]["state_snapshots"])
+            for key in ("slots", "used", "taken", "restored", "evictions"):
+                snaps[key] = sum(r["prefix_cache"]["state_snapshots"].get(key, 0) for r in replicas)
+            pc["state_snapshots"] = snaps
         s["prefix_cache"] = pc
     if all("speculation" in r for r in replicas):  # each replica picks its own K (adaptive): steps per K added up
         sp = dict(replicas[0]["speculation"])
         hist = sum((Counter(r["speculation"]["histogram"]) for r in replicas), Counter())
         sp["histogram"] = dict(sorted(hist.items()))
-        sp["catch_up_tokens"] = sum(r["speculation"]["catch_up_tokens"] for r in replicas)
+        for key in ("catch_up_tokens", "probes"):
+            sp[key] = sum(r["speculation"].get(key, 0) for r in replicas)
         s["speculation"] = sp
     s["acceptance_rate"] = s["accepted_tokens"] / s["draft_tokens"] if s["draft_tokens"] else 0.0
     s["mean_accepted_length"] = 1 + s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0

@@ -39,9 +39,10 @@ KILL_S = 30  # a killed rank is seen by its process sentinel at once: this long 
 
 
 def config(**over) -> dg.CompileConfig:
+    # speculation fixed here, not by conftest's pin: data-parallel worker processes never see that patch
     fields = dict(mode="FULL_AND_PIECEWISE", device="cuda", dtype="float32", num_speculative_tokens=3,
                   max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, gpu_memory_utilization=0.0,
-                  progress=False)  # fmt: skip
+                  progress=False, speculation="fixed")  # fmt: skip
     return dg.CompileConfig(**{**fields, **over})
 
 
