@@ -77,8 +77,8 @@ def test_router_spreads_least_loaded_and_sums_stats():
     snaps = {"slots": 4, "used": 2, "taken": 2, "restored": 3, "evictions": 1, "bytes_per_snapshot": 1024}
     s = merge_stats([{**one, "prefix_cache": {**pc, "state_snapshots": snaps}},
                      {**two, "prefix_cache": {**pc, "state_snapshots": {**snaps, "restored": 0}}}])  # fmt: skip
-    assert s["prefix_cache"]["state_snapshots"] == {**snaps, "slots": 8, "used": 4, "taken": 4, "restored": 3,
-                                                    "evictions": 2}  # fmt: skip  (each replica's own pool)
+    want = {**snaps, "slots": 8, "used": 4, "taken": 4, "restored": 3, "evictions": 2}  # each replica's own pool
+    assert s["prefix_cache"]["state_snapshots"] == want
     # adaptive speculation: each replica picks its own K per step; the steps per K add up
     spec = {"mode": "adaptive", "choices": [0, 2, 4], "catch_up_tokens": 5, "probes": 1,
             "histogram": {0: 3, 2: 1, 4: 0}}  # fmt: skip
