@@ -59,7 +59,7 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     capture = {
         ("generate",): "lazy", ("run",): "lazy", ("serve",): "eager", ("build", "--out", "x"): "eager",
         ("generate", "--speculation", "adaptive"): "eager", ("generate", "--capture", "eager"): "eager",
-        ("serve", "--capture", "lazy"): "lazy",
+        ("serve", "--capture", "lazy"): "lazy", ("generate", "--tp", "2"): "eager",
     }  # fmt: skip
     for argv, want in capture.items():
         assert _config(parser.parse_args(list(argv))).capture == want, argv

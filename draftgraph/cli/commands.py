@@ -71,11 +71,14 @@ def _config(args, **over):
 def _capture(args) -> str:
     """--capture auto: lazy for `generate` and its alias `run` (graphs captured by the steps that need them: the
     first token does not wait for sizes the job may never run), eager for `serve` (steady latency from the first
-    request) and for adaptive speculation (its cost model measures the captured graphs at start)."""
+    request), for adaptive speculation (its cost model measures the captured graphs at start) and for several ranks
+    (their collectives inside graphs are captured together at start, as measured on two GPUs)."""
     if args.capture != "auto":
         return args.capture
     adaptive = getattr(args, "speculation", "fixed") == "adaptive"
-    return "lazy" if getattr(args, "command", "") in ("generate", "run") and not adaptive else "eager"
+    ranks = getattr(args, "tp", 1) * getattr(args, "dp", 1)  # several ranks: every graph at start, as before
+    one_off = getattr(args, "command", "") in ("generate", "run")
+    return "lazy" if one_off and not adaptive and ranks == 1 else "eager"
 
 
 _FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
