@@ -189,6 +189,9 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     assert phases == [*expected, "first token", "exit"], timeline
     frozen = int(timeline[0].split("imports: ")[1].split()[0])  # the command's process froze its imports (gc)
     assert frozen > 10_000, timeline[0]
+    # the built-in pair's weights travel inside the artifact (listed, signed), read from there: no transformers model
+    listed = json.loads((tmp_path / "art" / "manifest.json").read_text())["files"]
+    assert "builtin-target/model.safetensors" in listed and "models: built-in pair, from the artifacts" in timeline[1]
     assert seconds == sorted(seconds) and 0 < seconds[0] < seconds[-1], timeline  # order, not speed
     first = [line for line in compiled.splitlines() if line.startswith("request ")]
     assert first and first == [line for line in loaded.stdout.splitlines() if line.startswith("request ")]

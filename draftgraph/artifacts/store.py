@@ -151,8 +151,10 @@ def expected_fields(rc, target, drafter) -> dict:
 # ---- build ------------------------------------------------------------------------------------------
 
 
-def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
-    """Write the compiled code of `engine` (built with compile_model, any mode but NONE) to out_dir."""
+def build_artifacts(engine, out_dir: str, progress: bool = True, extra=None) -> dict:
+    """Write the compiled code of `engine` (built with compile_model, any mode but NONE) to out_dir. `extra`:
+    called with the directory before the manifest is written, for files the artifact also carries (listed and
+    checked like the rest: the weights of the CLI's built-in pair, cli/artifact_cache.py BUILTIN_IN_ARTIFACTS)."""
     compiled = engine.compiled
     if compiled is None:
         raise ArtifactError(
@@ -208,6 +210,8 @@ def build_artifacts(engine, out_dir: str, progress: bool = True) -> dict:
     # draftgraph's own Triton kernels and their launchers, compiled (triton_bundle.py): no JIT at a warm start
     since = getattr(engine, "build_started", None) if engine.config.device.type == "cuda" else None
     kernels = save_kernels(out, since)
+    if extra is not None:
+        extra(out)
     fields = expected_fields(engine.config, engine.target, engine.drafter)
     files = {str(p.relative_to(out)): _sha(p.read_bytes()) for p in sorted(out.rglob("*")) if p.is_file()}
     manifest = {**fields, "config": config_fields(engine.config), "functions": functions, "files": files}

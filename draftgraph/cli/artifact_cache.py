@@ -20,7 +20,8 @@ transformers (seconds).
 - The built-in pair (`builtin_checkpoint`): the first start builds the transformers model (seeded) and writes it
   with save_pretrained into `builtin-<key>/` (key: the spec, torch's and transformers' versions); every start,
   that one too, reads the target from there, so cold and warm starts build the same model (same weights, same
-  config: their compiled code matches).
+  config: their compiled code matches). `draftgraph build` of the built-in pair writes the same checkpoint inside
+  its artifact directory (`BUILTIN_IN_ARTIFACTS`, listed in the manifest), which `generate --artifacts` reads first.
 """
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def builtin_enabled(args) -> bool:
     if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
         return False
     return getattr(args, "tp", 1) * getattr(args, "dp", 1) == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+
+
+BUILTIN_IN_ARTIFACTS = "builtin-target"  # `draftgraph build` of the built-in pair: its target's checkpoint, inside
+
+
+def write_builtin(spec, out) -> None:
+    """`draftgraph build` of the built-in pair (one process): its target's checkpoint into the artifact directory
+    `out` (listed in the manifest and checked like the compiled code), so that `generate --artifacts` reads the
+    pair from there instead of building it with transformers (seconds on a start with empty caches)."""
+    from draftgraph.models.builtin import builtin_hf_target
+
+    builtin_hf_target(spec).save_pretrained(os.path.join(out, BUILTIN_IN_ARTIFACTS))
+
+
+def builtin_in_artifacts(args) -> str | None:
+    """The built-in target's checkpoint inside `--artifacts` (written by `write_builtin`), or None. Its files are
+    checked against the manifest with the rest when the engine loads the artifacts (a changed file stops or
+    recompiles the start); safetensors holds only tensors, so reading them first runs nothing."""
+    if not getattr(args, "artifacts", None) or getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1:
+        return None
+    path = os.path.join(args.artifacts, BUILTIN_IN_ARTIFACTS)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 def builtin_checkpoint(spec) -> str:

@@ -129,8 +129,10 @@ def _models(args):
         # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
         split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
         ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
-        checkpoint = _builtin_checkpoint(args, spec)
-        if checkpoint is not None:  # the same weights, read without importing transformers
+        # the same weights, read without importing transformers: from --artifacts (draftgraph build wrote them
+        # there), else from the start-up cache
+        checkpoint = artifact_cache.builtin_in_artifacts(args) or _builtin_checkpoint(args, spec)
+        if checkpoint is not None:
             from draftgraph.models.causal_lm import CausalLM
             from draftgraph.models.drafters.loader import truncated_draft_model
 
@@ -230,7 +232,8 @@ def _engine(args, config, tokenizer):
     import draftgraph as dg
 
     target, drafter = _models(args)
-    timeline.mark("models", "built-in pair" if not args.target else "")
+    inside = not args.target and artifact_cache.builtin_in_artifacts(args) is not None
+    timeline.mark("models", ("built-in pair" + (", from the artifacts" if inside else "")) if not args.target else "")
     cached = artifact_cache.lookup(args)  # generate: what the last start with these flags compiled
     if cached is not None:
         log.info("loading the compiled code the last start with these flags cached: %s", cached)
@@ -282,10 +285,12 @@ def cmd_serve(args) -> int:
 
 def cmd_build(args) -> int:
     """Compile every piece and every fused loop for every capture size, then write them as artifacts."""
+    import functools
     import tempfile
 
     import draftgraph as dg
     from draftgraph.artifacts.store import CACHE, build_artifacts, summary_text
+    from draftgraph.models.builtin import BuiltinSpec
 
     if args.mode == "NONE":
         print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
@@ -319,7 +324,11 @@ def cmd_build(args) -> int:
 
             manifests = build_ranks(BuildRequest(target, drafter, config), args.out)
         else:
-            manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out)]
+            # the built-in pair's target goes inside (generate --artifacts reads it without transformers)
+            extra = (
+                None if args.target else functools.partial(artifact_cache.write_builtin, BuiltinSpec(seed=args.seed))
+            )
+            manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out, extra=extra)]
     if key is not None:  # each rank's manifest (OUT/rank-R), or OUT's; under torchrun, this rank's own
         many = len(manifests) > 1 and launch is None
         for d in [os.path.join(args.out, f"rank-{r}") for r in range(len(manifests))] if many else [mine]:
