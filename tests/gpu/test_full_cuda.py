@@ -177,6 +177,24 @@ def test_drafts_get_the_penalties_on_cuda(target):
     print(f"acceptance with repetition penalty 1.5 and processed drafts: {rates}")
 
 
+def test_reduced_vocabulary_drafts_get_the_penalties_on_cuda(target):
+    """EAGLE-3 over 5/8 of the vocabulary (d2t) under repetition penalty 1.5: its draft logits are processed inside
+    the target's vocabulary at their target ids (runtime/drafting.py Chooser.processed) within the one-graph step's
+    penalties variant; FULL_AND_PIECEWISE gives NONE's tokens with no fallback."""
+    prompts, params, arrivals = ragged(8)
+    params = [dg.SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, repetition_penalty=1.5) for p in params]
+    outs = {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        cfg = dg.CompileConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
+                               device="cuda", gpu_memory_utilization=0.0, capture_sizes=SIZES,
+                               full_capture_sizes=(1, 2, 4, 8), progress=False)  # fmt: skip
+        with dg.compile_model(target, make_drafter("eagle3_reduced", target), cfg) as eng:
+            outs[mode] = [o.token_ids for o in eng.generate(prompts, params, arrivals)]
+            s, replays = eng.stats(), eng.compiled.counters.graph_replays if eng.compiled else {}
+    assert outs["FULL_AND_PIECEWISE"] == outs["NONE"]
+    assert s["fallbacks"] == 0 and any(k.endswith("/greedy_penalties") for k in replays), dict(replays)
+
+
 def _padding_engine(target, mode):
     cfg = dg.CompileConfig(
         mode=mode,
