@@ -260,6 +260,14 @@ def adaptive_bench(target, drafter, args, device) -> None:
                   f"{hist[name, b]}, steps {s['steps']}, prefix-cache hit tokens {hits}, catch-up tokens "
                   f"{s['speculation'].get('catch_up_tokens', 0)}, probes {s['speculation'].get('probes', 0)}",
                   flush=True)  # fmt: skip
+            if getattr(eng, "adaptive", None) is not None:  # what the controller saw: why it chose its K
+                ctx, ctl = args.prompt_len + n / 2, eng.adaptive
+                view = {kk: (eng.step_times(kk, b, ctx), ctl.expected_tokens(kk)) for kk in ctl.ks}
+                unit = "ms" if device.type == "cuda" else "(the target's bytes, x 1e3: no graphs timed here)"
+                text = ", ".join(f"K={kk}: {t * 1e3:.3f} {unit} x {e:.2f} tokens" if t else f"K={kk}: no time"
+                                 for kk, (t, e) in view.items())  # fmt: skip
+                print(f"      controller at B={b}, mean cached {ctx:.0f}: {text}; acceptance rates "
+                      f"{[round(a, 3) for a in ctl.rates]}", flush=True)  # fmt: skip
     for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
         fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
         if f"adaptive{suffix}" not in variants:
