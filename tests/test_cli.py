@@ -163,3 +163,18 @@ def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compil
     open(os.path.join(artifact_cache.entry_dir(gpu), "manifest.json"), "w").close()
     cli._prestart_workers(gpu)
     assert started == []
+
+
+def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_path):
+    """`draftgraph build` of the built-in pair writes the pair's target inside the artifact (cli/artifact_cache.py);
+    `generate --artifacts` reads it only for the same pair: another --seed builds its own weights."""
+    from draftgraph.cli import artifact_cache
+    from draftgraph.models.builtin import BuiltinSpec
+
+    artifact_cache.write_builtin(BuiltinSpec(seed=0), str(tmp_path))
+    args = argparse.Namespace(artifacts=str(tmp_path), tp=1, dp=1)
+    path = artifact_cache.builtin_in_artifacts(args, BuiltinSpec(seed=0))
+    assert path == str(tmp_path / artifact_cache.BUILTIN_IN_ARTIFACTS)
+    assert artifact_cache.builtin_in_artifacts(args, BuiltinSpec(seed=1)) is None
+    ranks = argparse.Namespace(artifacts=str(tmp_path), tp=2, dp=1)  # several ranks load their shares instead
+    assert artifact_cache.builtin_in_artifacts(ranks, BuiltinSpec(seed=0)) is None

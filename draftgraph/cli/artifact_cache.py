@@ -118,17 +118,29 @@ def write_builtin(spec, out) -> None:
     pair from there instead of building it with transformers (seconds on a start with empty caches)."""
     from draftgraph.models.builtin import builtin_hf_target
 
-    builtin_hf_target(spec).save_pretrained(os.path.join(out, BUILTIN_IN_ARTIFACTS))
+    path = os.path.join(out, BUILTIN_IN_ARTIFACTS)
+    builtin_hf_target(spec).save_pretrained(path)
+    with open(os.path.join(path, SPEC_FILE), "w") as f:  # which pair: a start with another --seed builds its own
+        json.dump({"spec": repr(spec)}, f)
 
 
-def builtin_in_artifacts(args) -> str | None:
-    """The built-in target's checkpoint inside `--artifacts` (written by `write_builtin`), or None. Its files are
-    checked against the manifest with the rest when the engine loads the artifacts (a changed file stops or
-    recompiles the start); safetensors holds only tensors, so reading them first runs nothing."""
+SPEC_FILE = "builtin_spec.json"
+
+
+def builtin_in_artifacts(args, spec) -> str | None:
+    """The built-in target's checkpoint inside `--artifacts` (written by `write_builtin`) when it is the pair of
+    `spec` (the same --seed), else None. Its files are checked against the manifest with the rest when the engine
+    loads the artifacts (a changed file stops or recompiles the start); safetensors holds only tensors, so reading
+    them first runs nothing."""
     if not getattr(args, "artifacts", None) or getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1:
         return None
     path = os.path.join(args.artifacts, BUILTIN_IN_ARTIFACTS)
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    try:
+        with open(os.path.join(path, SPEC_FILE)) as f:
+            written = json.load(f).get("spec")
+    except (OSError, ValueError):
+        return None
+    return path if written == repr(spec) and os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 def builtin_checkpoint(spec) -> str:

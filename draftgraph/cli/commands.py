@@ -113,7 +113,7 @@ def _inductor_options(given: list[str] | None):
 
 def _models(args):
     """(target, drafter) from --target / --drafter, or the built-in pair."""
-    from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, builtin_pair
+    from draftgraph.models.builtin import builtin_hf_pair, builtin_pair
     from draftgraph.ops.choices import DEFAULT_OPS
 
     if args.target:
@@ -121,7 +121,7 @@ def _models(args):
         if drafter is None and not args.no_drafter:
             print("no --drafter given: plain decoding with the target alone")
     else:
-        spec = BuiltinSpec(seed=args.seed)
+        spec = _builtin_spec(args)
         print(
             f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
             f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
@@ -131,7 +131,7 @@ def _models(args):
         ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
         # the same weights, read without importing transformers: from --artifacts (draftgraph build wrote them
         # there), else from the start-up cache
-        checkpoint = artifact_cache.builtin_in_artifacts(args) or _builtin_checkpoint(args, spec)
+        checkpoint = artifact_cache.builtin_in_artifacts(args, spec) or _builtin_checkpoint(args, spec)
         if checkpoint is not None:
             from draftgraph.models.causal_lm import CausalLM
             from draftgraph.models.drafters.loader import truncated_draft_model
@@ -142,6 +142,13 @@ def _models(args):
             target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
         drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter
+
+
+def _builtin_spec(args):
+    """The built-in pair of these flags (its weights follow --seed)."""
+    from draftgraph.models.builtin import BuiltinSpec
+
+    return BuiltinSpec(seed=args.seed)
 
 
 def _builtin_checkpoint(args, spec) -> str | None:
@@ -232,7 +239,7 @@ def _engine(args, config, tokenizer):
     import draftgraph as dg
 
     target, drafter = _models(args)
-    inside = not args.target and artifact_cache.builtin_in_artifacts(args) is not None
+    inside = not args.target and artifact_cache.builtin_in_artifacts(args, _builtin_spec(args)) is not None
     timeline.mark("models", ("built-in pair" + (", from the artifacts" if inside else "")) if not args.target else "")
     cached = artifact_cache.lookup(args)  # generate: what the last start with these flags compiled
     if cached is not None:
@@ -290,7 +297,6 @@ def cmd_build(args) -> int:
 
     import draftgraph as dg
     from draftgraph.artifacts.store import CACHE, build_artifacts, summary_text
-    from draftgraph.models.builtin import BuiltinSpec
 
     if args.mode == "NONE":
         print("draftgraph build: error: mode NONE compiles nothing; choose a compiling mode", file=sys.stderr)
@@ -325,9 +331,7 @@ def cmd_build(args) -> int:
             manifests = build_ranks(BuildRequest(target, drafter, config), args.out)
         else:
             # the built-in pair's target goes inside (generate --artifacts reads it without transformers)
-            extra = (
-                None if args.target else functools.partial(artifact_cache.write_builtin, BuiltinSpec(seed=args.seed))
-            )
+            extra = None if args.target else functools.partial(artifact_cache.write_builtin, _builtin_spec(args))
             manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out, extra=extra)]
     if key is not None:  # each rank's manifest (OUT/rank-R), or OUT's; under torchrun, this rank's own
         many = len(manifests) > 1 and launch is None
