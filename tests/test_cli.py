@@ -37,7 +37,7 @@ def test_version(capsys):
 
 
 def test_defaults_are_auto_and_the_new_flags_reach_the_config():
-    from draftgraph.cli.commands import _config
+    from draftgraph.cli.flags import config as _config
 
     parser, _ = _parsers()
     for command in ("generate", "build", "inspect"):

@@ -3,7 +3,7 @@
 import pytest
 
 import draftgraph as dg
-from draftgraph.cli.commands import _inductor_options
+from draftgraph.cli.flags import inductor_options as _inductor_options
 from draftgraph.compiler.config import resolve
 from draftgraph.compiler.inductor_options import DEFAULT_INDUCTOR_OPTIONS, resolve_inductor_options
 from draftgraph.models.causal_lm import CausalLM

@@ -10,7 +10,7 @@ import time
 from typing import NoReturn
 
 from draftgraph import timeline
-from draftgraph.cli import artifact_cache
+from draftgraph.cli import artifact_cache, flags
 from draftgraph.cli.parser import build_parser
 from draftgraph.cli.report import print_report
 from draftgraph.cli.text import cli_tokenizer, generate_text, stop_token_ids, text_prompts
@@ -20,153 +20,10 @@ log = logging.getLogger("draftgraph")
 # Nothing above loads torch: `main` starts the compile workers first (_prestart_workers), then imports it.
 
 
-def _config(args, **over):
-    import draftgraph as dg
-
-    fields = dict(
-        mode=args.mode,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculation=getattr(args, "speculation", "auto"),
-        attention=args.attention,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed,
-        drafter_kind=args.drafter_kind,
-        ngram_min=getattr(args, "ngram_min", 1),
-        ngram_max=getattr(args, "ngram_max", 3),
-        capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x),
-        compile_sizes=tuple(int(x) for x in args.compile_sizes.split(",") if x),
-        compile_backend=args.compile_backend,
-        use_cuda_graphs=not args.no_cuda_graphs,
-        capture=_capture(args),
-        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
-        overlap_steps=not getattr(args, "no_overlap_steps", False),
-        prefix_caching=not getattr(args, "no_prefix_caching", False),
-        prefix_state_snapshots=getattr(args, "prefix_state_snapshots", 0),
-        check_addresses=args.check_addresses,
-        dump_graphs_dir=args.dump_graphs,
-        inductor_options=_inductor_options(args.inductor_option),
-        ops=_ops(getattr(args, "ops", "")),
-        compile_workers=getattr(args, "compile_workers", None),
-        tensor_parallel_size=getattr(args, "tp", 1),
-        draft_tensor_parallel_size=getattr(args, "draft_tp", None),
-        data_parallel_size=getattr(args, "dp", 1),
-        expert_parallel=getattr(args, "expert_parallel", False),
-        all_reduce=getattr(args, "all_reduce", "auto"),
-    )
-    fields.update(over)
-    config = dg.CompileConfig(**fields)
-    from draftgraph.workers.launched import uses_launch
-
-    uses_launch(config)  # under torchrun: a launch that is not tp x dp processes is refused before anything loads
-    return config
-
-
-def _capture(args) -> str:
-    """--capture auto: lazy for `generate` and its alias `run` (graphs captured by the steps that need them: the
-    first token does not wait for sizes the job may never run), eager for `serve` (steady latency from the first
-    request), for adaptive speculation (its cost model measures the captured graphs at start) and for several ranks
-    (their collectives inside graphs are captured together at start, as measured on two GPUs)."""
-    if args.capture != "auto":
-        return args.capture
-    adaptive = getattr(args, "speculation", "fixed") == "adaptive"
-    ranks = getattr(args, "tp", 1) * getattr(args, "dp", 1)  # several ranks: every graph at start, as before
-    one_off = getattr(args, "command", "") in ("generate", "run")
-    return "lazy" if one_off and not adaptive and ranks == 1 else "eager"
-
-
-_FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
-
-
-def _ops(spec: str):
-    """--ops NAME=0|1,... -> an OpChoices, or None (every kernel) when empty."""
-    from draftgraph.ops.choices import OpChoices
-
-    return OpChoices.parse(spec) if spec else None
-
-
-def _inductor_options(given: list[str] | None):
-    """--inductor-option KEY=VALUE pairs (VALUE a Python literal), or None for draftgraph's defaults."""
-    if not given:
-        return None
-    import ast
-
-    pairs = []
-    for item in given:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(
-                f"draftgraph: error: --inductor-option {item!r} must be KEY=VALUE, e.g. split_reductions=False"
-            )
-        try:
-            pairs.append((key.strip(), ast.literal_eval(value.strip())))
-        except (ValueError, SyntaxError):
-            pairs.append((key.strip(), value.strip()))  # a bare word is a string
-    return tuple(pairs)
-
-
-def _models(args):
-    """(target, drafter) from --target / --drafter, or the built-in pair."""
-    from draftgraph.models.builtin import builtin_hf_pair, builtin_pair
-    from draftgraph.ops.choices import DEFAULT_OPS
-
-    if args.target:
-        target, drafter = args.target, None if args.no_drafter else args.drafter
-        if drafter is None and not args.no_drafter:
-            print("no --drafter given: plain decoding with the target alone")
-    else:
-        spec = _builtin_spec(args)
-        print(
-            f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
-            f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
-        )
-        # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
-        split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
-        ops = _ops(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
-        # the same weights, read without importing transformers: from --artifacts (draftgraph build wrote them
-        # there), else from the start-up cache
-        checkpoint = artifact_cache.builtin_in_artifacts(args, spec) or _builtin_checkpoint(args, spec)
-        if checkpoint is not None:
-            from draftgraph.models.causal_lm import CausalLM
-            from draftgraph.models.drafters.loader import truncated_draft_model
-
-            target = CausalLM.from_pretrained(checkpoint, ops=ops)
-            built_drafter = truncated_draft_model(target, spec.draft_layers)
-        else:
-            target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
-        drafter = None if args.no_drafter else (args.drafter or built_drafter)
-    return target, drafter
-
-
-def _builtin_spec(args):
-    """The built-in pair of these flags (its weights follow --seed)."""
-    from draftgraph.models.builtin import BuiltinSpec
-
-    return BuiltinSpec(seed=args.seed)
-
-
-def _builtin_checkpoint(args, spec) -> str | None:
-    """The built-in target's cached checkpoint (artifact_cache.py), or None: not used by this command, or it could
-    not be written (logged; the pair is built in memory instead)."""
-    if not artifact_cache.builtin_enabled(args):
-        return None
-    try:
-        return artifact_cache.builtin_checkpoint(spec)
-    except Exception as e:  # noqa: BLE001 - a cache: the pair is built in memory instead
-        log.warning("the built-in pair's weights were not cached (%s: %s)", type(e).__name__, e)
-        return None
-
-
 def cmd_generate(args) -> int:
     import draftgraph as dg
 
-    config = _config(args)
+    config = flags.config(args)
     # Checked before anything is built or compiled: a bad value fails in well under a second.
     texts = text_prompts(args)  # text prompts, stop ids and the tokenizer too
     stops = stop_token_ids(args)
@@ -238,9 +95,8 @@ def _engine(args, config, tokenizer):
     """The engine `generate` and `serve` run: the flags' models through compile_model; its report printed."""
     import draftgraph as dg
 
-    target, drafter = _models(args)
-    inside = not args.target and artifact_cache.builtin_in_artifacts(args, _builtin_spec(args)) is not None
-    timeline.mark("models", ("built-in pair" + (", from the artifacts" if inside else "")) if not args.target else "")
+    target, drafter, where = flags.models(args)
+    timeline.mark("models", where)
     cached = artifact_cache.lookup(args)  # generate: what the last start with these flags compiled
     if cached is not None:
         log.info("loading the compiled code the last start with these flags cached: %s", cached)
@@ -263,7 +119,7 @@ def cmd_serve(args) -> int:
     torchrun, rank 0 serves and leads; the other ranks build their engines and follow rank 0's calls."""
     from draftgraph.workers.launched import launch_env
 
-    config = _config(args)
+    config = flags.config(args)
     tokenizer = cli_tokenizer(args, needed=False)
     name = args.served_model_name or args.target or "draftgraph-builtin"
     try:
@@ -320,9 +176,9 @@ def cmd_build(args) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     with tempfile.TemporaryDirectory(prefix="draftgraph-build-") as tmp:
         cache = tmp if cuda else os.path.join(args.out, CACHE)
-        config = _config(args, mode=mode, use_cuda_graphs=False, cache_dir=cache, gpu_memory_utilization=0.0)
+        config = flags.config(args, mode=mode, use_cuda_graphs=False, cache_dir=cache, gpu_memory_utilization=0.0)
         print(f"config: {config}")
-        target, drafter = _models(args)
+        target, drafter, _ = flags.models(args)
         t0 = time.perf_counter()
         if config.tensor_parallel_size * config.data_parallel_size > 1:  # one artifact set per rank: OUT/rank-R
             from draftgraph.build.request import BuildRequest
@@ -331,7 +187,7 @@ def cmd_build(args) -> int:
             manifests = build_ranks(BuildRequest(target, drafter, config), args.out)
         else:
             # the built-in pair's target goes inside (generate --artifacts reads it without transformers)
-            extra = None if args.target else functools.partial(artifact_cache.write_builtin, _builtin_spec(args))
+            extra = None if args.target else functools.partial(artifact_cache.write_builtin, flags.builtin_spec(args))
             manifests = [build_artifacts(dg.compile_model(target, drafter, config), args.out, extra=extra)]
     if key is not None:  # each rank's manifest (OUT/rank-R), or OUT's; under torchrun, this rank's own
         many = len(manifests) > 1 and launch is None
@@ -369,7 +225,7 @@ def cmd_inspect(args) -> int:
         capture_sizes=tuple(int(x) for x in args.capture_sizes.split(",") if x) or (1, 2, 4, 8, 16),
         compile_backend=args.compile_backend,
         drafter_kind=args.drafter_kind,
-        fuse_draft_loop=_FUSE[args.fuse_draft_loop],
+        fuse_draft_loop=flags.FUSE[args.fuse_draft_loop],
         progress=False,
     )
     if args.target:
