@@ -290,3 +290,25 @@ def hf_greedy(hf, prompts: list[list[int]], max_tokens: int | list[int]) -> list
                               max_new_tokens=max_tokens, min_new_tokens=max_tokens)  # fmt: skip
         outs.append(out[0, len(prompt) :].tolist())
     return outs
+
+
+def kill_rank_1_between_steps(engine, prompt, params, seconds: float) -> None:
+    """Rank 1 of a two-rank engine killed between steps of a running request: the next step raises WorkerError
+    naming it (exit code -9) and rank 0's process ends too, each within `seconds` (a bound on a hang); no child
+    process is left."""
+    import multiprocessing
+    import os
+    import signal
+
+    import pytest
+
+    from draftgraph.workers.ranked import WorkerError
+
+    engine.add_request(prompt, params)
+    engine.step()
+    os.kill(engine.pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
+        within(seconds, "engine.step() after rank 1 was killed", engine.step)
+    engine.procs[0].join(seconds)
+    assert not engine.procs[0].is_alive(), f"rank 0 still runs {seconds} s after rank 1 was killed"
+    assert not multiprocessing.active_children()

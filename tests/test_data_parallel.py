@@ -7,8 +7,6 @@ spends in dummy steps, counted. Greedy tokens equal the one-process engine's and
 """
 
 import multiprocessing
-import os
-import signal
 from dataclasses import replace
 
 import pytest
@@ -17,9 +15,8 @@ import torch
 import draftgraph as dg
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 from draftgraph.runtime.request import RequestOutput
-from draftgraph.workers.driver import WorkerError
 from draftgraph.workers.router import Router, merge_stats
-from tests.helpers import nothing_starts, within
+from tests.helpers import kill_rank_1_between_steps, nothing_starts
 
 HANG_S = 300  # a dead rank is noticed by its process sentinel, at once; this long means it hung
 
@@ -164,14 +161,7 @@ def test_expert_parallel_with_an_idle_rank_then_a_killed_rank(deepseek_dir, deep
         assert [done[i] for i in ids] == deepseek_want
         # a rank killed between steps: the next step names it, and the other rank (waiting in the lock-step's
         # all-reduce or the experts' all-gather) is ended too
-        engine.add_request(PROMPTS[0], PARAMS[0])
-        engine.step()
-        os.kill(engine.pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
-            within(HANG_S, "engine.step() after rank 1 was killed", engine.step)
-        engine.procs[0].join(HANG_S)
-        assert not engine.procs[0].is_alive(), f"rank 0 still runs {HANG_S} s after rank 1 died"
-        assert not multiprocessing.active_children()
+        kill_rank_1_between_steps(engine, PROMPTS[0], PARAMS[0], HANG_S)
     finally:
         engine.close()
 

@@ -11,18 +11,13 @@ Qwen3.5 + MTP (draft TP 2 and 1) over TP 2; a rank killed mid-run makes the
 driver raise naming it, and the other rank exit, each within KILL_S (a reporting bound on a hang, not a speed
 check). Engines that several tests use are module fixtures. Skipped, with the reason, below two GPUs."""
 
-import multiprocessing
-import os
-import signal
-
 import pytest
 import torch
 
 import draftgraph as dg
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, module_from_state_dict
 from draftgraph.models.causal_lm import CausalLM
-from draftgraph.workers.ranked import WorkerError
-from tests.helpers import within
+from tests.helpers import kill_rank_1_between_steps
 from tests.test_data_parallel import deepseek_dir  # noqa: F401  (a module fixture)
 
 pytestmark = [
@@ -220,11 +215,4 @@ def test_qwen3_5_mtp_over_tp2_equals_one_gpu(tmp_path):
 def test_a_killed_rank_stops_the_other_naming_it(tp2):
     """Runs last (it ends the shared TP 2 engine): rank 1 killed between steps of a running request; the next
     step raises WorkerError naming rank 1, and rank 0's process is gone, each within KILL_S."""
-    tp2.add_request(PROMPTS[0], PARAMS)
-    tp2.step()
-    os.kill(tp2.pids[1], signal.SIGKILL)
-    with pytest.raises(WorkerError, match=r"worker rank 1 of 2 failed during step: .*exited with code -9"):
-        within(KILL_S, "engine.step() after rank 1 was killed", tp2.step)
-    tp2.procs[0].join(KILL_S)
-    assert not tp2.procs[0].is_alive(), f"rank 0 still runs {KILL_S} s after rank 1 was killed"
-    assert not multiprocessing.active_children()
+    kill_rank_1_between_steps(tp2, PROMPTS[0], PARAMS, KILL_S)
