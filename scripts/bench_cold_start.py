@@ -19,6 +19,8 @@ PYTHONPYCACHEPREFIX under the run's temporary directory, which every timed run t
 --pair acceptance: the realistic-acceptance 1B pair (models/builtin.py LLAMA_1B_ACCEPTANCE: Llama-3.2-1B's shape,
 bf16, a draft model of its first 2 layers) saved once as two checkpoints (not timed), then every run loads them as a
 user's would: `--target T --drafter D -k 4 --max-num-seqs 32 --num-prompts 32` (issue 44's 1B pair, batches to 32).
+--pair 8b: Llama-3.1-8B's shape (scripts/bench_8b.py, bf16, random weights), plain decoding, saved once as a checkpoint;
+`--args "--tp 2"` starts it over two GPUs (issue 44's 8B-shaped model at TP 2).
 
 Usage: python scripts/bench_cold_start.py --variant base: [--variant w0::--compile-workers 0] [--warm]
        [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline] [--pair acceptance]
@@ -132,6 +134,26 @@ def save_acceptance_pair(root: str) -> list[str]:
     return flags + ["--dtype", "bfloat16"]
 
 
+def save_8b(root: str) -> list[str]:
+    """Llama-3.1-8B's shape (scripts/bench_8b.py: bf16, seeded random weights) saved once as a checkpoint under
+    `root` (config.json and one safetensors file), and the generate flags that load it (plain decoding, 8 prompts)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from scripts.bench_8b import LLAMA_3_1_8B, target_state
+
+    path = os.path.join(root, "llama-8b")
+    os.makedirs(path)
+    state = {k: v.cpu().contiguous() for k, v in target_state(LLAMA_3_1_8B, torch.device("cuda")).items()}
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = dict(LLAMA_3_1_8B, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return ["--target", path, "--dtype", "bfloat16", "--max-num-seqs", "8", "--num-prompts", "8"]
+
+
 # --profile: the command under cProfile; the CLI ends with os._exit after its exit handlers, so the stats are printed
 # by an exit handler registered first (handlers run last-in, first-out: this one after the CLI's own).
 PROFILED = """
@@ -167,8 +189,9 @@ def main() -> None:
         help="installed: bytecode written once by an untimed run, as a pip install leaves it; as-is: the machine's",
     )  # fmt: skip
     ap.add_argument(
-        "--pair", choices=["builtin", "acceptance"], default="builtin",
-        help="builtin: generate's own pair (no flags); acceptance: the 1B pair from checkpoints saved once",
+        "--pair", choices=["builtin", "acceptance", "8b"], default="builtin",
+        help="builtin: generate's own pair (no flags); acceptance: the 1B pair from checkpoints saved once; 8b: "
+        "Llama-3.1-8B's shape alone (plain decoding) from a checkpoint saved once (with --args '--tp 2' on 2 GPUs)",
     )  # fmt: skip
     ap.add_argument("--profile", default="", help="starts run under cProfile, printed: cold, warm and/or artifacts")
     args = ap.parse_args()
@@ -185,6 +208,12 @@ def main() -> None:
             generate += pair
             args.build_args = " ".join([*pair[:6], "--max-num-seqs", "32", "--dtype", "bfloat16", args.build_args])
             print(f"the 1B acceptance pair saved in {time.perf_counter() - t0:.1f} s (not a start)", flush=True)
+        elif args.pair == "8b":
+            t0 = time.perf_counter()
+            flags = save_8b(root)
+            generate += flags
+            args.build_args = " ".join([*flags[:4], args.build_args])
+            print(f"the 8B-shaped checkpoint saved in {time.perf_counter() - t0:.1f} s (not a start)", flush=True)
         bytecode = {}
         if args.bytecode == "installed":
             bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": os.path.join(root, "pycache")}
