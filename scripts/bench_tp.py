@@ -131,10 +131,11 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
     return dg.compile_model(target, drafter if spec else None, cfg), k
 
 
-def sweep(device, json_path: str = "", reps: int = 20, calls: int = 16) -> None:
-    """All-reduce latency by message size (bf16), NCCL vs our push kernel (a program per 8 KiB, and per 2 / 32 KiB)
-    vs torch's one-shot and two-shot, each `calls` all-reduces captured in one CUDA graph (as in a decode step), the
-    median over `reps` replays; checks every kernel's sums against NCCL's (max |diff|; 0 = the same bits)."""
+def sweep(device, json_path: str = "", only: str = "", reps: int = 20, calls: int = 16) -> None:
+    """All-reduce latency by message size (bf16), NCCL vs our push and lamport kernels (a program per 8 KiB, and per
+    2 KiB) vs torch's one-shot and two-shot, each `calls` all-reduces captured in one CUDA graph (as in a decode
+    step), the median over `reps` replays; checks every kernel's sums against NCCL's (max |diff|; 0 = the same
+    bits). `only`: the kernels to time (comma-separated names; all when empty)."""
     import torch.distributed as dist
 
     from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce
@@ -156,11 +157,13 @@ def sweep(device, json_path: str = "", reps: int = 20, calls: int = 16) -> None:
         dist.all_reduce(out, group=group)
         return out
 
-    def push(bytes_per_program):
-        return lambda x: peer.push.all_reduce(x, bytes_per_program=bytes_per_program)
+    def ours(kind, bytes_per_program):
+        return lambda x: peer.push.all_reduce(x, kind, bytes_per_program=bytes_per_program)
 
-    fns = {"nccl": nccl, "push": push(None), "push_2k": push(2048), "push_32k": push(32768),
-           **{name: p.all_reduce for name, p in kernels.items()}}  # fmt: skip
+    fns = {"nccl": nccl, "push": ours("push", None), "push_2k": ours("push", 2048), "lamport": ours("lamport", None),
+           "lamport_2k": ours("lamport", 2048), **{name: p.all_reduce for name, p in kernels.items()}}  # fmt: skip
+    if only:  # NCCL always: the sums' reference
+        fns = {name: fn for name, fn in fns.items() if name == "nccl" or name in only.split(",")}
     say(f"\nall-reduce sweep, {world} x {torch.cuda.get_device_name()}, bf16, {calls} calls per CUDA graph, median of "
         f"{reps} replays: us per all-reduce")  # fmt: skip
     say(f"{'bytes':>9} | " + " ".join(f"{n:>9}" for n in fns) + " | fastest   | max |diff| vs nccl")
@@ -195,11 +198,11 @@ def sweep(device, json_path: str = "", reps: int = 20, calls: int = 16) -> None:
         rows.append(dict(bytes=nbytes, **{f"{n}_us": t for n, t in times.items()}, fastest=best))
         say(f"{nbytes:>9} | " + " ".join(f"{times[n]:>9.2f}" for n in fns) + f" | {best:<9} | "
             + " ".join(f"{n} {d:.2g}" for n, d in diffs.items() if n != "nccl"))  # fmt: skip
-    pushed = max([r["bytes"] for r in rows if r["fastest"].startswith("push")], default=0)
+    pushed = max([r["bytes"] for r in rows if r["fastest"].startswith(("push", "lamport"))], default=0)
     one = max([r["bytes"] for r in rows if r["fastest"] == "one_shot"], default=0)
     two = max([r["bytes"] for r in rows if r["fastest"] in ("one_shot", "two_shot")], default=0)
-    say(f"rule implied for {world} ranks: push up to {pushed} bytes, one-shot up to {one} bytes, two-shot up to "
-        f"{max(one, two)} bytes, NCCL above")  # fmt: skip
+    say(f"rule implied for {world} ranks: push / lamport up to {pushed} bytes, one-shot up to {one} bytes, two-shot "
+        f"up to {max(one, two)} bytes, NCCL above")  # fmt: skip
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rows, f, indent=1)
@@ -216,6 +219,7 @@ def main():
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
+    ap.add_argument("--kernels", default="", help="--sweep: the kernels timed beside NCCL (default: all)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="batch sizes whose profiled steps are printed (top kernels)")
     args = ap.parse_args()
@@ -223,7 +227,7 @@ def main():
     rank, world, _ = rank_env()
     cuda = device.type == "cuda"
     if args.sweep:
-        sweep(device, args.json if rank == 0 else "")
+        sweep(device, args.json if rank == 0 else "", args.kernels)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     mode = args.mode if cuda else "NONE"

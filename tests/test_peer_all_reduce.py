@@ -23,7 +23,7 @@ from draftgraph.ops.collectives.peer import (
     register_peer,
     unregister_peer,
 )
-from draftgraph.ops.collectives.push import PushAllReduce, PushLayout
+from draftgraph.ops.collectives.push import PushAllReduce, PushLayout, prepare
 
 KIB = 1024
 JOIN_S = 300
@@ -69,7 +69,8 @@ def test_push_layout_after_torchs_region():
     layout = PUSH_RULE.push_layout(2)
     assert layout == PushLayout(2, 16 * KIB, offset=1024 * KIB) and RULE.push_layout(2) is None
     assert [layout.data_at(s, r) for s in (0, 1) for r in (0, 1)] == [1024 * KIB + i * 16 * KIB for i in range(4)]
-    assert layout.flags_at == 1024 * KIB + 64 * KIB and layout.end == layout.flags_at + 8 * 128 * 2
+    assert layout.lamport_at(2) == 1024 * KIB + 64 * KIB and layout.lamport_at(4) == 1024 * KIB + 128 * KIB
+    assert layout.flags_at == 1024 * KIB + 3 * 64 * KIB and layout.end == layout.flags_at + 8 * 128 * 2
     assert PUSH_RULE.buffer_bytes(2) == layout.end and RULE.buffer_bytes(2) == 1024 * KIB
     assert AllReduceRule(0, 100, push_max_bytes=256).push_layout(4).offset == 256  # rounded up to ALIGN
     # (programs, chunk, block): a program per 8 KiB, at most max_programs, chunks whole blocks
@@ -86,6 +87,10 @@ def test_push_layout_after_torchs_region():
         PushLayout(2, 1024, bytes_per_program=3000)
     with pytest.raises(ValueError, match="push_max_bytes=100"):
         AllReduceRule(0, 0, push_max_bytes=100)
+    with pytest.raises(ValueError, match=r"push_kernel='fast'\): choose one of \['push', 'lamport'\]"):
+        AllReduceRule(0, 0, push_kernel="fast")
+    lamport = AllReduceRule(0, 0, push_max_bytes=1024, push_kernel="lamport")
+    assert choose_kernel(1024, torch.bfloat16, 2, {2: lamport}) == "lamport"
 
 
 def test_peer_all_reduce_without_push_region_declines_push_messages():
@@ -102,33 +107,44 @@ def test_peer_all_reduce_without_push_region_declines_push_messages():
     assert peer.kernel_for(torch.empty(16 * KIB, dtype=torch.bfloat16)) == "one_shot"
 
 
-# ------------------------------------------------------------------------------ the push kernel, two CPU "ranks"
-PUSH_SIZES = [64, 1000, 2048, 16, 640, 2048, 100, 4, 1536]  # float32 elements: 1 to 8 programs of 1 KiB
-PUSH_CALLS = 2 * len(PUSH_SIZES)
+# ----------------------------------------------------------------------------- the push kernels, two CPU "ranks"
+# (elements, dtype): 1 to 8 programs of 1 KiB; float16 (the lamport kernel's 2-byte rows; the interpreter rounds
+# float16 as torch does, not bfloat16)
+PUSH_SIZES = [(64, torch.float32), (1000, torch.float32), (2048, torch.float32), (16, torch.float16),
+              (640, torch.float32), (4096, torch.float16), (100, torch.float16), (4, torch.float32),
+              (1536, torch.float32)]  # fmt: skip
+PUSH_CALLS = 3 * len(PUSH_SIZES)
 
 
 def _push_rank(rank, whole, span, layout, inputs, results):
     shares = [whole[r * span : r * span + layout.end] for r in range(2)]
     push = PushAllReduce(layout, rank, shares[rank], [s.data_ptr() for s in shares])
-    for i, pair in enumerate(inputs):  # every other call spread over programs of 256 bytes
-        out = push.all_reduce(pair[rank], bytes_per_program=256 if i % 2 else None)
-        results[rank, i, : out.numel()] = out
+    for i, pair in enumerate(inputs):  # the kernels in turn; every other call over programs of 256 bytes
+        out = push.all_reduce(pair[rank], ("push", "lamport")[i % 3 > 0], bytes_per_program=256 if i % 2 else None)
+        results[rank, i, : out.numel()] = out.float()
     results[rank, -1, :2] = push.state.float()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter")
 def test_push_kernel_two_forked_ranks_many_calls():
-    """Two processes share one CPU buffer (each rank's share 256-byte aligned, as on the GPU); each makes the same
-    PUSH_CALLS all-reduces of mixed sizes and program counts back to back; every sum equals the float32 sum of
-    the two inputs, on both ranks, and each rank's epoch counted every call (arrivals reset)."""
+    """Two processes share one CPU buffer (each rank's share 256-byte aligned, as on the GPU, `prepare`d); each
+    makes the same PUSH_CALLS all-reduces of mixed sizes, dtypes, kernels and program counts back to back, some
+    elements -0.0 (the lamport kernel's sentinel: sent as +0.0); every sum equals the sum of the two inputs, on
+    both ranks, each rank's epoch counted every call (arrivals reset), and the lamport rows are re-armed."""
     layout = PushLayout(2, 8 * KIB, max_programs=8, bytes_per_program=1024)
     span = -(-layout.end // 256) * 256
     raw = torch.zeros(2 * span + 256, dtype=torch.uint8).share_memory_()
     off = (-raw.data_ptr()) % 256
     whole = raw[off : off + 2 * span]
+    for r in range(2):
+        prepare(whole[r * span : r * span + layout.end], layout)
     g = torch.Generator().manual_seed(0)
-    inputs = [[torch.randn(n, generator=g) for _ in range(2)] for n in PUSH_SIZES * 2]
-    results = torch.full((2, PUSH_CALLS + 1, 2048), float("nan")).share_memory_()
+    inputs = [[torch.randn(n, generator=g).to(dt) for _ in range(2)] for n, dt in PUSH_SIZES * 3]
+    for i, pair in enumerate(inputs):
+        pair[i % 2][::7] = -0.0  # a peer's -0.0 must not read as "not yet written"
+        pair[0][::11] = -0.0
+        pair[1][::11] = -0.0
+    results = torch.full((2, PUSH_CALLS + 1, 4096), float("nan")).share_memory_()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_push_rank, args=(r, whole, span, layout, inputs, results)) for r in range(2)]
     for p in procs:
@@ -143,8 +159,13 @@ def test_push_kernel_two_forked_ranks_many_calls():
     assert [p.exitcode for p in procs] == [0, 0]
     for i, (a, b) in enumerate(inputs):
         for rank in range(2):
-            assert torch.equal(results[rank, i, : a.numel()], a + b), (i, rank)
+            assert torch.equal(results[rank, i, : a.numel()], (a.float() + b.float()).to(a.dtype).float()), (i, rank)
     assert results[:, -1, :2].tolist() == [[PUSH_CALLS, 0], [PUSH_CALLS, 0]]
+    for r in range(2):  # every lamport row back to the sentinel for the calls to come
+        share = whole[r * span : r * span + layout.end]
+        for size, bits in ((2, torch.int16), (4, torch.int32)):
+            rows = share[layout.lamport_at(size) : layout.lamport_at(size) + layout.rows_bytes].view(bits)
+            assert bool((rows == torch.iinfo(bits).min).all()), (r, size)
 
 
 def test_the_shipped_rules_are_ordered_and_say_where_they_come_from():

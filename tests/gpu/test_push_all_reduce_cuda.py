@@ -1,4 +1,5 @@
-"""GPU tier, two GPUs: the push all-reduce kernel (ops/collectives/push.py) sums exactly as NCCL does, over many
+"""GPU tier, two GPUs: each push all-reduce kernel (ops/collectives/push.py: push, lamport) sums exactly as NCCL does
+(up to the sign of a zero sum), over many
 calls back to back: eagerly, and inside one captured CUDA graph replayed many times with fresh data each time,
 the messages of several sizes and dtypes interleaved with torch's one-shot / two-shot kernels over the same
 symmetric buffer (a lost or stale epoch, a slot written while a peer still reads it, or a region overlap shows as
@@ -26,10 +27,12 @@ CASES = [(4096, "bfloat16"), (32768, "bfloat16"), (1000, "float32"), (2048, "flo
 REPEAT = 4  # each case this many times per graph, in turn: 28 all-reduces a replay
 REPLAYS = 40
 EAGER_ROUNDS = 10
-JOIN_S = 240  # a bound on a hang (a lost signal), not a speed check
+JOIN_S = 90  # a bound on a hang (a lost signal), not a speed check: a run takes about 20 s
 
 
-def _rank(rank: int, init_file: str, out_dir: str) -> None:
+def _rank(rank: int, init_file: str, out_dir: str, kernel: str) -> None:
+    import dataclasses
+
     from draftgraph.ops.collectives.peer import RULES, PeerAllReduce
 
     torch.cuda.set_device(rank)
@@ -39,7 +42,8 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
     verdict: dict = {"rank": rank}
     try:
         group = dist.new_group([0, 1])
-        peer = PeerAllReduce.setup(group, rank, rank, RULES)
+        rule = dataclasses.replace(RULES[2], push_kernel=kernel)  # the shipped bounds, this kernel
+        peer = PeerAllReduce.setup(group, rank, rank, {2: rule})
         if peer is None:
             verdict["refused"] = True
             return
@@ -79,8 +83,9 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_push_all_reduce_equals_nccl_eager_and_replayed(tmp_path):
-    ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
+@pytest.mark.parametrize("kernel", ["push", "lamport"])
+def test_push_all_reduce_equals_nccl_eager_and_replayed(tmp_path, kernel):
+    ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path), kernel), nprocs=2, join=False,
                              start_method="spawn")  # fmt: skip
     for _ in range(JOIN_S):
         if ctx.join(timeout=1.0):
@@ -95,8 +100,8 @@ def test_push_all_reduce_equals_nccl_eager_and_replayed(tmp_path):
         pytest.skip("peer memory refused between these GPUs (see the log): the push kernel does not run")
     calls = EAGER_ROUNDS * REPEAT + REPEAT  # each case's eager calls and its captures
     for v in verdicts:
-        assert v["kinds"] == ["push"] * 6 + ["two_shot"], v["kinds"]
+        assert v["kinds"] == [kernel] * 6 + ["two_shot"], v["kinds"]
         assert v["nbad"] == 0, v["bad"]
-        assert v["calls"]["push"] == 6 * calls and v["calls"]["two_shot"] == calls, v["calls"]
+        assert v["calls"][kernel] == 6 * calls and v["calls"]["two_shot"] == calls, v["calls"]
         # every push call, eager and replayed, advanced the epoch once; arrivals back at 0
         assert v["epoch"] == [6 * REPEAT * (EAGER_ROUNDS + REPLAYS), 0], v["epoch"]

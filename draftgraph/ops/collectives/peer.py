@@ -31,24 +31,25 @@ from typing import Any
 
 import torch
 
-from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, PushLayout
+from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PUSH_KINDS, PushAllReduce, PushLayout, prepare
 
 log = logging.getLogger("draftgraph")
 
-KERNELS = ("push", "one_shot", "two_shot", "nccl")
+KERNELS = ("push", "lamport", "one_shot", "two_shot", "nccl")
 PEER_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduction kernels are built for
 
 
 @dataclass(frozen=True)
 class AllReduceRule:
-    """Messages of at most `push_max_bytes` take the push kernel (push.py), then up to `one_shot_max_bytes` the
-    one-shot kernel, then up to `two_shot_max_bytes` the two-shot kernel, larger ones NCCL. `measured` says where
-    the thresholds come from."""
+    """Messages of at most `push_max_bytes` take our kernel `push_kernel` ("push" or "lamport": push.py), then up to
+    `one_shot_max_bytes` torch's one-shot kernel, then up to `two_shot_max_bytes` its two-shot kernel, larger ones
+    NCCL. `measured` says where the thresholds come from."""
 
     one_shot_max_bytes: int
     two_shot_max_bytes: int
     measured: str = ""
     push_max_bytes: int = 0
+    push_kernel: str = "push"
 
     def __post_init__(self):
         if not 0 <= self.one_shot_max_bytes <= self.two_shot_max_bytes:
@@ -58,6 +59,8 @@ class AllReduceRule:
             )
         if self.push_max_bytes < 0 or self.push_max_bytes % ALIGN:
             raise ValueError(f"AllReduceRule(push_max_bytes={self.push_max_bytes}): need a multiple of {ALIGN} >= 0")
+        if self.push_kernel not in PUSH_KINDS:
+            raise ValueError(f"AllReduceRule(push_kernel={self.push_kernel!r}): choose one of {list(PUSH_KINDS)}")
 
     def push_layout(self, world_size: int) -> PushLayout | None:
         """Where the push kernel's data and flags lie in the symmetric buffer: after torch's kernels' region."""
@@ -81,13 +84,13 @@ RULES: dict[int, AllReduceRule] = {
 
 
 def choose_kernel(nbytes: int, dtype: torch.dtype, world_size: int, rules: dict[int, AllReduceRule] = RULES) -> str:
-    """The kernel ("push", "one_shot", "two_shot" or "nccl") summing `nbytes` bytes of `dtype` over `world_size`
-    ranks."""
+    """The kernel ("push", "lamport", "one_shot", "two_shot" or "nccl") summing `nbytes` bytes of `dtype` over
+    `world_size` ranks."""
     rule = rules.get(world_size)
     if rule is None or nbytes % 4 or nbytes == 0:
         return "nccl"
     if nbytes <= rule.push_max_bytes and dtype in PUSH_DTYPES:
-        return "push"
+        return rule.push_kernel
     if dtype not in PEER_DTYPES:
         return "nccl"
     if nbytes <= rule.one_shot_max_bytes:
@@ -159,7 +162,8 @@ class PeerAllReduce:
         layout = rule.push_layout(group.size())
         try:  # this rank's share of the symmetric buffer (the driver's virtual-memory and IPC calls)
             buffer, error = symm_mem.empty(rule.buffer_bytes(group.size()), dtype=torch.uint8, device=cuda), ""
-            buffer.zero_()  # the push kernel's flags at epoch 0, before any peer can signal (the rendezvous below)
+            if layout:  # our kernels' flags and rows at epoch 0 before any peer can write them (the rendezvous below)
+                prepare(buffer, layout)
             torch.cuda.synchronize(cuda)
         except Exception as e:  # noqa: BLE001 - refused below on every rank alike, named
             buffer, error = None, f"{type(e).__name__}: {e}"
@@ -177,15 +181,15 @@ class PeerAllReduce:
                         "every all-reduce uses NCCL", group.size(), failed)  # fmt: skip
             return None
         log.info(
-            "all-reduce over %d ranks: peer memory (symmetric memory) push up to %d KiB, one-shot up to %d KiB, "
-            "two-shot up to %d KiB, NCCL above (%s)", group.size(), rule.push_max_bytes // 1024,
+            "all-reduce over %d ranks: peer memory (symmetric memory) %s up to %d KiB, one-shot up to %d KiB, "
+            "two-shot up to %d KiB, NCCL above (%s)", group.size(), rule.push_kernel, rule.push_max_bytes // 1024,
             rule.one_shot_max_bytes // 1024, rule.two_shot_max_bytes // 1024, rule.measured,
         )  # fmt: skip
         return cls(group, buffer, rule, push)
 
     def kernel_for(self, x: torch.Tensor) -> str:
         kernel = choose_kernel(x.numel() * x.element_size(), x.dtype, self.world_size, {self.world_size: self.rule})
-        if kernel == "push" and (self.push is None or not self.push.fits(x)):
+        if kernel in PUSH_KINDS and (self.push is None or not self.push.fits(x)):
             return "nccl"  # a rule larger than the buffer's push region (a forced rule sharing another's buffer)
         return kernel
 
@@ -198,8 +202,8 @@ class PeerAllReduce:
         src = x.contiguous()
         if (src.storage_offset() * src.element_size()) % 16:  # the kernel wants the buffer's alignment
             src = src.clone()
-        if kernel == "push":  # store into every peer, signal, wait for theirs, sum locally: one kernel
-            return self.push.all_reduce(src)
+        if kernel in PUSH_KINDS:  # store into every peer, wait for theirs, sum locally: one kernel
+            return self.push.all_reduce(src, kernel)
         symm = self.buffer.view(x.dtype)[: src.numel()].view(src.shape)
         if kernel == "one_shot":  # copy in, barrier, sum every rank's buffer into a fresh tensor: one kernel
             return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, src, "sum", self.group_name)
