@@ -79,7 +79,9 @@ RULES: dict[int, AllReduceRule] = {
     # 2 x H200 (NV18), 2026-11-27, 16 all-reduces per CUDA graph: one-shot 7.1-7.7 us up to 64 KiB (NCCL
     # 7.8-9.1), the fastest up to 1 MiB (15.7 vs 16.3); two-shot from 2 MiB (20.0 vs NCCL 30.2) to 8 MiB (42.6
     # vs 51.5); above 8 MiB not measured: NCCL.
-    2: AllReduceRule(1 << 20, 8 << 20, "measured on 2 x H200 NV18, 2026-11-27", push_max_bytes=1 << 20),
+    2: AllReduceRule(
+        1 << 20, 8 << 20, "measured on 2 x H200 NV18, 2026-11-27", push_max_bytes=1 << 20, push_kernel="lamport"
+    ),
 }
 
 
