@@ -20,8 +20,8 @@ pytestmark = [
 ]
 
 KIB = 1024
-# (elements, dtype): 8 KiB (8B, B = 1), 64 KiB, float32, float16, 1 MiB (the shipped rule's push bound), an odd
-# length, and 2 MiB (torch's two-shot kernel, the buffer's other region)
+# (elements, dtype): 8 KiB (8B, B = 1), 64 KiB, float32, float16, 1 MiB (the test rule's bound for our kernel), an
+# odd length, and 2 MiB (torch's two-shot kernel, the buffer's other region)
 CASES = [(4096, "bfloat16"), (32768, "bfloat16"), (1000, "float32"), (2048, "float16"), (524288, "bfloat16"),
          (4104, "bfloat16"), (1048576, "bfloat16")]  # fmt: skip
 REPEAT = 4  # each case this many times per graph, in turn: 28 all-reduces a replay
@@ -31,9 +31,7 @@ JOIN_S = 90  # a bound on a hang (a lost signal), not a speed check: a run takes
 
 
 def _rank(rank: int, init_file: str, out_dir: str, kernel: str) -> None:
-    import dataclasses
-
-    from draftgraph.ops.collectives.peer import RULES, PeerAllReduce
+    from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -42,7 +40,7 @@ def _rank(rank: int, init_file: str, out_dir: str, kernel: str) -> None:
     verdict: dict = {"rank": rank}
     try:
         group = dist.new_group([0, 1])
-        rule = dataclasses.replace(RULES[2], push_kernel=kernel)  # the shipped bounds, this kernel
+        rule = AllReduceRule(1 << 20, 8 << 20, "test", push_max_bytes=1 << 20, push_kernel=kernel)
         peer = PeerAllReduce.setup(group, rank, rank, {2: rule})
         if peer is None:
             verdict["refused"] = True

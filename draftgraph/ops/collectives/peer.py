@@ -1,5 +1,5 @@
-"""Small all-reduces over peer memory: our push kernel (push.py) and torch symmetric memory's one-shot and two-shot
-kernels, inside CUDA graphs.
+"""Small all-reduces over peer memory: our push and lamport kernels (push.py) and torch symmetric memory's one-shot
+and two-shot kernels, inside CUDA graphs.
 
 A decode step's all-reduces are small (batch x hidden x 2 bytes: 8 KB for one request at hidden 4096) and there
 are two per layer; NCCL's ring takes 10-20 us for each, most of it latency. Over NVLink a rank can read its
@@ -7,17 +7,20 @@ peers' memory directly: torch.distributed._symmetric_memory maps one buffer of e
 address space, and its `one_shot_all_reduce_copy` copies this rank's input into its buffer, waits at a barrier
 of signal flags in peer memory, then sums every rank's buffer into a fresh output (one kernel launch, no side
 stream, capturable in a CUDA graph); `two_shot_all_reduce_out` reduces a 1/world slice per rank then gathers
-(less traffic for larger messages). Our push kernel (push.py) is one launch as well, with no barrier at either
-end: each rank stores its input into every peer's buffer, signals, waits for its peers' signals and sums locally.
+(less traffic for larger messages). Our kernels (push.py) are one launch as well, with no barrier at either end:
+each rank stores its input into every peer's buffer and sums locally once its peers' data is there (push: a flag
+after the data; lamport: the data is its own signal, polled against a -0.0 sentinel).
 
 Which kernel sums a message is a measured rule held here as data: `RULES[world_size]` gives the largest message
-the push, one-shot and two-shot kernels take; anything larger, or of another dtype than float32 / bfloat16, or not
-4-byte aligned, goes to NCCL (the caller's fallback). World sizes without a measured rule use NCCL throughout.
+our kernel (push or lamport; float32, bfloat16, float16) and torch's one-shot and two-shot kernels (float32,
+bfloat16) take; anything larger, or of another dtype, or not 4-byte aligned, goes to NCCL (the caller's
+fallback). World sizes without a measured rule use NCCL throughout.
 
 `PeerAllReduce.setup(group)` (collective over the group, once, when the group is made: workers/worker.py)
 checks that every rank of the group is on one host and can reach every peer's device memory (CUDA P2P); if not
 it refuses with a logged message naming the ranks and devices, and the group keeps NCCL. The symmetric buffer
-is allocated once (the rule's largest message) and registered under the group's name, where the all_reduce op
+is allocated once (torch's kernels' largest message, then our kernels' rows and flags: push.py's PushLayout; 2
+ranks up to 8 MiB: 96 MiB a GPU) and registered under the group's name, where the all_reduce op
 (op.py) finds it. All ranks of a group make the same all-reduces in the same order (SPMD), as with NCCL; the
 kernels run on the current stream, so two all-reduces of one group must never run concurrently on two streams.
 """
@@ -76,12 +79,12 @@ class AllReduceRule:
 
 # world size -> rule; measured with `torchrun --nproc-per-node N scripts/bench_tp.py --sweep` (docs/performance.md).
 RULES: dict[int, AllReduceRule] = {
-    # 2 x H200 (NV18), 2026-11-27, 16 all-reduces per CUDA graph: one-shot 7.1-7.7 us up to 64 KiB (NCCL
-    # 7.8-9.1), the fastest up to 1 MiB (15.7 vs 16.3); two-shot from 2 MiB (20.0 vs NCCL 30.2) to 8 MiB (42.6
-    # vs 51.5); above 8 MiB not measured: NCCL.
-    2: AllReduceRule(
-        1 << 20, 8 << 20, "measured on 2 x H200 NV18, 2026-11-27", push_max_bytes=1 << 20, push_kernel="lamport"
-    ),
+    # 2 x H100 (NV18), 2026-11-28, bf16, 16 all-reduces per CUDA graph: our lamport kernel the fastest from 2 KiB to
+    # 8 MiB (4.2-5.6 us up to 256 KiB against NCCL 8.0-11.4, our push kernel 6.9-7.9, torch's one-shot 9.8-12.8;
+    # 1 MiB 8.2 against 17.8; 8 MiB 35.2 against two-shot 48.6 and NCCL 57.7); in the 8B TP 2 step 3.89 us a call
+    # (torch's one-shot 12.89). Torch's kernels are nowhere faster there (on 2 x H200, 2026-11-27, before ours:
+    # one-shot up to 1 MiB, two-shot to 8 MiB); above 8 MiB not measured: NCCL.
+    2: AllReduceRule(0, 0, "measured on 2 x H100 NV18, 2026-11-28", push_max_bytes=8 << 20, push_kernel="lamport"),
 }
 
 
