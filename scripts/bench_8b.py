@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -310,6 +311,12 @@ def main():
     ap.add_argument("--mode", default="FULL", help="CUDAGraphMode (the tiny smoke test runs NONE)")
     ap.add_argument("--tiny", action="store_true", help="smoke test: a tiny shape, CPU unless CUDA is here")
     ap.add_argument("--json", default="", help="also write the rows here (rank 0)")
+    ap.add_argument(
+        "--push-kernel",
+        default="",
+        help="at TP > 1: our peer-memory kernels compared, in turn (push, "
+        "lamport: ops/collectives/push.py; the rule's other bounds as shipped); default: the shipped rule",
+    )
     ap.add_argument("--profile", default="", help="cases whose batch-1 step is profiled after timing (CUDA): GPU "
                     "time per kernel, kernels in graphs vs outside")  # fmt: skip
     args = ap.parse_args()
@@ -347,16 +354,22 @@ def main():
              f"Llama-3.1-8B shape, bf16, random weights, EAGLE-3 head (1 layer, draft vocab {DRAFT_VOCAB[key]}),"
              f" TP {tp}, context {args.context}, mode {mode}")  # fmt: skip
     say("\n" + title + "\n" + hdr + "\n" + "-" * len(hdr))
+    kernels = [k for k in args.push_kernel.split(",") if k] if tp > 1 else []
     with dg.shared_compile_workers() if device.type == "cuda" else contextlib.nullcontext():
-        for name in cases:
+        for name, push_kernel in [(c, pk) for c in cases for pk in kernels or [None]]:
             label, k, rates = CASES[name]
             t1 = time.perf_counter()
+            if push_kernel:  # the all-reduces' rule at this TP with our kernel `push_kernel` (read at engine setup)
+                from draftgraph.ops.collectives.peer import RULES
+
+                RULES[tp] = dataclasses.replace(RULES[tp], push_kernel=push_kernel)
             max_tokens = (args.warm + args.steps) * (k + 1) + 16
             eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp)
             inner = inner_engine(eng)  # at TP N this rank's Engine: the ranks step in lock-step
             t_bytes, d_bytes, kv_token = step_bytes(inner, k)
             num_layers = inner.target.cfg.num_layers
-            say(f"  ({label}: engine ready in {time.perf_counter() - t1:.1f} s)")
+            say(f"  ({label}{', all-reduce kernel ' + push_kernel if push_kernel else ''}: engine ready in "
+                f"{time.perf_counter() - t1:.1f} s)")  # fmt: skip
             for b in sizes:
                 m = measure(inner, b, k, args.context, args.warm, args.steps, shape["vocab_size"])
                 kv = b * args.context * kv_token
@@ -365,7 +378,7 @@ def main():
                 row = dict(case=name, label=label, k=k, rates=list(rates), pinned_length=pinned, tp=tp,
                            batch=b, length=m["length"], step_ms=m["step_ms"], floor_ms=floor_ms,
                            tok_s=b * pinned / m["step_ms"] * 1e3, wall_tok_s=m["wall_tok_s"],
-                           tpot_ms=m["step_ms"] / pinned, gpu=gpu)  # fmt: skip
+                           tpot_ms=m["step_ms"] / pinned, gpu=gpu, push_kernel=push_kernel)  # fmt: skip
                 rows.append(row)
                 say(f"{label:<28} {k:>2} {row['pinned_length']:>6.3f} {tp:>2} {b:>3} | {row['length']:>6.3f} "
                     f"{row['step_ms']:>8.3f} {floor_ms:>8.3f} {row['step_ms'] / floor_ms:>7.2f} "

@@ -131,10 +131,11 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
     return dg.compile_model(target, drafter if spec else None, cfg), k
 
 
-def sweep(device, reps: int = 20, calls: int = 16) -> None:
-    """All-reduce latency by message size (bf16), NCCL vs one-shot vs two-shot, each `calls` all-reduces captured
-    in one CUDA graph (as in a decode step), the median over `reps` replays; checks every kernel's sums against
-    NCCL's."""
+def sweep(device, json_path: str = "", only: str = "", reps: int = 20, calls: int = 16) -> None:
+    """All-reduce latency by message size (bf16), NCCL vs our push and lamport kernels (a program per 8 KiB, and per
+    2 KiB) vs torch's one-shot and two-shot, each `calls` all-reduces captured in one CUDA graph (as in a decode
+    step), the median over `reps` replays; checks every kernel's sums against NCCL's (max |diff|; 0 = the same
+    bits). `only`: the kernels to time (comma-separated names; all when empty)."""
     import torch.distributed as dist
 
     from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce
@@ -143,7 +144,9 @@ def sweep(device, reps: int = 20, calls: int = 16) -> None:
     group = dist.new_group(list(range(world)))
     big = 16 << 20
     forced = {"one_shot": AllReduceRule(big, big, "forced"), "two_shot": AllReduceRule(0, big, "forced")}
-    peer = PeerAllReduce.setup(group, rank, device.index, {world: forced["one_shot"]})
+    peer = PeerAllReduce.setup(
+        group, rank, device.index, {world: AllReduceRule(big, big, "forced", push_max_bytes=big)}
+    )
     if peer is None:
         say("peer memory refused (see the log); nothing to sweep")
         return
@@ -154,7 +157,13 @@ def sweep(device, reps: int = 20, calls: int = 16) -> None:
         dist.all_reduce(out, group=group)
         return out
 
-    fns = {"nccl": nccl, **{name: p.all_reduce for name, p in kernels.items()}}
+    def ours(kind, bytes_per_program):
+        return lambda x: peer.push.all_reduce(x, kind, bytes_per_program=bytes_per_program)
+
+    fns = {"nccl": nccl, "push": ours("push", None), "push_2k": ours("push", 2048), "lamport": ours("lamport", None),
+           "lamport_2k": ours("lamport", 2048), **{name: p.all_reduce for name, p in kernels.items()}}  # fmt: skip
+    if only:  # NCCL always: the sums' reference
+        fns = {name: fn for name, fn in fns.items() if name == "nccl" or name in only.split(",")}
     say(f"\nall-reduce sweep, {world} x {torch.cuda.get_device_name()}, bf16, {calls} calls per CUDA graph, median of "
         f"{reps} replays: us per all-reduce")  # fmt: skip
     say(f"{'bytes':>9} | " + " ".join(f"{n:>9}" for n in fns) + " | fastest   | max |diff| vs nccl")
@@ -189,9 +198,14 @@ def sweep(device, reps: int = 20, calls: int = 16) -> None:
         rows.append(dict(bytes=nbytes, **{f"{n}_us": t for n, t in times.items()}, fastest=best))
         say(f"{nbytes:>9} | " + " ".join(f"{times[n]:>9.2f}" for n in fns) + f" | {best:<9} | "
             + " ".join(f"{n} {d:.2g}" for n, d in diffs.items() if n != "nccl"))  # fmt: skip
+    pushed = max([r["bytes"] for r in rows if r["fastest"].startswith(("push", "lamport"))], default=0)
     one = max([r["bytes"] for r in rows if r["fastest"] == "one_shot"], default=0)
     two = max([r["bytes"] for r in rows if r["fastest"] in ("one_shot", "two_shot")], default=0)
-    say(f"rule implied for {world} ranks: one-shot up to {one} bytes, two-shot up to {max(one, two)} bytes, NCCL above")
+    say(f"rule implied for {world} ranks: push / lamport up to {pushed} bytes, one-shot up to {one} bytes, two-shot "
+        f"up to {max(one, two)} bytes, NCCL above")  # fmt: skip
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def main():
@@ -205,6 +219,7 @@ def main():
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
     ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
+    ap.add_argument("--kernels", default="", help="--sweep: the kernels timed beside NCCL (default: all)")
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="batch sizes whose profiled steps are printed (top kernels)")
     args = ap.parse_args()
@@ -212,7 +227,7 @@ def main():
     rank, world, _ = rank_env()
     cuda = device.type == "cuda"
     if args.sweep:
-        sweep(device)
+        sweep(device, args.json if rank == 0 else "", args.kernels)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     mode = args.mode if cuda else "NONE"

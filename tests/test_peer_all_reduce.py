@@ -1,15 +1,21 @@
 """The peer-memory all-reduce's choices on the CPU (ops/collectives/peer.py; the kernels run in
-tests/gpu/test_multi_gpu_cuda.py): which kernel the measured rule gives a message, when a group is refused peer
-memory (and why, by name), the config value, and that the all_reduce op keeps NCCL / gloo when its group has no
-peer set up. No engine, no process group beyond one gloo rank."""
+tests/gpu/test_multi_gpu_cuda.py and tests/gpu/test_push_all_reduce_cuda.py): which kernel the measured rule gives a
+message, when a group is refused peer memory (and why, by name), the config value, and that the all_reduce op keeps
+NCCL / gloo when its group has no peer set up; the push kernel's buffer layout, and the kernel itself under the
+Triton interpreter: two forked processes as two ranks over one shared CPU buffer, many calls back to back of mixed
+sizes and widths (its slots and epochs). No engine, no process group beyond one gloo rank."""
+
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import draftgraph as dg
 from draftgraph.ops.collectives.peer import (
     RULES,
     AllReduceRule,
+    PeerAllReduce,
     PeerInfo,
     choose_kernel,
     peer_access_refusal,
@@ -17,9 +23,12 @@ from draftgraph.ops.collectives.peer import (
     register_peer,
     unregister_peer,
 )
+from draftgraph.ops.collectives.push import PushAllReduce, PushLayout, prepare
 
 KIB = 1024
+JOIN_S = 300
 RULE = AllReduceRule(64 * KIB, 1024 * KIB, "test")
+PUSH_RULE = AllReduceRule(64 * KIB, 1024 * KIB, "test", push_max_bytes=16 * KIB)
 
 
 @pytest.mark.parametrize(
@@ -40,10 +49,131 @@ def test_choose_kernel_by_size_dtype_and_world(nbytes, dtype, world, want):
     assert choose_kernel(nbytes, dtype, world, {2: RULE}) == want
 
 
+@pytest.mark.parametrize(
+    "nbytes, dtype, want",
+    [
+        (8 * KIB, torch.bfloat16, "push"),
+        (16 * KIB, torch.float32, "push"),  # the bound itself
+        (8 * KIB, torch.float16, "push"),  # our kernel takes float16 too
+        (16 * KIB + 4, torch.bfloat16, "one_shot"),
+        (16 * KIB + 4, torch.float16, "nccl"),  # torch's kernels do not
+        (8 * KIB + 2, torch.bfloat16, "nccl"),  # not 4-byte aligned
+        (2 * 1024 * KIB, torch.bfloat16, "nccl"),
+    ],
+)
+def test_choose_kernel_push_first(nbytes, dtype, want):
+    assert choose_kernel(nbytes, dtype, 2, {2: PUSH_RULE}) == want
+
+
+def test_push_layout_after_torchs_region():
+    layout = PUSH_RULE.push_layout(2)
+    assert layout == PushLayout(2, 16 * KIB, offset=1024 * KIB) and RULE.push_layout(2) is None
+    assert [layout.data_at(s, r) for s in (0, 1) for r in (0, 1)] == [1024 * KIB + i * 16 * KIB for i in range(4)]
+    assert layout.lamport_at(2) == 1024 * KIB + 64 * KIB and layout.lamport_at(4) == 1024 * KIB + 128 * KIB
+    assert layout.flags_at == 1024 * KIB + 3 * 64 * KIB and layout.end == layout.flags_at + 8 * 128 * 2
+    assert PUSH_RULE.buffer_bytes(2) == layout.end and RULE.buffer_bytes(2) == 1024 * KIB
+    assert AllReduceRule(0, 100, push_max_bytes=256).push_layout(4).offset == 256  # rounded up to ALIGN
+    # (programs, chunk, block): a program per 8 KiB, at most max_programs, chunks whole blocks
+    assert layout.grid(8 * KIB, 2) == (1, 4096, 4096)
+    assert layout.grid(8 * KIB + 16, 2) == (2, 4096, 4096)
+    assert layout.grid(8 * KIB, 4) == (1, 2048, 2048)
+    assert layout.grid(8 * KIB, 2, bytes_per_program=2 * KIB) == (4, 1024, 1024)
+    assert PushLayout(2, 1024 * KIB).grid(1024 * KIB, 2) == (128, 4096, 4096)
+    assert PushLayout(2, 1024 * KIB, max_programs=32).grid(1024 * KIB, 2) == (32, 16384, 4096)
+    assert PushLayout(2, 1024 * KIB, max_programs=48).grid(1024 * KIB - 8, 2) == (43, 12288, 4096)  # whole blocks
+    with pytest.raises(ValueError, match="multiples of 256"):
+        PushLayout(2, 1000)
+    with pytest.raises(ValueError, match="a power of two"):
+        PushLayout(2, 1024, bytes_per_program=3000)
+    with pytest.raises(ValueError, match="push_max_bytes=100"):
+        AllReduceRule(0, 0, push_max_bytes=100)
+    with pytest.raises(ValueError, match=r"push_kernel='fast'\): choose one of \['push', 'lamport'\]"):
+        AllReduceRule(0, 0, push_kernel="fast")
+    lamport = AllReduceRule(0, 0, push_max_bytes=1024, push_kernel="lamport")
+    assert choose_kernel(1024, torch.bfloat16, 2, {2: lamport}) == "lamport"
+
+
+def test_peer_all_reduce_without_push_region_declines_push_messages():
+    """A forced rule sharing a buffer without the push kernel's state gives its push messages to NCCL."""
+
+    class _Group:
+        group_name = "g"
+
+        def size(self):
+            return 2
+
+    peer = PeerAllReduce(_Group(), torch.empty(0, dtype=torch.uint8), PUSH_RULE)
+    assert peer.kernel_for(torch.empty(1024, dtype=torch.bfloat16)) == "nccl"
+    assert peer.kernel_for(torch.empty(16 * KIB, dtype=torch.bfloat16)) == "one_shot"
+
+
+# ----------------------------------------------------------------------------- the push kernels, two CPU "ranks"
+# (elements, dtype): 1 to 8 programs of 1 KiB; float16 (the lamport kernel's 2-byte rows; the interpreter rounds
+# float16 as torch does, not bfloat16)
+PUSH_SIZES = [(64, torch.float32), (1000, torch.float32), (2048, torch.float32), (16, torch.float16),
+              (640, torch.float32), (4096, torch.float16), (100, torch.float16), (4, torch.float32),
+              (1536, torch.float32)]  # fmt: skip
+PUSH_CALLS = 3 * len(PUSH_SIZES)
+
+
+def _push_rank(rank, whole, span, layout, inputs, results):
+    shares = [whole[r * span : r * span + layout.end] for r in range(2)]
+    push = PushAllReduce(layout, rank, shares[rank], [s.data_ptr() for s in shares])
+    for i, pair in enumerate(inputs):  # the kernels in turn; every other call over programs of 256 bytes
+        out = push.all_reduce(pair[rank], ("push", "lamport")[i % 3 > 0], bytes_per_program=256 if i % 2 else None)
+        results[rank, i, : out.numel()] = out.float()
+    results[rank, -1, :2] = push.state.float()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter")
+def test_push_kernel_two_forked_ranks_many_calls():
+    """Two processes share one CPU buffer (each rank's share 256-byte aligned, as on the GPU, `prepare`d); each
+    makes the same PUSH_CALLS all-reduces of mixed sizes, dtypes, kernels and program counts back to back, some
+    elements -0.0 (the lamport kernel's sentinel: sent as +0.0); every sum equals the sum of the two inputs, on
+    both ranks, each rank's epoch counted every call (arrivals reset), and the lamport rows are re-armed."""
+    layout = PushLayout(2, 8 * KIB, max_programs=8, bytes_per_program=1024)
+    span = -(-layout.end // 256) * 256
+    raw = torch.zeros(2 * span + 256, dtype=torch.uint8).share_memory_()
+    off = (-raw.data_ptr()) % 256
+    whole = raw[off : off + 2 * span]
+    for r in range(2):
+        prepare(whole[r * span : r * span + layout.end], layout)
+    g = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(n, generator=g).to(dt) for _ in range(2)] for n, dt in PUSH_SIZES * 3]
+    for i, pair in enumerate(inputs):
+        pair[i % 2][::7] = -0.0  # a peer's -0.0 must not read as "not yet written"
+        pair[0][::11] = -0.0
+        pair[1][::11] = -0.0
+    results = torch.full((2, PUSH_CALLS + 1, 4096), float("nan")).share_memory_()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_push_rank, args=(r, whole, span, layout, inputs, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(JOIN_S)  # a bound on a hang (a lost signal), not a speed check
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still waiting after {JOIN_S} s: a signal was lost"
+    assert [p.exitcode for p in procs] == [0, 0]
+    for i, (a, b) in enumerate(inputs):
+        for rank in range(2):
+            assert torch.equal(results[rank, i, : a.numel()], (a.float() + b.float()).to(a.dtype).float()), (i, rank)
+    assert results[:, -1, :2].tolist() == [[PUSH_CALLS, 0], [PUSH_CALLS, 0]]
+    for r in range(2):  # every lamport row back to the sentinel for the calls to come
+        share = whole[r * span : r * span + layout.end]
+        for size, bits in ((2, torch.int16), (4, torch.int32)):
+            rows = share[layout.lamport_at(size) : layout.lamport_at(size) + layout.rows_bytes].view(bits)
+            assert bool((rows == torch.iinfo(bits).min).all()), (r, size)
+
+
 def test_the_shipped_rules_are_ordered_and_say_where_they_come_from():
     for world, rule in RULES.items():
-        assert world >= 2 and 0 < rule.one_shot_max_bytes <= rule.two_shot_max_bytes == rule.buffer_bytes
-        assert rule.measured, world
+        assert world >= 2 and 0 <= rule.one_shot_max_bytes <= rule.two_shot_max_bytes <= rule.buffer_bytes(world)
+        assert max(rule.push_max_bytes, rule.two_shot_max_bytes) > 0 and rule.measured, world
+        if rule.push_max_bytes:
+            assert rule.push_layout(world).offset >= rule.two_shot_max_bytes  # torch's region first, then ours
     with pytest.raises(ValueError, match="need 0 <= one_shot_max_bytes <= two_shot_max_bytes"):
         AllReduceRule(2 * KIB, KIB)
 

@@ -207,7 +207,7 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
         "--all-reduce",
         choices=("auto", "nccl"),
         default="auto",
-        help="tensor-parallel all-reduces on CUDA: auto = small messages over peer memory (torch symmetric memory, "
+        help="tensor-parallel all-reduces on CUDA: auto = small messages over peer memory (one-shot kernels, "
         "by a measured rule) where the GPUs reach each other's memory, NCCL otherwise; nccl = NCCL always",
     )
 

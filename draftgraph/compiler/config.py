@@ -89,8 +89,8 @@ class CompileConfig:
     # with several replicas they then step together); the router stays replicated, the drafter, attention and
     # the shared experts as without it. Needs tp x dp >= 2 (models/parallel/experts.py).
     expert_parallel: bool = False
-    # How tensor-parallel all-reduces run on CUDA: "auto" = small messages over peer memory (torch symmetric
-    # memory's one-shot / two-shot kernels, by the measured rule in ops/collectives/peer.py) where every rank of
+    # How tensor-parallel all-reduces run on CUDA: "auto" = small messages over peer memory (our lamport /
+    # push kernels, torch's one-shot / two-shot, by the measured rule in ops/collectives/peer.py) where every rank of
     # the group reaches its peers' memory, NCCL for the rest and elsewhere; "nccl" = NCCL for every all-reduce.
     all_reduce: str = "auto"
     # Compilation (modes other than NONE)

@@ -1,7 +1,8 @@
 """GPU tier, two or more GPUs (issue 45): engines over NCCL, one process per GPU, give the one-GPU engine's greedy
 tokens in FULL_AND_PIECEWISE, replay the one-graph step on every rank and fall back nowhere; where the GPUs reach
 each other's memory, the tensor-parallel all-reduces go over peer memory (CompileConfig.all_reduce "auto", the
-default: ops/collectives/peer.py) and each rank counts its one-shot all-reduces.
+default: ops/collectives/peer.py) and each rank counts the all-reduces of the shipped rule's kernel for small messages
+(push.py).
 
 Cases: Llama-3 at TP 2 with a draft model split (draft TP 2) and replicated (draft TP 1); data parallel 2 with an
 uneven request count; EAGLE-3 over a TP 2 target (draft TP 2 and 1); DeepSeek-V3 with its MTP head at TP 2 with
@@ -17,6 +18,7 @@ import torch
 import draftgraph as dg
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_pair, module_from_state_dict
 from draftgraph.models.causal_lm import CausalLM
+from draftgraph.ops.collectives.peer import RULES
 from tests.helpers import kill_rank_1_between_steps
 from tests.test_data_parallel import deepseek_dir  # noqa: F401  (a module fixture)
 
@@ -47,7 +49,8 @@ def tokens(engine, prompts=PROMPTS) -> list[list[int]]:
 
 def check_ranks(engine, tp: int, one_graph: bool = True) -> list[dict]:
     """Every rank's own stats: no fallback, only one-graph steps (uniform batches) when `one_graph`, and on
-    tensor-parallel ranks one-shot all-reduces over peer memory (captured at least once: a layer's pair)."""
+    tensor-parallel ranks all-reduces by the shipped rule's push kernel over peer memory (captured at least once:
+    a layer's pair)."""
     every = engine._call("stats")
     for rank, s in enumerate(every):
         assert s["fallbacks"] == 0, (rank, s["fallbacks_by_key"])
@@ -55,7 +58,7 @@ def check_ranks(engine, tp: int, one_graph: bool = True) -> list[dict]:
         if one_graph:
             assert steps and all("/greedy" in k for k in steps), (rank, s["dispatch"])
         if tp > 1:
-            assert s["peer_all_reduce"] is not None and s["peer_all_reduce"]["one_shot"] >= 2, (rank, s)
+            assert s["peer_all_reduce"] is not None and s["peer_all_reduce"][RULES[2].push_kernel] >= 2, (rank, s)
     return every
 
 

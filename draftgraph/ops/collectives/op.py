@@ -13,7 +13,8 @@ back to the host and allocate only by shape, so they sit inside torch.compile'd 
 (they are not splitting ops: a piece keeps them) and inside CUDA graphs with NCCL (c10d enqueues NCCL
 collectives on a side stream joined to the capturing stream by events; no host wait without
 TORCH_NCCL_BLOCKING_WAIT). On CUDA, a group set up for peer memory (peer.py) sums the small messages its
-measured rule takes with torch symmetric memory's one-shot / two-shot kernels instead, NCCL the rest. Gloo runs
+measured rule takes over peer memory instead (our lamport / push kernels, torch's one-shot / two-shot), NCCL the
+rest. Gloo runs
 them on the CPU for the tests. The empty group name means one process: the ops return a copy and touch no
 torch.distributed. Registering the two ops is this module's one import-time action.
 """
