@@ -360,9 +360,10 @@ def main():
             label, k, rates = CASES[name]
             t1 = time.perf_counter()
             if push_kernel:  # the all-reduces' rule at this TP with our kernel `push_kernel` (read at engine setup)
-                from draftgraph.ops.collectives.peer import RULES
+                from draftgraph.ops.collectives.peer import RULES, AllReduceRule
 
-                RULES[tp] = dataclasses.replace(RULES[tp], push_kernel=push_kernel)
+                shipped = RULES.get(tp) or AllReduceRule(0, 0, f"bench_8b --push-kernel at {tp} ranks", 8 << 20)
+                RULES[tp] = dataclasses.replace(shipped, push_kernel=push_kernel)  # (a TP without a rule: to 8 MiB)
             max_tokens = (args.warm + args.steps) * (k + 1) + 16
             eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp)
             inner = inner_engine(eng)  # at TP N this rank's Engine: the ranks step in lock-step
