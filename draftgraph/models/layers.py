@@ -11,7 +11,7 @@ import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms
 import draftgraph.ops.rope.op as rope_op  # registers torch.ops.draftgraph.rope_qkv
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.linear import Linear
-from draftgraph.models.parallel.dense import RowParallelLinear, row_linear
+from draftgraph.models.parallel.dense import row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
@@ -136,11 +136,8 @@ class MLP(nn.Module):
 
     def finish(self, gate_up):
         """The activation and the down projection, from the gate | up output."""
-        if gate_up.is_cuda and self.ops.gemv:  # the activation inside the down projection's GEMV: one op for both
-            if type(self.down) is Linear:
-                return torch.ops.draftgraph.silu_mul_linear(gate_up, self.down.weight, self.down.bias)
-            if type(self.down) is RowParallelLinear:  # this rank's partial sum, then the all-reduce (and the bias)
-                return self.down.reduce(torch.ops.draftgraph.silu_mul_linear(gate_up, self.down.weight, None))
+        if gate_up.is_cuda and self.ops.gemv and type(self.down) is Linear:  # one process: one op for both
+            return torch.ops.draftgraph.silu_mul_linear(gate_up, self.down.weight, self.down.bias)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down(F.silu(gate) * up)
 

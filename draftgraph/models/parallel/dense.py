@@ -100,11 +100,7 @@ class RowParallelLinear(nn.Linear):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(project(x, self.weight, None, self.ops))
-
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's x_local @ W_local^T summed over the ranks, plus the bias once."""
-        y = self.tp.all_reduce(partial)
+        y = self.tp.all_reduce(project(x, self.weight, None, self.ops))
         return y if self.bias is None else y + self.bias
 
 
