@@ -187,7 +187,10 @@ def test_greedy_tokens_equal_transformers(target, want, mode, kind):
 @pytest.mark.parametrize("rates,most", [((1.0, 1.0, 1.0), 3), ((0.0, 0.0, 0.0), 0)])
 def test_chosen_k_follows_acceptance(target, rates, most):
     eng = dg.compile_model(target, truncated_draft_model(target, 1), config(synthetic_acceptance=rates))
-    eng.generate(*workload())
+    prompts, params, arrivals = workload()
+    if most:  # requests long enough that K = 3 finishes them clearly sooner than K = 2 (not within the margin)
+        params = [dg.SamplingParams(max_tokens=p.max_tokens + 48, temperature=0.0, ignore_eos=True) for p in params]
+    eng.generate(prompts, params, arrivals)
     spec = eng.stats()["speculation"]
     hist = spec["histogram"]
     assert max(hist, key=hist.get) == most, hist
@@ -204,12 +207,14 @@ def forced(monkeypatch, eng, cycle):
     seen, ks = [], itertools.cycle(cycle)
     observe, ctl = eng.adaptive.observe, eng.adaptive
 
-    def choose(batch, ctx=0.0):
+    def choose(batch, ctx=0.0, left=None):
         ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
         return ctl.current
 
     monkeypatch.setattr(eng.adaptive, "choose", choose)
-    monkeypatch.setattr(eng.adaptive, "observe", lambda k, acc: (seen.append((k, list(acc))), observe(k, acc)))
+    monkeypatch.setattr(
+        eng.adaptive, "observe", lambda k, acc, counts=None: (seen.append((k, list(acc))), observe(k, acc, counts))
+    )
     return seen
 
 

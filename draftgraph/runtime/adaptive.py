@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from statistics import NormalDist
 
 
 class AdaptiveK:
@@ -46,6 +47,9 @@ class AdaptiveK:
         max_probe: int = 1 << 16,
         probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
         initial_rate: float = 0.7,
+        sizes: Sequence[int] = (),  # the padded batch sizes step_time's entries change at (StepTimes.sizes)
+        prior: float = 8.0,  # a request's own rates start as this many observations at the batch's rates
+        request_decay: float = 0.97,  # a request's own counts fade by this per step (its text changes)
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -60,6 +64,9 @@ class AdaptiveK:
         self.catch_up_per_token: float | None = None  # seconds per token of a draft model's catch-up (None: none yet)
         self._probe_left = 0
         self.histogram: Counter = Counter()  # K chosen -> steps
+        self.sizes = tuple(sorted(sizes))
+        self.prior, self.request_decay = prior, request_decay
+        self._z: dict[int, float] = {}  # batch size -> expected largest of that many standard normals
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -73,13 +80,14 @@ class AdaptiveK:
         t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int, ctx: float = 0.0) -> int:
+    def choose(self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
-        histogram)."""
+        histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
+        emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
-        k = self._best(batch, ctx)
+        k = self._best(batch, ctx) if left is None else self._best_to_finish(left, ctx)
         if k == 0:
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
@@ -132,11 +140,69 @@ class AdaptiveK:
         cur = self.current if self.current in scores else self.k_max
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
-    def observe(self, k: int, accepted: list[int]) -> None:
+    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float) -> int:
+        """The K of the least expected time to finish the batch's requests (the module docstring: `finish_time`)."""
+        times = {k: self.finish_time(k, left, ctx) for k in self.ks}
+        if any(t is None for t in times.values()):
+            return self.k_max
+        best = min(self.ks, key=lambda k: (times[k], -k))
+        cur = self.current if self.current in times else self.k_max
+        return cur if times[cur] <= times[best] * (1 + self.margin) else best
+
+    def finish_time(self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0) -> float | None:
+        """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
+        finished at K: request i needs about n_i = r_i / e_i + z_B sd_i steps (e_i, v_i: mean and variance of the
+        tokens a step emits for it, at most r_i; sd_i^2 = r_i v_i / e_i^3, a renewal process's; z_B the expected
+        largest of B standard normals), and while c requests are left, a step takes step_time(K, c)."""
+        z = self._z.get(len(left))
+        if z is None:
+            b = len(left)
+            z = self._z[b] = NormalDist().inv_cdf((b - 0.375) / (b + 0.25)) if b > 1 else 0.0  # (Blom)
+        steps = sorted((self._steps_left(k, r, c, z) for r, c in left), reverse=True)
+        # sum over c of step_time(K, c) x (the c-th largest n minus the (c+1)-th), as steps from the largest n
+        # down where step_time changes: at c = 1 and just past each padded size
+        total, prev = 0.0, 0.0
+        for c in (1, *(s + 1 for s in self.sizes if s < len(steps))):
+            t = self.step_time(k, c, ctx)
+            if not t:
+                return None
+            total += steps[c - 1] * (t - prev)
+            prev = t
+        return total
+
+    def _steps_left(self, k: int, r: int, counts: list, z: float) -> float:
+        """Expected steps (plus z standard deviations) for a request to emit its `r` remaining tokens at K."""
+        if r <= 1 or k == 0:
+            return float(max(r, 0))
+        n = len(self.rates)
+        e, m2, p = 1.0, 1.0, 1.0  # E[tokens], E[tokens^2] of one step: 1 + sum_j P(A >= j) (1, 2j + 1)
+        for j in range(min(k, r - 1)):
+            a = self.rates[j]
+            if counts:  # its own rates, from `prior` observations at the batch's
+                a = (counts[j] + self.prior * a) / (counts[n + j] + self.prior)
+            p *= a
+            e += p
+            m2 += (2 * j + 3) * p
+        var = max(m2 - e * e, 0.0)
+        return r / e + z * math.sqrt(r * var / (e * e * e))
+
+    def observe(self, k: int, accepted: list[int], counts: Sequence[list] | None = None) -> None:
         """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
-        requests that reached it (accepted >= i) that accepted it (accepted > i)."""
+        requests that reached it (accepted >= i) that accepted it (accepted > i). `counts`, per request, its own
+        (accepted, reached) counts per position (an empty list at first, filled here), fading by `request_decay`."""
         if not k or not accepted:
             return
+        if counts is not None:
+            n, d = self.k_max, self.request_decay
+            for a, c in zip(accepted, counts):
+                if not c:
+                    c.extend([0.0] * (2 * n))
+                for i in range(n):
+                    c[i] *= d
+                    c[n + i] *= d
+                for i in range(min(a + 1, k)):
+                    c[n + i] += 1.0
+                    c[i] += a > i
         for i in range(k):
             reached = sum(1 for a in accepted if a >= i)
             if not reached:
