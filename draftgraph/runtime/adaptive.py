@@ -80,14 +80,17 @@ class AdaptiveK:
         t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None) -> int:
+    def choose(
+        self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None, ahead: int = 0
+    ) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
         histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
-        emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them."""
+        emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them, after a
+        step at K = `ahead` that is launched but not read yet (0: none)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
-        k = self._best(batch, ctx) if left is None else self._best_to_finish(left, ctx)
+        k = self._best(batch, ctx) if left is None else self._best_to_finish(left, ctx, ahead)
         if k == 0:
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
@@ -140,25 +143,26 @@ class AdaptiveK:
         cur = self.current if self.current in scores else self.k_max
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
-    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float) -> int:
+    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int = 0) -> int:
         """The K of the least expected time to finish the batch's requests (the module docstring: `finish_time`)."""
-        times = {k: self.finish_time(k, left, ctx) for k in self.ks}
+        times = {k: self.finish_time(k, left, ctx, ahead) for k in self.ks}
         if any(t is None for t in times.values()):
             return self.k_max
         best = min(self.ks, key=lambda k: (times[k], -k))
         cur = self.current if self.current in times else self.k_max
         return cur if times[cur] <= times[best] * (1 + self.margin) else best
 
-    def finish_time(self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0) -> float | None:
+    def finish_time(self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0) -> float | None:
         """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
         finished at K: request i needs about n_i = r_i / e_i + z_B sd_i steps (e_i, v_i: mean and variance of the
         tokens a step emits for it, at most r_i; sd_i^2 = r_i v_i / e_i^3, a renewal process's; z_B the expected
-        largest of B standard normals), and while c requests are left, a step takes step_time(K, c)."""
+        largest of B standard normals), and while c requests are left, a step takes step_time(K, c). `ahead`: the K
+        of a step launched but not read yet; its expected tokens are taken off r_i first."""
         z = self._z.get(len(left))
         if z is None:
             b = len(left)
             z = self._z[b] = NormalDist().inv_cdf((b - 0.375) / (b + 0.25)) if b > 1 else 0.0  # (Blom)
-        steps = sorted((self._steps_left(k, r, c, z) for r, c in left), reverse=True)
+        steps = sorted((self._steps_left(k, r, c, z, ahead) for r, c in left), reverse=True)
         # sum over c of step_time(K, c) x (the c-th largest n minus the (c+1)-th), as steps from the largest n
         # down where step_time changes: at c = 1 and just past each padded size
         total, prev = 0.0, 0.0
@@ -170,21 +174,28 @@ class AdaptiveK:
             prev = t
         return total
 
-    def _steps_left(self, k: int, r: int, counts: list, z: float) -> float:
-        """Expected steps (plus z standard deviations) for a request to emit its `r` remaining tokens at K."""
+    def _steps_left(self, k: int, r: float, counts: list, z: float, ahead: int = 0) -> float:
+        """Expected steps (plus z standard deviations) for a request to emit its `r` remaining tokens at K, after a
+        step at K = `ahead` not read yet (0: none) has emitted its expected share."""
+        if ahead:
+            r -= self._moments(ahead, r, counts)[0]
         if r <= 1 or k == 0:
-            return float(max(r, 0))
+            return max(r, 0.0)
+        e, var = self._moments(k, r, counts)
+        return r / e + z * math.sqrt(r * var / (e * e * e))
+
+    def _moments(self, k: int, r: float, counts: list) -> tuple[float, float]:
+        """Mean and variance of the tokens a step at K emits for a request with `r` tokens left (at most r)."""
         n = len(self.rates)
-        e, m2, p = 1.0, 1.0, 1.0  # E[tokens], E[tokens^2] of one step: 1 + sum_j P(A >= j) (1, 2j + 1)
-        for j in range(min(k, r - 1)):
+        e, m2, p = 1.0, 1.0, 1.0  # E[tokens], E[tokens^2]: 1 + sum_j P(A >= j) (1, 2j + 1)
+        for j in range(min(k, math.ceil(r) - 1)):
             a = self.rates[j]
             if counts:  # its own rates, from `prior` observations at the batch's
                 a = (counts[j] + self.prior * a) / (counts[n + j] + self.prior)
             p *= a
             e += p
             m2 += (2 * j + 3) * p
-        var = max(m2 - e * e, 0.0)
-        return r / e + z * math.sqrt(r * var / (e * e * e))
+        return e, max(m2 - e * e, 0.0)
 
     def observe(self, k: int, accepted: list[int], counts: Sequence[list] | None = None) -> None:
         """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the

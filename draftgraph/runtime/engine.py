@@ -374,17 +374,19 @@ class Engine:
     def _may_relaunch(self, launched: Launched) -> bool:
         """Whether the step after `launched` (not yet read) runs the same batch: nothing waits to join, no
         request may reach max_tokens within `launched` (a stop token still may: its next step is dropped), and
-        every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here)."""
+        every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here); with
+        adaptive speculation, the K chosen for the next step from the steps read so far is launched's (near a
+        request's end the choice waits for the read: its tokens left decide it, runtime/adaptive.py)."""
         if self.scheduler.waiting:
             return False
+        k1, writes = launched.key.query_len, self.scheduler.writes  # the most tokens `launched` emits per request
+        for r in launched.decodes:  # (before the adaptive choice: the next step's is then made after the read)
+            if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
+                return False
         if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
             d = launched.decodes
-            self._next_k = self.adaptive.choose(len(d), mean_cached(d), self._left(d))
+            self._next_k = self.adaptive.choose(len(d), mean_cached(d), self._left(d), launched.key.query_len - 1)
             if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
-                return False
-        k1, writes = launched.key.query_len, self.scheduler.writes  # the most tokens `launched` emits per request
-        for r in launched.decodes:
-            if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
                 return False
         need = [(r, writes.slots(r.num_computed + k1, writes.decode_rows, True)) for r in launched.decodes]
         if sum(r.block_table.blocks_needed(n) for r, n in need) > self.allocator.num_free:
