@@ -48,7 +48,7 @@ class AdaptiveK:
         probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
         initial_rate: float = 0.7,
         sizes: Sequence[int] = (),  # the padded batch sizes step_time's entries change at (StepTimes.sizes)
-        prior: float = 8.0,  # a request's own rates start as this many observations at the batch's rates
+        prior: float = 32.0,  # a request's own rates start as this many observations at the batch's rates
         request_decay: float = 0.97,  # a request's own counts fade by this per step (its text changes)
     ):
         if not ks or list(ks) != sorted(set(ks)):
@@ -66,7 +66,7 @@ class AdaptiveK:
         self.histogram: Counter = Counter()  # K chosen -> steps
         self.sizes = tuple(sorted(sizes))
         self.prior, self.request_decay = prior, request_decay
-        self._z: dict[int, float] = {}  # batch size -> expected largest of that many standard normals
+        self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -90,7 +90,9 @@ class AdaptiveK:
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
-        k = self._best(batch, ctx) if left is None else self._best_to_finish(left, ctx, ahead)
+        k = self._best(batch, ctx)
+        if k and left is not None:  # (K = 0 stays tokens/s's choice: it observes nothing, so probes must bring K back)
+            k = self._best_to_finish(left, ctx, ahead)
         if k == 0:
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
@@ -145,44 +147,52 @@ class AdaptiveK:
 
     def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int = 0) -> int:
         """The K of the least expected time to finish the batch's requests (the module docstring: `finish_time`)."""
-        times = {k: self.finish_time(k, left, ctx, ahead) for k in self.ks}
+        times = {k: self.finish_time(k, left, ctx, ahead) for k in self.ks if k}
         if any(t is None for t in times.values()):
             return self.k_max
-        best = min(self.ks, key=lambda k: (times[k], -k))
-        cur = self.current if self.current in times else self.k_max
+        best = min(times, key=lambda k: (times[k], -k))
+        if self.current not in times:  # (up from K = 0)
+            return best
+        cur = self.current
         return cur if times[cur] <= times[best] * (1 + self.margin) else best
 
     def finish_time(self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0) -> float | None:
         """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
-        finished at K: request i needs about n_i = r_i / e_i + z_B sd_i steps (e_i, v_i: mean and variance of the
-        tokens a step emits for it, at most r_i; sd_i^2 = r_i v_i / e_i^3, a renewal process's; z_B the expected
-        largest of B standard normals), and while c requests are left, a step takes step_time(K, c). `ahead`: the K
-        of a step launched but not read yet; its expected tokens are taken off r_i first."""
-        z = self._z.get(len(left))
-        if z is None:
-            b = len(left)
-            z = self._z[b] = NormalDist().inv_cdf((b - 0.375) / (b + 0.25)) if b > 1 else 0.0  # (Blom)
-        steps = sorted((self._steps_left(k, r, c, z, ahead) for r, c in left), reverse=True)
-        # sum over c of step_time(K, c) x (the c-th largest n minus the (c+1)-th), as steps from the largest n
-        # down where step_time changes: at c = 1 and just past each padded size
+        finished at K. Request i needs n_i steps, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a
+        renewal process's; e_i, v_i: mean and variance of the tokens a step emits for it, at most r_i); the c-th
+        last to finish is taken as the c-th largest mean plus z(c, B) of its standard deviations (z(c, B): the
+        expected c-th largest of B standard normals, Blom's). While c requests are left a step takes step_time(K,
+        c): the sum over c of step_time(K, c) x (the c-th largest n - the (c+1)-th). `ahead`: the K of a step
+        launched but not read yet; its expected tokens are taken off r_i first."""
+        b = len(left)
+        steps = sorted((self._steps_left(k, r, c, ahead) for r, c in left), reverse=True)
+        # the sum by parts: n_c x (step_time(K, c) - step_time(K, c - 1)), nonzero at c = 1 and past each padded size
         total, prev = 0.0, 0.0
-        for c in (1, *(s + 1 for s in self.sizes if s < len(steps))):
+        for c in (1, *(s + 1 for s in self.sizes if s < b)):
             t = self.step_time(k, c, ctx)
             if not t:
                 return None
-            total += steps[c - 1] * (t - prev)
+            mean, sd = steps[c - 1]
+            total += (mean + self._order_z(c, b) * sd) * (t - prev)
             prev = t
         return total
 
-    def _steps_left(self, k: int, r: float, counts: list, z: float, ahead: int = 0) -> float:
-        """Expected steps (plus z standard deviations) for a request to emit its `r` remaining tokens at K, after a
+    def _order_z(self, c: int, b: int) -> float:
+        """The expected c-th largest of b standard normals (Blom's approximation)."""
+        z = self._z.get((c, b))
+        if z is None:
+            z = self._z[(c, b)] = NormalDist().inv_cdf((b - c + 1 - 0.375) / (b + 0.25)) if b > 1 else 0.0
+        return z
+
+    def _steps_left(self, k: int, r: float, counts: list, ahead: int = 0) -> tuple[float, float]:
+        """Mean and standard deviation of the steps a request needs to emit its `r` remaining tokens at K, after a
         step at K = `ahead` not read yet (0: none) has emitted its expected share."""
         if ahead:
             r -= self._moments(ahead, r, counts)[0]
         if r <= 1 or k == 0:
-            return max(r, 0.0)
+            return max(r, 0.0), 0.0
         e, var = self._moments(k, r, counts)
-        return r / e + z * math.sqrt(r * var / (e * e * e))
+        return r / e, math.sqrt(r * var / (e * e * e))
 
     def _moments(self, k: int, r: float, counts: list) -> tuple[float, float]:
         """Mean and variance of the tokens a step at K emits for a request with `r` tokens left (at most r)."""
