@@ -177,7 +177,8 @@ def test_finish_time_follows_the_slowest_requests_and_the_tokens_left():
     half = AdaptiveK((0, 2, 4), lambda k, b, c: times[k] / (2 if b == 1 else 1), sizes=(1, 8))
     half.rates = list(batch_rates)
     one_slow = [(100, c) for c in counts[:7]] + [(300, counts[7])]  # the slow one runs 2/3 of its steps alone
-    (m1, s1), (m2, s2) = sorted((half._steps_left(4, r, c) for r, c in one_slow), reverse=True)[:2]
+    mean, sd = half.steps_left(4, one_slow)
+    (m1, s1), (m2, s2) = sorted(zip(mean.tolist(), sd.tolist()), reverse=True)[:2]
     n1, n2 = m1 + half._order_z(1, 8) * s1, m2 + half._order_z(2, 8) * s2  # the last and second last to finish
     assert half.finish_time(4, one_slow) == pytest.approx(times[4] / 2 * n1 + times[4] / 2 * n2) and n1 > 2 * n2
     assert half._order_z(1, 8) == pytest.approx(1.42, abs=0.02)  # (the expected largest of 8 standard normals)

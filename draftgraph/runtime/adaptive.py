@@ -11,6 +11,23 @@ cached lengths (runtime/warmup.py), and scaled by the step times observed in ste
 (`calibrate`, from runtime/engine.py); or, where nothing is captured (the CPU), estimated from the bytes each K
 reads (the target's weights once, the drafter's once per draft), which is what a decode step is bound by.
 
+While no request waits to join (runtime/engine.py passes `left`), the batch ends with its last request, and K is
+chosen among the K > 0 for the least expected time to finish the batch instead (`finish_time`): request i with r_i
+tokens left needs n_i steps at K, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a renewal process;
+e_i, v_i the mean and variance of the tokens one step emits for it, counting no draft past its r_i - 1), from its own
+acceptance counts (fading by `request_decay` a step) against a prior of `prior` observations at the batch's rates; the
+c-th request to finish last is taken at the c-th largest mean plus z(c, B) standard deviations (z: the expected order
+statistics of B standard normals), and while c requests are left a step costs step_time(K, c) (the padded size
+shrinks as requests finish). What tokens/s misses and this sees: a batch's slowest request decides when it ends, a
+larger K spreads the requests' finishing steps more (K = 4's tokens a step vary more, and differ more between
+requests), and drafts past a request's last token are wasted. With the H100's step times at B = 8 (1B pair) K = 4 is
+4.7 % better per step (3.43 tokens a step in 2.886 ms, against 2.49 in 2.193) but the batch at K = 4 ran 81 decode
+steps against its mean request's 74.6, at K = 2 105 against 102.8: K = 2 finished 3.5 % sooner. K = 0 remains the
+tokens/s choice (it observes nothing: only probes bring K back, so it is taken for steady-state reasons alone; an
+earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing accepted at K = 2 throughout:
+docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
+(`ahead`), and near a request's end the engine chooses after the read.
+
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
@@ -32,6 +49,8 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from statistics import NormalDist
+
+import numpy as np
 
 
 class AdaptiveK:
@@ -67,6 +86,7 @@ class AdaptiveK:
         self.sizes = tuple(sorted(sizes))
         self.prior, self.request_decay = prior, request_decay
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
+        self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -146,8 +166,9 @@ class AdaptiveK:
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
     def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int = 0) -> int:
-        """The K of the least expected time to finish the batch's requests (the module docstring: `finish_time`)."""
-        times = {k: self.finish_time(k, left, ctx, ahead) for k in self.ks if k}
+        """Among the K > 0, the one of the least expected time to finish the batch's requests (`finish_time`)."""
+        table = self._table(left)
+        times = {k: self.finish_time(k, left, ctx, ahead, table) for k in self.ks if k}
         if any(t is None for t in times.values()):
             return self.k_max
         best = min(times, key=lambda k: (times[k], -k))
@@ -156,7 +177,9 @@ class AdaptiveK:
         cur = self.current
         return cur if times[cur] <= times[best] * (1 + self.margin) else best
 
-    def finish_time(self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0) -> float | None:
+    def finish_time(
+        self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0, table=None
+    ) -> float | None:
         """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
         finished at K. Request i needs n_i steps, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a
         renewal process's; e_i, v_i: mean and variance of the tokens a step emits for it, at most r_i); the c-th
@@ -165,15 +188,16 @@ class AdaptiveK:
         c): the sum over c of step_time(K, c) x (the c-th largest n - the (c+1)-th). `ahead`: the K of a step
         launched but not read yet; its expected tokens are taken off r_i first."""
         b = len(left)
-        steps = sorted((self._steps_left(k, r, c, ahead) for r, c in left), reverse=True)
+        mean, sd = self.steps_left(k, left, ahead, table)
+        order = np.argsort(-mean, kind="stable")
         # the sum by parts: n_c x (step_time(K, c) - step_time(K, c - 1)), nonzero at c = 1 and past each padded size
         total, prev = 0.0, 0.0
         for c in (1, *(s + 1 for s in self.sizes if s < b)):
             t = self.step_time(k, c, ctx)
             if not t:
                 return None
-            mean, sd = steps[c - 1]
-            total += (mean + self._order_z(c, b) * sd) * (t - prev)
+            i = order[c - 1]
+            total += float(mean[i] + self._order_z(c, b) * sd[i]) * (t - prev)
             prev = t
         return total
 
@@ -184,28 +208,39 @@ class AdaptiveK:
             z = self._z[(c, b)] = NormalDist().inv_cdf((b - c + 1 - 0.375) / (b + 0.25)) if b > 1 else 0.0
         return z
 
-    def _steps_left(self, k: int, r: float, counts: list, ahead: int = 0) -> tuple[float, float]:
-        """Mean and standard deviation of the steps a request needs to emit its `r` remaining tokens at K, after a
-        step at K = `ahead` not read yet (0: none) has emitted its expected share."""
-        if ahead:
-            r -= self._moments(ahead, r, counts)[0]
-        if r <= 1 or k == 0:
-            return max(r, 0.0), 0.0
-        e, var = self._moments(k, r, counts)
-        return r / e, math.sqrt(r * var / (e * e * e))
+    def _table(self, left: Sequence[tuple[int, list]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of `left`: its tokens left [B], and P(A >= j + 1) for each draft position j [B, K_max], from
+        its own rates: its counts with `prior` observations at the batch's rates."""
+        n = self.k_max
+        r = np.fromiter((x for x, _ in left), dtype=np.float64, count=len(left))
+        counts = np.array([c if c else self._no_counts for _, c in left], dtype=np.float64).reshape(len(left), 2 * n)
+        rates = (counts[:, :n] + self.prior * np.asarray(self.rates)) / (counts[:, n:] + self.prior)
+        return r, np.cumprod(rates, axis=1)
 
-    def _moments(self, k: int, r: float, counts: list) -> tuple[float, float]:
-        """Mean and variance of the tokens a step at K emits for a request with `r` tokens left (at most r)."""
-        n = len(self.rates)
-        e, m2, p = 1.0, 1.0, 1.0  # E[tokens], E[tokens^2]: 1 + sum_j P(A >= j) (1, 2j + 1)
-        for j in range(min(k, math.ceil(r) - 1)):
-            a = self.rates[j]
-            if counts:  # its own rates, from `prior` observations at the batch's
-                a = (counts[j] + self.prior * a) / (counts[n + j] + self.prior)
-            p *= a
-            e += p
-            m2 += (2 * j + 3) * p
-        return e, max(m2 - e * e, 0.0)
+    def steps_left(
+        self, k: int, left: Sequence[tuple[int, list]], ahead: int = 0, table=None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and standard deviation of the steps each request of `left` needs at K for its remaining tokens,
+        after a step at K = `ahead` not read yet (0: none) has emitted its expected share."""
+        r, p = table if table is not None else self._table(left)
+        if ahead:
+            r = r - self._moments(ahead, r, p)[0]
+        if k == 0:
+            return np.maximum(r, 0.0), np.zeros_like(r)
+        e, var = self._moments(k, r, p)
+        done = r <= 1
+        mean = np.where(done, np.maximum(r, 0.0), r / e)
+        sd = np.where(done, 0.0, np.sqrt(np.maximum(r, 0.0) * var / e**3))
+        return mean, sd
+
+    def _moments(self, k: int, r: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of the tokens a step at K emits per request (at most its r tokens left): E = 1 + sum_j
+        P(A >= j), E[tokens^2] = 1 + sum_j (2j + 1) P(A >= j), over the drafts j <= min(K, r - 1)."""
+        j = np.arange(1, k + 1, dtype=np.float64)
+        q = p[:, :k] * (j < np.ceil(r)[:, None])  # draft j counts while j <= r - 1
+        e = 1.0 + q.sum(axis=1)
+        m2 = 1.0 + (q * (2 * j + 1)).sum(axis=1)
+        return e, np.maximum(m2 - e * e, 0.0)
 
     def observe(self, k: int, accepted: list[int], counts: Sequence[list] | None = None) -> None:
         """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
@@ -216,14 +251,11 @@ class AdaptiveK:
         if counts is not None:
             n, d = self.k_max, self.request_decay
             for a, c in zip(accepted, counts):
-                if not c:
-                    c.extend([0.0] * (2 * n))
-                for i in range(n):
-                    c[i] *= d
-                    c[n + i] *= d
-                for i in range(min(a + 1, k)):
+                c[:] = [x * d for x in c] if c else self._no_counts
+                for i in range(min(a + 1, k)):  # reached: positions 0..a (below K); accepted: 0..a - 1
                     c[n + i] += 1.0
-                    c[i] += a > i
+                for i in range(min(a, k)):
+                    c[i] += 1.0
         for i in range(k):
             reached = sum(1 for a in accepted if a >= i)
             if not reached:
