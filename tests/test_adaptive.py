@@ -241,24 +241,41 @@ def test_chosen_k_follows_acceptance(target, rates, most):
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
-def test_last_step_runs_the_k_that_finishes_cheapest(target, mode):
-    """Every draft accepted (pinned), step times as if measured (K = 3 15 % dearer than K = 2): K = 3 throughout,
-    except each closed batch's last step: its requests have 3 tokens left, which K = 2 emits in one step as K = 3
-    would (the old tokens/s choice ran K = 3 there). 8 requests of 24 tokens (the prefill's 1, five steps of 4, then
-    3) with 4 more waiting: the first 8's last step runs K = 3 (requests wait: tokens/s decides), the last 4's K = 2.
-    Overlapped (FULL_AND_PIECEWISE), the last step's K is chosen while the one before it runs, unread: its
-    expected 4 tokens are taken off first."""
+def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
+    """Every draft accepted (pinned), step times as if measured (K = 3 15 % dearer than K = 2), requests of 24 tokens
+    (the prefill's 1, five steps of 4, then 3): K = 3 throughout. Unoverlapped (NONE), each closed batch's last step
+    runs K = 2: its requests have 3 tokens left, which K = 2 emits in one step as K = 3 would (tokens/s alone ran
+    K = 3 there); 8 requests with 4 more waiting: the first 8's last step runs K = 3 (requests wait: tokens/s
+    decides), the last 4's K = 2. Overlapped (FULL_AND_PIECEWISE), the last step's K is chosen while the one before
+    it runs (7 tokens left as read, the unread step's 4 taken off: one step at either K), and K = 2 would give up
+    the relaunch (a step's time, more than the 0.15 it saves): K = 3."""
     eng = dg.compile_model(target, truncated_draft_model(target, 1), config(mode, synthetic_acceptance=(1.0,) * K))
     times = {(k, b): t for k, t in ((0, 0.5), (2, 1.0), (3, 1.15)) for b in eng.step_times.sizes}
     eng.step_times.measured.update(times)
     eng.step_times.calibrate = lambda *a, **kw: None  # (the CPU's wall times would move the entries)
-    eng.adaptive.rates = [1.0] * K
+    ctl = eng.adaptive
+    ctl.rates = [1.0] * K
+    calls, choose = [], ctl.choose
+
+    def spy(batch, ctx=0.0, left=None, ahead=0):
+        calls.append((ahead, None if left is None else [r for r, _ in left]))
+        return choose(batch, ctx, left, ahead)
+
+    monkeypatch.setattr(ctl, "choose", spy)
     prompts = [list(range(3 + i, 11 + i)) for i in range(12)]  # (8 requests x 8 tokens: one prefill step)
     params = dg.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    for n, want in ((4, {0: 0, 2: 1, 3: 6}), (12, {0: 0, 2: 1, 3: 13})):
+    last = 2 if mode == "NONE" else 3
+    for n, want in ((4, {0: 0, 2: 0, 3: 6}), (12, {0: 0, 2: 0, 3: 13})):
+        want[last] += 1
         outs = eng.generate(prompts[:n], params)
         s = eng.stats()
         assert all(len(o.token_ids) == 24 for o in outs) and s["speculation"]["histogram"] == want, s["speculation"]
+    if mode == "NONE":
+        assert (0, [3] * 4) in calls and (0, [3] * 8) not in calls  # (the first 8's last step: requests waited)
+    else:
+        assert (3, [7] * 4) in calls
+        mean, sd = ctl.steps_left(2, [(7, [])] * 4, ahead=3)
+        assert mean.tolist() == [1.0] * 4 and sd.tolist() == [0.0] * 4
 
 
 def forced(monkeypatch, eng, cycle):

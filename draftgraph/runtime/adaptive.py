@@ -26,7 +26,9 @@ steps against its mean request's 74.6, at K = 2 105 against 102.8: K = 2 finishe
 tokens/s choice (it observes nothing: only probes bring K back, so it is taken for steady-state reasons alone; an
 earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing accepted at K = 2 throughout:
 docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
-(`ahead`), and near a request's end the engine chooses after the read.
+(`ahead`), and near a request's end the engine chooses after the read. A switch must save `finish_margin` (1 %) of
+the time left, and where the choice is made for a step that would be relaunched (`ahead`), also one step's time (the
+overlap the switch gives up, at most a step).
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
@@ -69,6 +71,7 @@ class AdaptiveK:
         sizes: Sequence[int] = (),  # the padded batch sizes step_time's entries change at (StepTimes.sizes)
         prior: float = 32.0,  # a request's own rates start as this many observations at the batch's rates
         request_decay: float = 0.97,  # a request's own counts fade by this per step (its text changes)
+        finish_margin: float = 0.01,  # a new K must finish the batch sooner by this fraction (and the overlap lost)
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -84,7 +87,7 @@ class AdaptiveK:
         self._probe_left = 0
         self.histogram: Counter = Counter()  # K chosen -> steps
         self.sizes = tuple(sorted(sizes))
-        self.prior, self.request_decay = prior, request_decay
+        self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
 
@@ -175,7 +178,10 @@ class AdaptiveK:
         if self.current not in times:  # (up from K = 0)
             return best
         cur = self.current
-        return cur if times[cur] <= times[best] * (1 + self.margin) else best
+        # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
+        # step `ahead` runs), the overlap it gives up: at most one step
+        switch = self.step_time(cur, len(left), ctx) if ahead else 0.0
+        return cur if times[cur] <= times[best] * (1 + self.finish_margin) + switch else best
 
     def finish_time(
         self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0, table=None
