@@ -257,7 +257,7 @@ def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
     ctl.rates = [1.0] * K
     calls, choose = [], ctl.choose
 
-    def spy(batch, ctx=0.0, left=None, ahead=0):
+    def spy(batch, ctx=0.0, left=None, ahead=None):
         calls.append((ahead, None if left is None else [r for r, _ in left]))
         return choose(batch, ctx, left, ahead)
 
@@ -271,7 +271,7 @@ def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
         s = eng.stats()
         assert all(len(o.token_ids) == 24 for o in outs) and s["speculation"]["histogram"] == want, s["speculation"]
     if mode == "NONE":
-        assert (0, [3] * 4) in calls and (0, [3] * 8) not in calls  # (the first 8's last step: requests waited)
+        assert (None, [3] * 4) in calls and (None, [3] * 8) not in calls  # (the first 8's last step: requests waited)
     else:
         assert (3, [7] * 4) in calls
         mean, sd = ctl.steps_left(2, [(7, [])] * 4, ahead=3)
@@ -284,7 +284,7 @@ def forced(monkeypatch, eng, cycle):
     seen, ks = [], itertools.cycle(cycle)
     observe, ctl = eng.adaptive.observe, eng.adaptive
 
-    def choose(batch, ctx=0.0, left=None, ahead=0):
+    def choose(batch, ctx=0.0, left=None, ahead=None):
         ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
         return ctl.current
 

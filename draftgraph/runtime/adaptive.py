@@ -104,12 +104,12 @@ class AdaptiveK:
         return None if not t else self.expected_tokens(k) / t
 
     def choose(
-        self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None, ahead: int = 0
+        self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None, ahead: int | None = None
     ) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
         histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
         emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them, after a
-        step at K = `ahead` that is launched but not read yet (0: none)."""
+        step at K = `ahead` that is launched but not read yet (None: none)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
@@ -168,7 +168,7 @@ class AdaptiveK:
         cur = self.current if self.current in scores else self.k_max
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
-    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int = 0) -> int:
+    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int | None = None) -> int:
         """Among the K > 0, the one of the least expected time to finish the batch's requests (`finish_time`)."""
         table = self._table(left)
         times = {k: self.finish_time(k, left, ctx, ahead, table) for k in self.ks if k}
@@ -180,11 +180,11 @@ class AdaptiveK:
         cur = self.current
         # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
         # step `ahead` runs), the overlap it gives up: at most one step
-        switch = self.step_time(cur, len(left), ctx) if ahead else 0.0
+        switch = self.step_time(cur, len(left), ctx) if ahead is not None else 0.0
         return cur if times[cur] <= times[best] * (1 + self.finish_margin) + switch else best
 
     def finish_time(
-        self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int = 0, table=None
+        self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int | None = None, table=None
     ) -> float | None:
         """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
         finished at K. Request i needs n_i steps, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a
@@ -203,7 +203,7 @@ class AdaptiveK:
             if not t:
                 return None
             i = order[c - 1]
-            total += float(mean[i] + self._order_z(c, b) * sd[i]) * (t - prev)
+            total += max(float(mean[i] + self._order_z(c, b) * sd[i]), 0.0) * (t - prev)
             prev = t
         return total
 
@@ -224,12 +224,12 @@ class AdaptiveK:
         return r, np.cumprod(rates, axis=1)
 
     def steps_left(
-        self, k: int, left: Sequence[tuple[int, list]], ahead: int = 0, table=None
+        self, k: int, left: Sequence[tuple[int, list]], ahead: int | None = None, table=None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation of the steps each request of `left` needs at K for its remaining tokens,
-        after a step at K = `ahead` not read yet (0: none) has emitted its expected share."""
+        after a step at K = `ahead` not read yet (None: none) has emitted its expected share."""
         r, p = table if table is not None else self._table(left)
-        if ahead:
+        if ahead is not None:
             r = r - self._moments(ahead, r, p)[0]
         if k == 0:
             return np.maximum(r, 0.0), np.zeros_like(r)
