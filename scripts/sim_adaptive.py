@@ -17,7 +17,11 @@ Step times (seconds per (K, padded size)): the H100's at B = 8 with the 1B pair 
 (as before the finish-time model), "finish" with them (as runtime/engine.py passes them while no request waits).
 Each batch runs twice on one controller (its rates carry over, as in the benchmark's warm-up run) unless `--fresh`.
 
-Usage: python scripts/sim_adaptive.py [--pair tiny|mid] [--batches 8,32] [--prompts 128] [--fresh]
+`--predict`: instead, how well each model foresees the time a fixed K's batch has left, at its 20th step (observations
+so far fed to a controller): the finish-time model's `finish_time`, and the tokens/s model's implicit estimate (the
+tokens left over the batch's tokens a step, times the step time); a bias that differs by K misleads the choice.
+
+Usage: python scripts/sim_adaptive.py [--pair tiny|mid] [--batches 8,32] [--prompts 128] [--fresh] [--predict]
 Prints per batch of prompts the time of each variant and adaptive's K histogram, then per B the mean and the least
 ratio of the best fixed K's time to adaptive's (1.000: as fast as the best fixed K).
 """
@@ -114,6 +118,33 @@ def simulate(rows, n_new, fixed=None, ctl=None, finish=True, gap=0.3e-3):
     return t, sum(hist.values()), hist
 
 
+def predict(rows, n_new, k, at=20):
+    """(finish_time's, tokens/s model's) estimate of the time left after `at` steps of a batch at fixed K, over the
+    realized time left."""
+    ctl = AdaptiveK((0, 2, 4), step_time, sizes=SIZES)
+    b = len(rows)
+    counts, done, running = [[] for _ in range(b)], [1] * b, list(range(b))
+    t, t_at, est = 0.0, 0.0, None
+    for step in range(10**6):
+        if not running:
+            break
+        if step == at:
+            left = [(n_new - done[i], counts[i]) for i in running]
+            tokens = sum(r for r, _ in left) / (len(running) * ctl.expected_tokens(k))
+            est, t_at = (ctl.finish_time(k, left), tokens * step_time(k, len(running))), t
+        t += step_time(k, len(running))
+        seen = []
+        for i in running:
+            a = 0
+            while a < k and done[i] + a < n_new and rows[i][done[i] + a]:
+                a += 1
+            seen.append(a)
+            done[i] += min(a + 1, n_new - done[i])
+        ctl.observe(k, seen, [counts[i] for i in running])
+        running = [i for i in running if done[i] < n_new]
+    return est[0] / (t - t_at), est[1] / (t - t_at)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="tiny", choices=("tiny", "mid"))
@@ -122,9 +153,18 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--gap", type=float, default=0.3e-3, help="seconds a step not overlapped adds")
     ap.add_argument("--fresh", action="store_true", help="a new controller per batch (no rates carried over)")
+    ap.add_argument("--predict", action="store_true", help="each model's estimate of a fixed K's time left")
     args = ap.parse_args()
     m = agreement(args.pair, args.prompts, args.new_tokens)
     print(f"{args.pair} pair: {len(m)} requests, agreement {statistics.mean(map(statistics.mean, m)):.3f}")
+    if args.predict:
+        for b in map(int, args.batches.split(",")):
+            for k in (2, 4):
+                est = [predict(m[off : off + b], args.new_tokens, k) for off in range(0, len(m) - b + 1, b)]
+                fin, tps = (statistics.mean(x) for x in zip(*est))
+                print(f"B={b:>3} K={k}: estimated / realized time left at step 20: finish time {fin:.3f}, "
+                      f"tokens/s model {tps:.3f} ({len(est)} batches)")  # fmt: skip
+        return
     for b in map(int, args.batches.split(",")):
         ratios = {"tokens/s": [], "finish": []}
         for off in range(0, len(m) - b + 1, b):
