@@ -398,8 +398,9 @@ class Engine:
 
     def _left(self, decodes) -> list[tuple[int, list]] | None:
         """Adaptive speculation: while no request waits to join, the batch ends with its last request, so K is chosen
-        for the time to finish them: per request, the tokens it may still emit (up to max_tokens, as read so far)
-        and its own acceptance counts (runtime/adaptive.py). None while requests wait: a finished one's place is
+        for the time to finish them: per request, the tokens it may still emit (up to max_tokens, as read so far; one
+        that may stop at a stop token earlier counts to its max_tokens) and its own acceptance counts
+        (runtime/adaptive.py). None while requests wait: a finished one's place is
         taken, and K is chosen for tokens per second."""
         if self.scheduler.waiting:
             return None
