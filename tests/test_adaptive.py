@@ -12,6 +12,7 @@
 """
 
 import itertools
+import random
 import time
 
 import pytest
@@ -145,6 +146,44 @@ def test_calibration_moves_the_choice():
     assert st(0, 128, 128.0) == pytest.approx(1.39e-3 + 128 * 1.26e-6)  # K = 0's entry as measured
 
 
+def test_finish_time_follows_the_slowest_requests_and_the_tokens_left():
+    """No request waits: K minimises the time to finish the batch. The H100's step times at batch 8 (the 1B pair: K =
+    0 1.408 ms, K = 2 2.193, K = 4 2.886) and the batch's rates there favour K = 4 by tokens/s (3.70 tokens a step
+    against 2.53); but when half of the 8 requests accept at 0.5 (their own counts over 60 steps, here against a prior
+    of 8 observations at the batch's rates), they finish last, and K = 2 finishes them sooner. While requests wait,
+    tokens/s decides (K = 4). A request with 3 tokens left emits them in one step at K = 2 as at K = 4: K = 2, the
+    cheaper step."""
+    times = {0: 1.408e-3, 2: 2.193e-3, 4: 2.886e-3}
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k], sizes=(1, 8), prior=8.0)
+    batch_rates = [0.822, 0.857, 0.867, 0.925]
+    ctl.rates = list(batch_rates)
+    assert ctl.expected_tokens(4) == pytest.approx(3.70, abs=0.01) and ctl.choose(8) == 4
+    rng = random.Random(0)
+    counts = [[] for _ in range(8)]
+    for _ in range(60):  # requests 0-3 accept each draft with 0.95, 4-7 with 0.5
+        accepted = [next((i for i in range(4) if rng.random() > (0.95 if r < 4 else 0.5)), 4) for r in range(8)]
+        ctl.observe(4, accepted, counts)
+        ctl.rates = list(batch_rates)  # (the batch's rates as in the H100 run; only the requests' own counts move)
+    assert all(len(c) == 8 for c in counts) and counts[0][0] > counts[7][0]  # (accepted, reached) per position
+    left = [(200, c) for c in counts]
+    assert ctl.finish_time(2, left) < ctl.finish_time(4, left) / 1.03
+    assert ctl.choose(8, 0.0, left) == 2 and ctl.current == 2
+    assert ctl.choose(8, 0.0, None) == 4  # requests wait: tokens/s
+    fast = [(200, c) for c in counts[:4]]  # the four fast ones alone: K = 4
+    assert ctl.choose(4, 0.0, fast) == 4
+    assert ctl.choose(1, 0.0, [(3, counts[0])]) == 2  # 3 tokens left
+    assert ctl.stats()["histogram"] == {0: 0, 2: 2, 4: 3}
+    # with padded sizes (1, 8): once one request is left, the steps take K's time at 1 (here half of it)
+    half = AdaptiveK((0, 2, 4), lambda k, b, c: times[k] / (2 if b == 1 else 1), sizes=(1, 8))
+    half.rates = list(batch_rates)
+    one_slow = [(100, c) for c in counts[:7]] + [(300, counts[7])]  # the slow one runs 2/3 of its steps alone
+    mean, sd = half.steps_left(4, one_slow)
+    (m1, s1), (m2, s2) = sorted(zip(mean.tolist(), sd.tolist()), reverse=True)[:2]
+    n1, n2 = m1 + half._order_z(1, 8) * s1, m2 + half._order_z(2, 8) * s2  # the last and second last to finish
+    assert half.finish_time(4, one_slow) == pytest.approx(times[4] / 2 * n1 + times[4] / 2 * n2) and n1 > 2 * n2
+    assert half._order_z(1, 8) == pytest.approx(1.42, abs=0.02)  # (the expected largest of 8 standard normals)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match=r"unknown; choose one of \['auto', 'fixed', 'adaptive'\]"):
         dg.CompileConfig(speculation="dynamic")
@@ -187,7 +226,10 @@ def test_greedy_tokens_equal_transformers(target, want, mode, kind):
 @pytest.mark.parametrize("rates,most", [((1.0, 1.0, 1.0), 3), ((0.0, 0.0, 0.0), 0)])
 def test_chosen_k_follows_acceptance(target, rates, most):
     eng = dg.compile_model(target, truncated_draft_model(target, 1), config(synthetic_acceptance=rates))
-    eng.generate(*workload())
+    prompts, params, arrivals = workload()
+    if most:  # requests long enough that K = 3 finishes them clearly sooner than K = 2 (not within the margin)
+        params = [dg.SamplingParams(max_tokens=p.max_tokens + 48, temperature=0.0, ignore_eos=True) for p in params]
+    eng.generate(prompts, params, arrivals)
     spec = eng.stats()["speculation"]
     hist = spec["histogram"]
     assert max(hist, key=hist.get) == most, hist
@@ -198,18 +240,58 @@ def test_chosen_k_follows_acceptance(target, rates, most):
         assert hist[0] == 0 and spec["acceptance_rates"][0] > 0.9
 
 
+@pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
+def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
+    """Every draft accepted (pinned), step times as if measured (K = 3 15 % dearer than K = 2), requests of 24 tokens
+    (the prefill's 1, five steps of 4, then 3): K = 3 throughout. Unoverlapped (NONE), each closed batch's last step
+    runs K = 2: its requests have 3 tokens left, which K = 2 emits in one step as K = 3 would (tokens/s alone ran
+    K = 3 there); 8 requests with 4 more waiting: the first 8's last step runs K = 3 (requests wait: tokens/s
+    decides), the last 4's K = 2. Overlapped (FULL_AND_PIECEWISE), the last step's K is chosen while the one before
+    it runs (7 tokens left as read, the unread step's 4 taken off: one step at either K), and K = 2 would give up
+    the relaunch (a step's time, more than the 0.15 it saves): K = 3."""
+    eng = dg.compile_model(target, truncated_draft_model(target, 1), config(mode, synthetic_acceptance=(1.0,) * K))
+    times = {(k, b): t for k, t in ((0, 0.5), (2, 1.0), (3, 1.15)) for b in eng.step_times.sizes}
+    eng.step_times.measured.update(times)
+    eng.step_times.calibrate = lambda *a, **kw: None  # (the CPU's wall times would move the entries)
+    ctl = eng.adaptive
+    ctl.rates = [1.0] * K
+    calls, choose = [], ctl.choose
+
+    def spy(batch, ctx=0.0, left=None, ahead=None):
+        calls.append((ahead, None if left is None else [r for r, _ in left]))
+        return choose(batch, ctx, left, ahead)
+
+    monkeypatch.setattr(ctl, "choose", spy)
+    prompts = [list(range(3 + i, 11 + i)) for i in range(12)]  # (8 requests x 8 tokens: one prefill step)
+    params = dg.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    last = 2 if mode == "NONE" else 3
+    for n, want in ((4, {0: 0, 2: 0, 3: 6}), (12, {0: 0, 2: 0, 3: 13})):
+        want[last] += 1
+        outs = eng.generate(prompts[:n], params)
+        s = eng.stats()
+        assert all(len(o.token_ids) == 24 for o in outs) and s["speculation"]["histogram"] == want, s["speculation"]
+    if mode == "NONE":
+        assert (None, [3] * 4) in calls and (None, [3] * 8) not in calls  # (the first 8's last step: requests waited)
+    else:
+        assert (3, [7] * 4) in calls
+        mean, sd = ctl.steps_left(2, [(7, [])] * 4, ahead=3)
+        assert mean.tolist() == [1.0] * 4 and sd.tolist() == [0.0] * 4
+
+
 def forced(monkeypatch, eng, cycle):
     """The engine's controller answers `cycle` in turn (the choice is the controller's alone; this drives every
     transition), and its observations are recorded."""
     seen, ks = [], itertools.cycle(cycle)
     observe, ctl = eng.adaptive.observe, eng.adaptive
 
-    def choose(batch, ctx=0.0):
+    def choose(batch, ctx=0.0, left=None, ahead=None):
         ctl.current = next(ks)  # as the controller's own choice: prompt chunks then run at K = 0 or the largest K
         return ctl.current
 
     monkeypatch.setattr(eng.adaptive, "choose", choose)
-    monkeypatch.setattr(eng.adaptive, "observe", lambda k, acc: (seen.append((k, list(acc))), observe(k, acc)))
+    monkeypatch.setattr(
+        eng.adaptive, "observe", lambda k, acc, counts=None: (seen.append((k, list(acc))), observe(k, acc, counts))
+    )
     return seen
 
 

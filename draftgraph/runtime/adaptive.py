@@ -11,6 +11,25 @@ cached lengths (runtime/warmup.py), and scaled by the step times observed in ste
 (`calibrate`, from runtime/engine.py); or, where nothing is captured (the CPU), estimated from the bytes each K
 reads (the target's weights once, the drafter's once per draft), which is what a decode step is bound by.
 
+While no request waits to join (runtime/engine.py passes `left`), the batch ends with its last request, and K is
+chosen among the K > 0 for the least expected time to finish the batch instead (`finish_time`): request i with r_i
+tokens left needs n_i steps at K, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a renewal process;
+e_i, v_i the mean and variance of the tokens one step emits for it, counting no draft past its r_i - 1), from its own
+acceptance counts (fading by `request_decay` a step) against a prior of `prior` observations at the batch's rates; the
+c-th request to finish last is taken at the c-th largest mean plus z(c, B) standard deviations (z: the expected order
+statistics of B standard normals), and while c requests are left a step costs step_time(K, c) (the padded size
+shrinks as requests finish). What tokens/s misses and this sees: a batch's slowest request decides when it ends, a
+larger K spreads the requests' finishing steps more (K = 4's tokens a step vary more, and differ more between
+requests), and drafts past a request's last token are wasted. With the H100's step times at B = 8 (1B pair) K = 4 is
+4.7 % better per step (3.43 tokens a step in 2.886 ms, against 2.49 in 2.193) but the batch at K = 4 ran 81 decode
+steps against its mean request's 74.6, at K = 2 105 against 102.8: K = 2 finished 3.5 % sooner. K = 0 remains the
+tokens/s choice (it observes nothing: only probes bring K back, so it is taken for steady-state reasons alone; an
+earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing accepted at K = 2 throughout:
+docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
+(`ahead`), and near a request's end the engine chooses after the read. A switch must save `finish_margin` (1 %) of
+the time left, and where the choice is made for a step that would be relaunched (`ahead`), also one step's time (the
+overlap the switch gives up, at most a step).
+
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
@@ -30,7 +49,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from statistics import NormalDist
+
+import numpy as np
 
 
 class AdaptiveK:
@@ -46,6 +68,10 @@ class AdaptiveK:
         max_probe: int = 1 << 16,
         probe_budget: float = 0.01,  # probes cost at most this fraction of the time spent at K = 0
         initial_rate: float = 0.7,
+        sizes: Sequence[int] = (),  # the padded batch sizes step_time's entries change at (StepTimes.sizes)
+        prior: float = 32.0,  # a request's own rates start as this many observations at the batch's rates
+        request_decay: float = 0.97,  # a request's own counts fade by this per step (its text changes)
+        finish_margin: float = 0.01,  # a new K must finish the batch sooner by this fraction (and the overlap lost)
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -60,6 +86,10 @@ class AdaptiveK:
         self.catch_up_per_token: float | None = None  # seconds per token of a draft model's catch-up (None: none yet)
         self._probe_left = 0
         self.histogram: Counter = Counter()  # K chosen -> steps
+        self.sizes = tuple(sorted(sizes))
+        self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
+        self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
+        self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -73,13 +103,19 @@ class AdaptiveK:
         t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int, ctx: float = 0.0) -> int:
+    def choose(
+        self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None, ahead: int | None = None
+    ) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
-        histogram)."""
+        histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
+        emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them, after a
+        step at K = `ahead` that is launched but not read yet (None: none)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
         k = self._best(batch, ctx)
+        if k and left is not None:  # (K = 0 stays tokens/s's choice: it observes nothing, so probes must bring K back)
+            k = self._best_to_finish(left, ctx, ahead)
         if k == 0:
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
@@ -132,11 +168,100 @@ class AdaptiveK:
         cur = self.current if self.current in scores else self.k_max
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
-    def observe(self, k: int, accepted: list[int]) -> None:
+    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int | None = None) -> int:
+        """Among the K > 0, the one of the least expected time to finish the batch's requests (`finish_time`)."""
+        table = self._table(left)
+        times = {k: self.finish_time(k, left, ctx, ahead, table) for k in self.ks if k}
+        if any(t is None for t in times.values()):
+            return self.k_max
+        best = min(times, key=lambda k: (times[k], -k))
+        if self.current not in times:  # (up from K = 0)
+            return best
+        cur = self.current
+        # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
+        # step `ahead` runs), the overlap it gives up: at most one step
+        switch = self.step_time(cur, len(left), ctx) if ahead is not None else 0.0
+        return cur if times[cur] <= times[best] * (1 + self.finish_margin) + switch else best
+
+    def finish_time(
+        self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int | None = None, table=None
+    ) -> float | None:
+        """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
+        finished at K. Request i needs n_i steps, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a
+        renewal process's; e_i, v_i: mean and variance of the tokens a step emits for it, at most r_i); the c-th
+        last to finish is taken as the c-th largest mean plus z(c, B) of its standard deviations (z(c, B): the
+        expected c-th largest of B standard normals, Blom's). While c requests are left a step takes step_time(K,
+        c): the sum over c of step_time(K, c) x (the c-th largest n - the (c+1)-th). `ahead`: the K of a step
+        launched but not read yet; its expected tokens are taken off r_i first."""
+        b = len(left)
+        mean, sd = self.steps_left(k, left, ahead, table)
+        order = np.argsort(-mean, kind="stable")
+        # the sum by parts: n_c x (step_time(K, c) - step_time(K, c - 1)), nonzero at c = 1 and past each padded size
+        total, prev = 0.0, 0.0
+        for c in (1, *(s + 1 for s in self.sizes if s < b)):
+            t = self.step_time(k, c, ctx)
+            if not t:
+                return None
+            i = order[c - 1]
+            total += max(float(mean[i] + self._order_z(c, b) * sd[i]), 0.0) * (t - prev)
+            prev = t
+        return total
+
+    def _order_z(self, c: int, b: int) -> float:
+        """The expected c-th largest of b standard normals (Blom's approximation)."""
+        z = self._z.get((c, b))
+        if z is None:
+            z = self._z[(c, b)] = NormalDist().inv_cdf((b - c + 1 - 0.375) / (b + 0.25)) if b > 1 else 0.0
+        return z
+
+    def _table(self, left: Sequence[tuple[int, list]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of `left`: its tokens left [B], and P(A >= j + 1) for each draft position j [B, K_max], from
+        its own rates: its counts with `prior` observations at the batch's rates."""
+        n = self.k_max
+        r = np.fromiter((x for x, _ in left), dtype=np.float64, count=len(left))
+        counts = np.array([c if c else self._no_counts for _, c in left], dtype=np.float64).reshape(len(left), 2 * n)
+        rates = (counts[:, :n] + self.prior * np.asarray(self.rates)) / (counts[:, n:] + self.prior)
+        return r, np.cumprod(rates, axis=1)
+
+    def steps_left(
+        self, k: int, left: Sequence[tuple[int, list]], ahead: int | None = None, table=None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and standard deviation of the steps each request of `left` needs at K for its remaining tokens,
+        after a step at K = `ahead` not read yet (None: none) has emitted its expected share."""
+        r, p = table if table is not None else self._table(left)
+        if ahead is not None:
+            r = r - self._moments(ahead, r, p)[0]
+        if k == 0:
+            return np.maximum(r, 0.0), np.zeros_like(r)
+        e, var = self._moments(k, r, p)
+        done = r <= 1
+        mean = np.where(done, np.maximum(r, 0.0), r / e)
+        sd = np.where(done, 0.0, np.sqrt(np.maximum(r, 0.0) * var / e**3))
+        return mean, sd
+
+    def _moments(self, k: int, r: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of the tokens a step at K emits per request (at most its r tokens left): E = 1 + sum_j
+        P(A >= j), E[tokens^2] = 1 + sum_j (2j + 1) P(A >= j), over the drafts j <= min(K, r - 1)."""
+        j = np.arange(1, k + 1, dtype=np.float64)
+        q = p[:, :k] * (j < np.ceil(r)[:, None])  # draft j counts while j <= r - 1
+        e = 1.0 + q.sum(axis=1)
+        m2 = 1.0 + (q * (2 * j + 1)).sum(axis=1)
+        return e, np.maximum(m2 - e * e, 0.0)
+
+    def observe(self, k: int, accepted: list[int], counts: Sequence[list] | None = None) -> None:
         """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
-        requests that reached it (accepted >= i) that accepted it (accepted > i)."""
+        requests that reached it (accepted >= i) that accepted it (accepted > i). `counts`, per request, its own
+        (accepted, reached) counts per position (an empty list at first, filled here), fading by `request_decay`."""
         if not k or not accepted:
             return
+        if counts is not None:
+            n, d = self.k_max, self.request_decay
+            for a, c in zip(accepted, counts):
+                c[:] = [x * d for x in c] if c else self._no_counts
+                for i in range(min(a + 1, k)):  # reached: positions 0..a (below K); accepted: 0..a - 1
+                    c[n + i] += 1.0
+                for i in range(min(a, k)):
+                    c[i] += 1.0
         for i in range(k):
             reached = sum(1 for a in accepted if a >= i)
             if not reached:

@@ -117,7 +117,7 @@ class Engine:
         self.runners = {k: self.runner.view(k) for k in ks if k != self.k}
         self.runners[self.k] = self.runner
         self.step_times = StepTimes(rc.full_capture_sizes, target, drafter) if len(ks) > 1 else None
-        self.adaptive = AdaptiveK(ks, self.step_times) if len(ks) > 1 else None
+        self.adaptive = AdaptiveK(ks, self.step_times, sizes=self.step_times.sizes) if len(ks) > 1 else None
         self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
         self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
         # Prefix caching (runtime/prefix_cache.py): None when off, asked or where it cannot run (logged). A hybrid
@@ -322,7 +322,7 @@ class Engine:
         if chunks or not batch.decodes:
             k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
         elif k is None:
-            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes))
+            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes), self._left(batch.decodes))
         runner = self.runners[k]
         # (a prefill's first chunk lags where its cached blocks lack the draft model's KV: runtime/scheduler.py)
         reqs = batch.decodes + [c.req for c in chunks]
@@ -374,16 +374,19 @@ class Engine:
     def _may_relaunch(self, launched: Launched) -> bool:
         """Whether the step after `launched` (not yet read) runs the same batch: nothing waits to join, no
         request may reach max_tokens within `launched` (a stop token still may: its next step is dropped), and
-        every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here)."""
+        every request's blocks can hold the next step's rows wherever `launched` leaves it (grown here); with
+        adaptive speculation, the K chosen for the next step from the steps read so far is launched's (near a
+        request's end the choice waits for the read: its tokens left decide it, runtime/adaptive.py)."""
         if self.scheduler.waiting:
             return False
-        if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
-            self._next_k = self.adaptive.choose(len(launched.decodes), mean_cached(launched.decodes))
-            if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
-                return False
         k1, writes = launched.key.query_len, self.scheduler.writes  # the most tokens `launched` emits per request
-        for r in launched.decodes:
+        for r in launched.decodes:  # (before the adaptive choice: the next step's is then made after the read)
             if r.finish_reason is not None or r.params.max_tokens - len(r.output) <= k1:
+                return False
+        if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
+            d = launched.decodes
+            self._next_k = self.adaptive.choose(len(d), mean_cached(d), self._left(d), launched.key.query_len - 1)
+            if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
                 return False
         need = [(r, writes.slots(r.num_computed + k1, writes.decode_rows, True)) for r in launched.decodes]
         if sum(r.block_table.blocks_needed(n) for r, n in need) > self.allocator.num_free:
@@ -393,12 +396,22 @@ class Engine:
         self._next_k = None  # the relaunched step is the one it was chosen for
         return True
 
+    def _left(self, decodes) -> list[tuple[int, list]] | None:
+        """Adaptive speculation: while no request waits to join, the batch ends with its last request, so K is chosen
+        for the time to finish them: per request, the tokens it may still emit (up to max_tokens, as read so far; one
+        that may stop at a stop token earlier counts to its max_tokens) and its own acceptance counts
+        (runtime/adaptive.py). None while requests wait: a finished one's place is
+        taken, and K is chosen for tokens per second."""
+        if self.scheduler.waiting:
+            return None
+        return [(r.params.max_tokens - len(r.output), r.acceptance) for r in decodes]
+
     def _apply(self, batch, result, k: int) -> list[RequestOutput]:
         """A step's outcome into its requests: tokens, drafts, lengths, statistics; the finished ones leave.
         Requests that stopped in the step before (an overlapped step ran them once more) are skipped."""
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
-        done, observed = [], []
+        done, observed, counts = [], [], []
         padded, self._padded = self._padded, set()
         for i, req in enumerate(result.sampled):
             if req.finish_reason is not None:
@@ -408,6 +421,7 @@ class Engine:
                 a = result.accepted[i]
                 if req.id not in padded:  # padded drafts say nothing about the drafter's acceptance
                     observed.append(a)
+                    counts.append(req.acceptance)
                 req.num_computed += a + 1
                 req.num_verify_steps += 1
                 req.num_draft_tokens += k
@@ -436,7 +450,7 @@ class Engine:
                     out.text = decode_text(self.tokenizer, out.token_ids)
                 done.append(out)
         if self.adaptive is not None:
-            self.adaptive.observe(k, observed)
+            self.adaptive.observe(k, observed, counts)
         return done
 
     def generate(
