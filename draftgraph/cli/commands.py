@@ -261,24 +261,26 @@ def cmd_graph_diff(args) -> int:
     return main_diff(args.a, args.b, args.json)
 
 
-def _prestart_workers(args) -> None:
+def _prestart_workers(args):
     """`generate` on a GPU, compiling with workers (the defaults): the compile workers' process starts before
-    this one imports torch, so that both import it side by side; the engine build takes the pool when its
+    this one imports torch, so that both import it side by side; its workers wait (no CUDA start, no prewarm)
+    until `_command` releases them after this process's imports. The engine build takes the pool when its
     settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
-    driver's device node exists; where torch then finds none, the build closes the pool."""
+    driver's device node exists; where torch then finds none, the build closes the pool. Returns the pool, or
+    None when none was started."""
     if args.command not in ("generate", "run", "serve") or args.mode == "NONE" or args.artifacts:
-        return
+        return None
     if artifact_cache.lookup(args) is not None:  # the last start's compiled code loads: nothing to compile
-        return
+        return None
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
-        return
+        return None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: each rank starts its own
-        return
+        return None
     if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
-        return
+        return None
     from draftgraph.compiler.pool.pool_lifetime import auto_workers, prestart
 
-    prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
+    return prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,12 +305,14 @@ def _command(args, after_imports=None) -> int:
     """Run the parsed command; `after_imports`: called once torch, Inductor and draftgraph are imported, before any
     work (`run` freezes the collector's view there)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    _prestart_workers(args)
+    pool = _prestart_workers(args)
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 
     note = after_imports() if after_imports is not None else None
     timeline.mark("imports", note or "")
+    if pool is not None:  # this process's imports are done: the prestarted workers start (CUDA, prewarm) now
+        pool.release()
 
     try:
         from draftgraph.workers.launched import launch_env
