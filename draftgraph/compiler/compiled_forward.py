@@ -11,14 +11,22 @@ import itertools
 import types
 
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
 from draftgraph.compiler.piecewise import PiecewiseBackend
 from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
 from draftgraph.ops.splitting import mark_piece_boundary
 
 
+def _mark_unbacked():
+    """Dynamo's mark_unbacked, imported at the first compiled call: an engine that compiles nothing (mode NONE)
+    never imports Dynamo (a second of a CPU start)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    return mark_unbacked
+
+
 def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) -> None:
+    mark_unbacked = _mark_unbacked()
     for t in (input_ids, positions, meta.slot_mapping, meta.token_req, meta.token_kv_len, hidden):
         if t is not None:
             mark_unbacked(t, 0, shape_id="tokens")
@@ -115,6 +123,7 @@ class CompiledLoop:
 
     @torch.no_grad()
     def __call__(self, **kw):
+        mark_unbacked = _mark_unbacked()
         for name in _TOKEN_ARGS:
             if kw.get(name) is not None:
                 mark_unbacked(kw[name], 0, shape_id="tokens")
