@@ -39,7 +39,6 @@ def test_compile_model_resolves_on_first_use():
         dg.compile_modle  # noqa: B018
 
 
-
 def test_an_engine_that_compiles_nothing_imports_no_compiler(tmp_path):
     """Mode NONE (the CPU default) traces and compiles nothing, so its process never imports Dynamo, Inductor or
     sympy (a second of a CPU start): a whole engine (target and drafter built from a checkpoint on the meta
