@@ -350,14 +350,13 @@ def _freeze_imports() -> str:
 
 
 def finish(rc: int, verbose: bool = False) -> NoReturn:
-    """End the process once the command's output is out: print the start-up timeline (with -v), flush, run the
-    exit handlers that clean up (compile and worker processes, temporary directories), then end without the
-    interpreter's teardown. Skipped: Inductor's wait for its compile subprocesses to shut down (seconds: 10 s
-    on an H100, where they were still starting; they end themselves when this process is gone), freeing every
-    object and the CUDA context one by one (the kernel reclaims it all at once)."""
+    """End the process once the command's output is out: run the exit handlers that clean up (compile and worker
+    processes, temporary directories), print the start-up timeline (with -v: its last line, what the handlers
+    cost), flush, then end without the interpreter's teardown. Skipped: Inductor's wait for its compile
+    subprocesses to shut down (seconds: 10 s on an H100, where they were still starting; they end themselves when
+    this process is gone), freeing every object and the CUDA context one by one (the kernel reclaims it all at
+    once)."""
     timeline.mark("exit")
-    if verbose:
-        print(timeline.report(), file=sys.stderr)
     import atexit
 
     inductor = sys.modules.get("torch._inductor.async_compile")
@@ -366,6 +365,9 @@ def finish(rc: int, verbose: bool = False) -> NoReturn:
     # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
     # logging's flush, and any other library's.
     atexit._run_exitfuncs()
+    if verbose:  # (printed after the handlers, so that the timeline says what they cost)
+        timeline.mark("exit handlers")
+        print(timeline.report(), file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
