@@ -120,6 +120,29 @@ def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(ar
     assert started == ([prestarts] if prestarts else [])
 
 
+@pytest.mark.parametrize(
+    "argv, gpu, compiles",
+    [
+        (["generate"], True, True),  # auto: FULL_AND_PIECEWISE on a GPU
+        (["generate"], False, False),  # auto: NONE on the CPU
+        (["generate", "--device", "cpu", "--mode", "PIECEWISE"], False, True),
+        (["generate", "--device", "cuda", "--mode", "NONE"], True, False),
+        (["serve", "--device", "cuda"], True, True),
+        (["build", "--device", "cpu", "--out", "x", "--mode", "PIECEWISE"], False, True),
+        (["inspect", "--out", "x"], True, False),
+    ],
+)
+def test_a_compiling_command_imports_the_compiler_with_the_rest(argv, gpu, compiles, monkeypatch):
+    """cli._compiles: the commands whose engine runs compiled code import Dynamo (and Inductor's compile path) with
+    the start's other imports, before `run` freezes them out of the collector's sight; mode NONE imports neither."""
+    from draftgraph.cli import commands as cli
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: gpu if p == "/dev/nvidiactl" else real(p))
+    parser, _ = _parsers()
+    assert cli._compiles(parser.parse_args(argv)) is compiles
+
+
 def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compiled(tmp_path, monkeypatch, capsys):
     """cli/artifact_cache.py: a `generate` that compiled keeps its code; the next start with the same flags loads it
     (no trace, no compile) and generates the same tokens; with an entry there, no compile workers are started. The

@@ -283,6 +283,28 @@ def _prestart_workers(args):
     return prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
 
 
+def _compiles(args) -> bool:
+    """Whether the command's engine runs compiled code (traces, or loads artifacts): `generate`, `serve` and
+    `build` in any mode but NONE, which "auto" is on the CPU. (`--device auto` counts as a GPU where the NVIDIA
+    driver's device node exists, as for _prestart_workers: no CUDA call before the imports are done.)"""
+    if args.command not in ("generate", "run", "serve", "build") or args.mode == "NONE":
+        return False
+    return args.mode != "auto" or args.device == "cuda" or (args.device == "auto" and os.path.exists("/dev/nvidiactl"))
+
+
+def _import_compiler(args) -> None:
+    """What a compiling command imports anyway (Dynamo, and Inductor's compile path, which loading compiled code
+    uses too), imported with the rest of the start's imports: `run` then freezes their objects out of the
+    collector's sight (_freeze_imports), instead of collections scanning them while the engine traces or loads. An
+    engine of mode NONE imports none of it (draftgraph's modules import Dynamo and sympy where they use them)."""
+    if not _compiles(args):
+        return
+    import torch._dynamo  # noqa: F401
+
+    if args.compile_backend == "inductor":
+        import torch._inductor.compile_fx  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command in this process; returns its exit status (`run` is the command's process)."""
     return _command(_parse(argv))
@@ -309,6 +331,7 @@ def _command(args, after_imports=None) -> int:
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 
+    _import_compiler(args)
     note = after_imports() if after_imports is not None else None
     timeline.mark("imports", note or "")
     if pool is not None:  # this process's imports are done: the prestarted workers start (CUDA, prewarm) now
