@@ -331,11 +331,11 @@ def _command(args, after_imports=None) -> int:
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 
+    if pool is not None:  # torch is imported here: the prestarted workers start (CUDA, prewarm) now
+        pool.release()
     _import_compiler(args)
     note = after_imports() if after_imports is not None else None
     timeline.mark("imports", note or "")
-    if pool is not None:  # this process's imports are done: the prestarted workers start (CUDA, prewarm) now
-        pool.release()
 
     try:
         from draftgraph.workers.launched import launch_env
