@@ -43,7 +43,7 @@ def prestart(workers: int, device: str, cache_dir: str = "") -> CompilePool:
     """Start a pool now, for the next engine build in this process to take (`start_pool`): the `draftgraph`
     command calls this before it imports torch, so that the workers' parent imports torch and Inductor
     beside it, not seconds later. Its workers are held (no CUDA start, no prewarm compile) until `release()`:
-    the command releases them once its own imports are done, a build that takes the pool at the latest. A build
+    the command releases them once it has imported torch, a build that takes the pool at the latest. A build
     whose settings differ closes it and starts its own; one that builds no pool (artifacts, mode NONE) closes it
     too, and so does the exit of this process."""
     discard_prestarted()
