@@ -201,3 +201,32 @@ def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_pa
     assert artifact_cache.builtin_in_artifacts(args, BuiltinSpec(seed=1)) is None
     ranks = argparse.Namespace(artifacts=str(tmp_path), tp=2, dp=1)  # several ranks load their shares instead
     assert artifact_cache.builtin_in_artifacts(ranks, BuiltinSpec(seed=0)) is None
+
+
+@pytest.mark.parametrize("ending", ["command", "interpreter"])
+def test_private_directories_of_loaded_artifacts_are_removed_after_the_process(ending, tmp_path):
+    """artifacts/private_cache.py: every load's private directory goes at exit. The command (`finish`) hands them to
+    an `rm` that outlives it (its end does not wait for the removal); any other process removes them in its exit
+    handler."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, sys\n"
+        "from draftgraph.artifacts.private_cache import PrivateCache\n"
+        "caches = [PrivateCache({'pieces/a.bin': b'x' * 1000}) for _ in range(2)]\n"
+        "print(' '.join(str(c.root) for c in caches), flush=True)\n"
+        "if sys.argv[1] == 'command':\n"
+        "    from draftgraph.cli.commands import finish\n"
+        "    finish(0)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code, ending], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    roots = done.stdout.split()
+    assert len(roots) == 2 and all(r.startswith(str(tmp_path)) for r in roots)
+    deadline = time.monotonic() + 60  # the detached removal may still run when the process is gone
+    while any(os.path.exists(r) for r in roots) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(r) for r in roots)

@@ -385,6 +385,9 @@ def finish(rc: int, verbose: bool = False) -> NoReturn:
     inductor = sys.modules.get("torch._inductor.async_compile")
     if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
         atexit.unregister(inductor.shutdown_compile_workers)
+    private = sys.modules.get("draftgraph.artifacts.private_cache")
+    if private is not None:  # loaded artifacts' private directories: removed by a process that outlives this one
+        private.remove_detached()
     # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
     # logging's flush, and any other library's.
     atexit._run_exitfuncs()
