@@ -129,6 +129,7 @@ def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(ar
         (["generate", "--device", "cuda", "--mode", "NONE"], True, False),
         (["serve", "--device", "cuda"], True, True),
         (["build", "--device", "cpu", "--out", "x", "--mode", "PIECEWISE"], False, True),
+        (["build", "--device", "cpu", "--out", "x"], False, True),  # auto: a build always compiles
         (["inspect", "--out", "x"], True, False),
     ],
 )

@@ -284,12 +284,14 @@ def _prestart_workers(args):
 
 
 def _compiles(args) -> bool:
-    """Whether the command's engine runs compiled code (traces, or loads artifacts): `generate`, `serve` and
-    `build` in any mode but NONE, which "auto" is on the CPU. (`--device auto` counts as a GPU where the NVIDIA
+    """Whether the command's engine runs compiled code (traces, or loads artifacts): `build`, and `generate` and
+    `serve` in any mode but NONE, which "auto" is on the CPU. (`--device auto` counts as a GPU where the NVIDIA
     driver's device node exists, as for _prestart_workers: no CUDA call before the imports are done.)"""
     if args.command not in ("generate", "run", "serve", "build") or args.mode == "NONE":
         return False
-    return args.mode != "auto" or args.device == "cuda" or (args.device == "auto" and os.path.exists("/dev/nvidiactl"))
+    if args.command == "build" or args.mode != "auto" or args.device == "cuda":
+        return True
+    return args.device == "auto" and os.path.exists("/dev/nvidiactl")
 
 
 def _import_compiler(args) -> None:
