@@ -30,6 +30,7 @@ PHASES = (
     ("engine ready", "the engine built"),
     ("first token", "the first step that emitted tokens"),
     ("exit", "output flushed, the process about to end"),
+    ("exit handlers", "the exit handlers run (compile and worker processes, caches, finalizers); -v only"),
 )
 
 

@@ -186,7 +186,7 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     phases = [row.split(" s  ", 2)[2].split(":")[0].strip() for row in timeline]
     seconds = [float(row.split(" s ")[0]) for row in timeline]
     expected = ["imports", "models", "weight load", "kernel loads", "tracing", "compiles", "capture", "engine ready"]
-    assert phases == [*expected, "first token", "exit"], timeline
+    assert phases == [*expected, "first token", "exit", "exit handlers"], timeline  # (-v: the handlers' cost last)
     frozen = int(timeline[0].split("imports: ")[1].split()[0])  # the command's process froze its imports (gc)
     assert frozen > 10_000, timeline[0]
     # the built-in pair's weights travel inside the artifact (listed, signed), read from there: no transformers model

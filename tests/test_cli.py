@@ -120,6 +120,30 @@ def test_compile_workers_start_before_torch_only_when_the_build_will_use_them(ar
     assert started == ([prestarts] if prestarts else [])
 
 
+@pytest.mark.parametrize(
+    "argv, gpu, compiles",
+    [
+        (["generate"], True, True),  # auto: FULL_AND_PIECEWISE on a GPU
+        (["generate"], False, False),  # auto: NONE on the CPU
+        (["generate", "--device", "cpu", "--mode", "PIECEWISE"], False, True),
+        (["generate", "--device", "cuda", "--mode", "NONE"], True, False),
+        (["serve", "--device", "cuda"], True, True),
+        (["build", "--device", "cpu", "--out", "x", "--mode", "PIECEWISE"], False, True),
+        (["build", "--device", "cpu", "--out", "x"], False, True),  # auto: a build always compiles
+        (["inspect", "--out", "x"], True, False),
+    ],
+)
+def test_a_compiling_command_imports_the_compiler_with_the_rest(argv, gpu, compiles, monkeypatch):
+    """cli._compiles: the commands whose engine runs compiled code import Dynamo (and Inductor's compile path) with
+    the start's other imports, before `run` freezes them out of the collector's sight; mode NONE imports neither."""
+    from draftgraph.cli import commands as cli
+
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: gpu if p == "/dev/nvidiactl" else real(p))
+    parser, _ = _parsers()
+    assert cli._compiles(parser.parse_args(argv)) is compiles
+
+
 def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compiled(tmp_path, monkeypatch, capsys):
     """cli/artifact_cache.py: a `generate` that compiled keeps its code; the next start with the same flags loads it
     (no trace, no compile) and generates the same tokens; with an entry there, no compile workers are started. The
@@ -178,3 +202,32 @@ def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_pa
     assert artifact_cache.builtin_in_artifacts(args, BuiltinSpec(seed=1)) is None
     ranks = argparse.Namespace(artifacts=str(tmp_path), tp=2, dp=1)  # several ranks load their shares instead
     assert artifact_cache.builtin_in_artifacts(ranks, BuiltinSpec(seed=0)) is None
+
+
+@pytest.mark.parametrize("ending", ["command", "interpreter"])
+def test_private_directories_of_loaded_artifacts_are_removed_after_the_process(ending, tmp_path):
+    """artifacts/private_cache.py: every load's private directory goes at exit. The command (`finish`) hands them to
+    an `rm` that outlives it (its end does not wait for the removal); any other process removes them in its exit
+    handler."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import os, sys\n"
+        "from draftgraph.artifacts.private_cache import PrivateCache\n"
+        "caches = [PrivateCache({'pieces/a.bin': b'x' * 1000}) for _ in range(2)]\n"
+        "print(' '.join(str(c.root) for c in caches), flush=True)\n"
+        "if sys.argv[1] == 'command':\n"
+        "    from draftgraph.cli.commands import finish\n"
+        "    finish(0)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code, ending], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    roots = done.stdout.split()
+    assert len(roots) == 2 and all(r.startswith(str(tmp_path)) for r in roots)
+    deadline = time.monotonic() + 60  # the detached removal may still run when the process is gone
+    while any(os.path.exists(r) for r in roots) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(r) for r in roots)

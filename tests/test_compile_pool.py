@@ -4,6 +4,7 @@ inputs travel as data with their symbols; a dead worker's piece compiles in-proc
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,6 +155,42 @@ def test_a_prestarted_pool_is_taken_only_when_its_settings_match():
         assert start_pool(SimpleNamespace(compile_workers=1, device=cpu), wanted=False) is None and fourth.closed
         assert start_pool(SimpleNamespace(compile_workers=0, device=cpu)) is None
     finally:
+        pool_lifetime.discard_prestarted()
+    assert wait_stopped() == 0
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: the niceness
+
+
+def test_a_held_pool_starts_its_workers_only_when_released():
+    """A prestarted pool (the CLI's, before it imports torch) forks its workers but holds them (no CUDA start, no
+    prewarm compile) until `release()`: the command releases it once its own imports are done, a build that takes
+    it at the latest. Every process of the pool runs below the engine process's priority (compile_pool.NICE)."""
+    import time
+
+    from draftgraph.compiler.pool.compile_pool import NICE
+
+    pool = prestart(2, "cpu")
+    try:
+        deadline = time.monotonic() + 120  # (a stuck start fails here, not by timing anything)
+        while len(pool.workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool.workers) == 2 and not pool.released
+        assert not any(w.went for w in pool.workers) and all(w.ready_s is None for w in pool.workers)
+        base = os.nice(0)
+        assert [_nice(p) for p in (pool.parent.pid, *(w.pid for w in pool.workers))] == [min(19, base + NICE)] * 3
+        taken = start_pool(SimpleNamespace(compile_workers=2, device=torch.device("cpu")), progress=False)
+        assert taken is pool and pool.released and all(w.went for w in pool.workers)  # begin() released it
+        pool.release()  # again: a no-op (each worker got one go)
+        while any(w.ready_s is None for w in pool.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # each worker waited for the go before its start, and said so in its phases
+        assert all(w.ready_s is not None and "held" in w.phases and "prewarm" in w.phases for w in pool.workers)
+        assert pool.timeline()["connected"] == 2 and "held" in pool.timeline()["phases_s"]
+    finally:
+        pool.close()
         pool_lifetime.discard_prestarted()
     assert wait_stopped() == 0
 

@@ -2,7 +2,8 @@
 
 Every file the manifest lists is read exactly once, its SHA-256 compared with the manifest's, and only
 those bytes are used afterwards: graphs are decoded from them, and the compiled code Inductor and Triton
-load is written from them into a fresh private directory (mode 0700, removed at exit). torch's and
+load is written from them into a fresh private directory (mode 0700, removed at exit: `remove_at_exit`, or by
+`remove_detached` in a process of its own, which the `draftgraph` command leaves running when it ends). torch's and
 Triton's cache lookups see that directory only, never the artifact directory, so a file that is not
 listed (or is swapped after the check) never reaches a loader. Nothing is written anywhere else.
 
@@ -13,9 +14,11 @@ strict. A listed file that is a symbolic link is refused.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -68,13 +71,39 @@ def read_listed(root: Path, files: dict, strict: bool) -> dict[str, bytes]:
     return out
 
 
+_roots: list[Path] = []  # the private directories of this process's loads, removed at its exit
+
+
+def remove_at_exit() -> None:
+    """The exit handler: remove every private directory still there."""
+    while _roots:
+        shutil.rmtree(_roots.pop(), ignore_errors=True)
+
+
+def remove_detached() -> None:
+    """Hand the private directories to `rm -rf` in a process of its own, which goes on after this one ends: a
+    command ending does not wait for the removal (0.1 s of a CPU start's end from artifacts, its compiled
+    libraries). Where that process cannot start, the directories are removed here."""
+    while _roots:
+        root = _roots.pop()
+        try:
+            subprocess.Popen(["rm", "-rf", "--", str(root)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        except OSError:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(root, ignore_errors=True)
+
+
 class PrivateCache:
     """A fresh private directory for one load: `inductor` (Inductor's cache: the listed inductor_cache/ files),
     `pieces` (the compiled pieces Inductor loads) and `triton` (Triton's cache, filled by the caller)."""
 
     def __init__(self, files: dict[str, bytes]):
         self.root = Path(tempfile.mkdtemp(prefix="draftgraph-artifacts-"))  # mode 0700
-        atexit.register(shutil.rmtree, self.root, True)
+        if not _roots:
+            atexit.unregister(remove_at_exit)  # (registered once)
+            atexit.register(remove_at_exit)
+        _roots.append(self.root)
         self.inductor, self.triton = self.root / "inductor", self.root / "triton"
         self.inductor.mkdir()
         for rel, data in files.items():

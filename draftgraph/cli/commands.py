@@ -261,24 +261,50 @@ def cmd_graph_diff(args) -> int:
     return main_diff(args.a, args.b, args.json)
 
 
-def _prestart_workers(args) -> None:
+def _prestart_workers(args):
     """`generate` on a GPU, compiling with workers (the defaults): the compile workers' process starts before
-    this one imports torch, so that both import it side by side; the engine build takes the pool when its
+    this one imports torch, so that both import it side by side; its workers wait (no CUDA start, no prewarm)
+    until `_command` releases them after this process's imports. The engine build takes the pool when its
     settings match (compiler/pool/pool_lifetime.py: prestart). `--device auto` counts as a GPU where the NVIDIA
-    driver's device node exists; where torch then finds none, the build closes the pool."""
+    driver's device node exists; where torch then finds none, the build closes the pool. Returns the pool, or
+    None when none was started."""
     if args.command not in ("generate", "run", "serve") or args.mode == "NONE" or args.artifacts:
-        return
+        return None
     if artifact_cache.lookup(args) is not None:  # the last start's compiled code loads: nothing to compile
-        return
+        return None
     if args.compile_backend != "inductor" or args.compile_workers == 0 or args.tp * args.dp > 1:
-        return
+        return None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: each rank starts its own
-        return
+        return None
     if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
-        return
+        return None
     from draftgraph.compiler.pool.pool_lifetime import auto_workers, prestart
 
-    prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
+    return prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
+
+
+def _compiles(args) -> bool:
+    """Whether the command's engine runs compiled code (traces, or loads artifacts): `build`, and `generate` and
+    `serve` in any mode but NONE, which "auto" is on the CPU. (`--device auto` counts as a GPU where the NVIDIA
+    driver's device node exists, as for _prestart_workers: no CUDA call before the imports are done.)"""
+    if args.command not in ("generate", "run", "serve", "build") or args.mode == "NONE":
+        return False
+    if args.command == "build" or args.mode != "auto" or args.device == "cuda":
+        return True
+    return args.device == "auto" and os.path.exists("/dev/nvidiactl")
+
+
+def _import_compiler(args) -> None:
+    """What a compiling command imports anyway (Dynamo, and Inductor's compile path, which loading compiled code
+    uses too), imported with the rest of the start's imports: `run` then freezes their objects out of the
+    collector's sight (_freeze_imports), instead of collections scanning them while the engine traces or loads. An
+    engine of mode NONE imports none of it (draftgraph's modules import Dynamo and sympy where they use them)."""
+    if not _compiles(args):
+        return
+    import torch._dynamo  # noqa: F401
+
+    if args.compile_backend == "inductor":
+        import torch._inductor.compile_fx  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,10 +329,13 @@ def _command(args, after_imports=None) -> int:
     """Run the parsed command; `after_imports`: called once torch, Inductor and draftgraph are imported, before any
     work (`run` freezes the collector's view there)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    _prestart_workers(args)
+    pool = _prestart_workers(args)
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 
+    if pool is not None:  # torch is imported here: the prestarted workers start (CUDA, prewarm) now
+        pool.release()
+    _import_compiler(args)
     note = after_imports() if after_imports is not None else None
     timeline.mark("imports", note or "")
 
@@ -346,22 +375,27 @@ def _freeze_imports() -> str:
 
 
 def finish(rc: int, verbose: bool = False) -> NoReturn:
-    """End the process once the command's output is out: print the start-up timeline (with -v), flush, run the
-    exit handlers that clean up (compile and worker processes, temporary directories), then end without the
-    interpreter's teardown. Skipped: Inductor's wait for its compile subprocesses to shut down (seconds: 10 s
-    on an H100, where they were still starting; they end themselves when this process is gone), freeing every
-    object and the CUDA context one by one (the kernel reclaims it all at once)."""
+    """End the process once the command's output is out: run the exit handlers that clean up (compile and worker
+    processes, temporary directories), print the start-up timeline (with -v: its last line, what the handlers
+    cost), flush, then end without the interpreter's teardown. Skipped: Inductor's wait for its compile
+    subprocesses to shut down (seconds: 10 s on an H100, where they were still starting; they end themselves when
+    this process is gone), freeing every object and the CUDA context one by one (the kernel reclaims it all at
+    once)."""
     timeline.mark("exit")
-    if verbose:
-        print(timeline.report(), file=sys.stderr)
     import atexit
 
     inductor = sys.modules.get("torch._inductor.async_compile")
     if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
         atexit.unregister(inductor.shutdown_compile_workers)
+    private = sys.modules.get("draftgraph.artifacts.private_cache")
+    if private is not None:  # loaded artifacts' private directories: removed by a process that outlives this one
+        private.remove_detached()
     # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
     # logging's flush, and any other library's.
     atexit._run_exitfuncs()
+    if verbose:  # (printed after the handlers, so that the timeline says what they cost)
+        timeline.mark("exit handlers")
+        print(timeline.report(), file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -11,7 +11,6 @@ import itertools
 import types
 
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
 from draftgraph.compiler.piecewise import PiecewiseBackend
 from draftgraph.ops.attention.metadata import META_FIELDS, AttentionMetadata
@@ -19,6 +18,7 @@ from draftgraph.ops.splitting import mark_piece_boundary
 
 
 def mark_batch_dims(input_ids, positions, meta: AttentionMetadata, hidden=None) -> None:
+    mark_unbacked = _mark_unbacked()
     for t in (input_ids, positions, meta.slot_mapping, meta.token_req, meta.token_kv_len, hidden):
         if t is not None:
             mark_unbacked(t, 0, shape_id="tokens")
@@ -115,6 +115,7 @@ class CompiledLoop:
 
     @torch.no_grad()
     def __call__(self, **kw):
+        mark_unbacked = _mark_unbacked()
         for name in _TOKEN_ARGS:
             if kw.get(name) is not None:
                 mark_unbacked(kw[name], 0, shape_id="tokens")
@@ -123,3 +124,11 @@ class CompiledLoop:
                 mark_unbacked(kw[name], 0, shape_id="reqs")
         mark_unbacked(kw["query_start_loc"], 0, shape_id="reqs_plus_one")
         return self.fn(**kw)
+
+
+def _mark_unbacked():
+    """Dynamo's mark_unbacked, imported at the first compiled call: an engine that compiles nothing (mode NONE)
+    never imports Dynamo (a second of a CPU start)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    return mark_unbacked

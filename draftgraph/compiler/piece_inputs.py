@@ -14,7 +14,6 @@ is compiled in the tracing process instead.
 
 from __future__ import annotations
 
-import sympy
 import torch
 
 
@@ -91,6 +90,7 @@ def encode_inputs(fakes: list) -> dict:
 
 def _sympy_names() -> dict:
     """What a stored expression may name besides its symbols: torch's size functions (FloorDiv, Mod, ...)."""
+    import sympy
     import torch.utils._sympy.functions as fns
 
     names = {n: getattr(fns, n) for n in dir(fns) if isinstance(getattr(fns, n), type)}
@@ -100,6 +100,7 @@ def _sympy_names() -> dict:
 
 def rebuild_inputs(data: dict):
     """(fake mode, fake inputs) with the stored shapes over fresh symbols of the stored kinds and ranges."""
+    import sympy  # here: a quarter second to import, never needed by an engine of mode NONE
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv

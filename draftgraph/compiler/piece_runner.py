@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from draftgraph.compiler.cuda_graphs import CudaGraphs, GraphKey
 
@@ -74,6 +73,8 @@ def size_locator(placeholders, token) -> tuple[str, int]:
             for d in (*ev.shape, *ev.stride()):
                 if isinstance(d, torch.SymInt):
                     free |= d.node.expr.free_symbols
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # (sympy: not for mode NONE)
+
     if token is None or free_unbacked_symbols(tuple(free - {token})):
         return ("none", -1)
     for i, n in enumerate(placeholders):

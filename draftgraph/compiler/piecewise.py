@@ -21,7 +21,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 from torch import fx
 from tqdm import tqdm
@@ -299,6 +298,8 @@ def concrete_inputs(fakes, token, size: int) -> list:
     """Real example inputs for one size: every symbolic size and stride with the token symbol set to
     `size` (strides matter: Inductor's per-size code asserts them, and views like cos/sin are strided), and
     any backed symbol (the KV cache's block count) at the value it was traced with."""
+    import sympy  # here: sympy costs a quarter second to import, and an engine of mode NONE never needs it
+
     sub = {token: sympy.Integer(size)}
 
     def val(d):

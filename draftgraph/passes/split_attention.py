@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
@@ -99,6 +98,8 @@ def structural_key(gm: fx.GraphModule) -> str:
     strides. Symbols are renamed by first appearance, so identical pieces of different traces (a target and
     the draft model truncated from it; the drafter inside the fused loop) share one key and one compile.
     (Whether a piece's graphs are keyed by the token count is decided per use: piece_runner.py.)"""
+    import sympy  # here: a quarter second to import, never needed by an engine of mode NONE
+
     ids, names = {}, {}
 
     def sym(d) -> str:

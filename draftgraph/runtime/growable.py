@@ -10,7 +10,7 @@ driver calls; vLLM's issue 26300 proposes this for its KV cache.
 `GrowableBuffer(capacity, device)`: `grow(nbytes)` maps physical memory up to `nbytes` (rounded up to the
 driver's granularity, 2 MiB on Hopper), `tensor(shape, dtype)` views the mapped bytes from the start. The
 memory is not the caching allocator's: `torch.cuda.memory_reserved()` leaves it out, `mapped` says it. It is
-unmapped and released when the buffer and every tensor viewing it are gone.
+unmapped and released when the buffer and every tensor viewing it are gone (or by the process's end: not at exit).
 
 `available(device)` says whether this process can use it (libcuda loads, the device supports virtual memory
 management); callers fall back to plain allocations otherwise (and where `CompileConfig.kv_grow_in_place` is
@@ -184,6 +184,10 @@ class GrowableBuffer:
         self.capacity = _round_up(max(capacity, 1), self.granularity)
         self._mapping = _Mapping(self.index, self.capacity)
         self._finalizer = weakref.finalize(self, self._mapping.release)
+        # Not at interpreter exit (the `draftgraph` command's `finish` runs the exit handlers too): the process's
+        # end gives the whole device back at once; unmapping the KV cache's tens of GiB buffer by buffer first
+        # is work nobody waits for, and CUDA may already be torn down by then.
+        self._finalizer.atexit = False
         self.mapped = 0
 
     @property

@@ -62,10 +62,13 @@ class PagedKVCache:
 
     `reserve_blocks` > 0 (CUDA with virtual memory management, runtime/growable.py): every tensor's address
     range is reserved for that many blocks up front and `resize` to at most that many grows the tensors in place,
-    at the addresses CUDA graphs captured them with (`grows_in_place`); otherwise `resize` reallocates."""
+    at the addresses CUDA graphs captured them with (`grows_in_place`); otherwise `resize` reallocates.
+    `traced` False: no Dynamo trace reads the tensors (an engine that compiles nothing), so their block dimension
+    is not marked dynamic, and Dynamo is not imported for it (a second of such a start)."""
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str, reserve_blocks: int = 0):
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str, reserve_blocks: int = 0, traced: bool = True):
         self.device = device
+        self.traced = traced
         self.layers: list[tuple[torch.Tensor, ...]] = []
         self.state = None  # runtime/state_cache.py's StateCache for linear_layers, once attached
         self.reserve_blocks = max(reserve_blocks, spec.num_blocks) if reserve_blocks else 0
@@ -109,6 +112,8 @@ class PagedKVCache:
             return tuple(torch.zeros(s, dtype=spec.dtype, device=self.device) for s in shapes)
 
         self.layers[:] = [entry(i) for i in range(spec.num_layers)]  # in place: holders of `layers` see them
+        if not self.traced:
+            return
         # The block count is a runtime size: compiled code must not specialize on it, so an engine whose
         # cache is resized after measuring graph memory (runtime/memory.py) re-uses its traces.
         from torch._dynamo.decorators import maybe_mark_dynamic  # here: torch._dynamo costs ~1 s to import

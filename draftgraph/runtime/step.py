@@ -131,11 +131,12 @@ class StepRunner:
         target_spec = KVCacheSpec.for_model(tc, tc.num_layers, nb, bs)
         draft_spec = KVCacheSpec.for_model(drafter.cfg, drafter.num_kv_layers, nb, bs) if drafter is not None else None
         reserve = _reserve_blocks(self.device, target_spec, draft_spec) if shape.kv_grows_in_place else 0
-        self.target_cache = PagedKVCache(target_spec, self.device, reserve)
+        traced = bool(compiled)  # mode NONE: no trace reads the caches
+        self.target_cache = PagedKVCache(target_spec, self.device, reserve, traced)
         self.target_meta = MetadataBuilder(max_tokens, shape.max_num_seqs, shape.max_blocks_per_req, bs, self.device)
         self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs EAGLE-3 reads
         if drafter is not None:
-            self.draft_cache = PagedKVCache(draft_spec, self.device, reserve)
+            self.draft_cache = PagedKVCache(draft_spec, self.device, reserve, traced)
             self.hidden_kind = drafter.target_hidden != "none"
             self.aux_layers = drafter.aux_layers if drafter.target_hidden == "aux" else ()
         self.forwards = Forwards(

@@ -109,3 +109,24 @@ def test_paged_cache_grows_in_place():
     assert cache.mapped_bytes >= 900 * spec.bytes_per_block
     with pytest.raises(ValueError, match="more than the 1000 blocks reserved"):
         cache.resize(1001)
+
+
+def test_no_unmapping_at_interpreter_exit():
+    """A buffer still alive when the interpreter exits is not unmapped by the exit handlers (the `draftgraph`
+    command runs them before it ends): the process's end gives the device back at once. A process that maps
+    1 GiB and exits exits cleanly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, torch\n"
+        "from draftgraph.runtime import growable\n"
+        "released = []\n"
+        "growable._Mapping.release = lambda self: released.append(1)  # what the finalizer would call\n"
+        "buf = growable.GrowableBuffer(2**30, 'cuda'); buf.grow(2**30)\n"
+        "atexit._run_exitfuncs()\n"
+        "print('released at exit:', len(released))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("released at exit: 0")

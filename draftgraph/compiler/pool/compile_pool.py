@@ -41,6 +41,11 @@ from draftgraph import timeline
 log = logging.getLogger("draftgraph")
 
 
+# The workers' niceness (os.nice, inherited by everything they start): below the engine process, whose imports and
+# tracing are a start's critical path; the workers still get every core the engine process leaves idle.
+NICE = 10
+
+
 def worker_threads(workers: int) -> int:
     """Inductor's compile threads in each worker (TORCHINDUCTOR_COMPILE_THREADS there): the cores shared out.
     (1 per worker, which spares each its own pool of Triton-compile processes, measured no faster:
@@ -115,6 +120,7 @@ class _Worker:
         self.writer = conn.makefile("w", encoding="utf-8")
         self.ready_s: float | None = None  # seconds from the pool's start until the worker said it was ready
         self.phases: dict = {}  # the worker's start, phase by phase (its ready message)
+        self.went = False  # whether the pool sent its go (CompilePool.release)
 
     def ask(self, job: dict | None) -> dict:
         """Send a job (None: only read the next reply) and wait for its reply; raises when the worker died."""
@@ -150,8 +156,16 @@ class CompilePool:
     2026-11-23)."""
 
     def __init__(
-        self, workers: int, device: str, progress: bool = True, cache_dir: str = "", modules: tuple | None = None
+        self,
+        workers: int,
+        device: str,
+        progress: bool = True,
+        cache_dir: str = "",
+        modules: tuple | None = None,
+        held: bool = False,
     ):
+        """`held`: the workers wait after forking (no CUDA start, no prewarm) until `release()`; else they start
+        at once."""
         if workers < 1:
             raise ValueError(f"a compile pool needs at least 1 worker, got {workers}")
         self.t0 = time.perf_counter()
@@ -169,6 +183,7 @@ class CompilePool:
         env = worker_env(device, cache_dir, threads, tuple(draftgraph_modules()) if modules is None else modules)
         env["DRAFTGRAPH_COMPILE_ADDRESS"] = address
         env["DRAFTGRAPH_COMPILE_FORKS"] = str(workers)
+        env["DRAFTGRAPH_COMPILE_NICE"] = str(NICE)
         self.log_path = os.path.join(self.dir, "workers.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - open while the processes live
         self.parent = subprocess.Popen(
@@ -186,6 +201,7 @@ class CompilePool:
         self.progress = progress
         self.closed = False
         self.accepting = True  # until every worker connected, or the parent process is gone
+        self.released = not held  # whether the workers may start (each gets its go once: _go)
         self._bar = None
         self._next = 0
         self._lock = threading.Lock()
@@ -219,6 +235,8 @@ class CompilePool:
                     if self.closed:  # closed while this one connected
                         worker.close()
                         break
+                    if self.released:
+                        self._go(worker)
                 threading.Thread(target=self._serve, args=(worker,), daemon=True).start()
         finally:
             self.accepting = False
@@ -226,6 +244,27 @@ class CompilePool:
                 why = RuntimeError(f"no compile worker started; their log ends:\n{self.log_tail()}")
                 log.warning("%s", why)
                 self._drain(why)
+
+    def release(self) -> None:
+        """Let the workers start (CUDA, prewarm): those connected now, and the rest as they connect. A pool
+        started `held` (prestart: before the engine process imports torch) is released once those imports are
+        done, so that eight workers' CUDA starts and first compiles (each with Inductor's compile subprocesses,
+        which import torch again) do not compete with them; a no-op when released already."""
+        with self._lock:
+            self.released = True
+            for w in self.workers:
+                self._go(w)
+
+    def _go(self, worker: _Worker) -> None:
+        """Send `worker` its go, once (under self._lock)."""
+        if worker.went:
+            return
+        worker.went = True
+        try:
+            worker.writer.write("{}\n")
+            worker.writer.flush()
+        except OSError:  # it died: its serving thread reports that
+            pass
 
     def log_tail(self, lines: int = 15) -> str:
         """The last lines the workers wrote (their errors), for messages: the log goes with the pool."""
@@ -267,7 +306,8 @@ class CompilePool:
 
     def begin(self, progress: bool) -> None:
         """A build takes this pool (started earlier: prestarted, or shared and used by earlier builds): its
-        pieces, failures and waits are counted from here."""
+        pieces, failures and waits are counted from here; held workers start now at the latest."""
+        self.release()
         with self._lock:
             self.pending, self.failures, self.waited_s = [], 0, 0.0
             self.warming, self.progress = True, progress

@@ -1,11 +1,14 @@
 """The compile workers: `python -m draftgraph.compiler.pool.compile_worker` (started by compile_pool.py).
 
-That process is the workers' parent. It imports torch, Inductor's compile path and the engine's draftgraph
-modules once (DRAFTGRAPH_COMPILE_MODULES: that registers every custom op a graph may call), makes no CUDA
-call, and forks DRAFTGRAPH_COMPILE_FORKS workers; then it only reaps them. Each worker connects to the pool's
-socket (DRAFTGRAPH_COMPILE_ADDRESS), says who it is ({"index", "pid"}), takes its device, compiles one small
-graph there (so that a first compile's one-time costs are paid while the engine still loads weights and
-traces) and says it is ready ({"phases": seconds of imports, modules, cuda, prewarm}).
+That process is the workers' parent. It lowers its priority (DRAFTGRAPH_COMPILE_NICE: the engine process's
+imports and tracing are the start's critical path, the workers' start is not), imports torch, Inductor's compile
+path and the engine's draftgraph modules once (DRAFTGRAPH_COMPILE_MODULES: that registers every custom op a graph
+may call), makes no CUDA call, and forks DRAFTGRAPH_COMPILE_FORKS workers; then it only reaps them. Each worker
+connects to the pool's socket (DRAFTGRAPH_COMPILE_ADDRESS), says who it is ({"index", "pid"}) and waits for the
+pool's go (one line: a pool started before the engine process imported torch holds its workers until those
+imports are done, compile_pool.CompilePool.release); then it takes its device, compiles one small graph there
+(so that a first compile's one-time costs are paid while the engine still loads weights and traces) and says it
+is ready ({"phases": seconds of imports, modules, held, cuda, prewarm}).
 
 Then it reads one job per line (JSON: a piece's FX graph as fx_serialize writes it, its inputs as
 piece_inputs writes them, the Inductor settings, the file to write), compiles the piece with Inductor the
@@ -143,13 +146,18 @@ def serve(reader, writer, ready: dict) -> None:
 
 
 def child(index: int, address: str, device: str, phases: dict) -> None:
-    """A forked worker: connect to the pool, say who it is, start, serve."""
+    """A forked worker: connect to the pool, say who it is, wait for the pool's go, start, serve."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(address)
     reader, writer = conn.makefile("r", encoding="utf-8"), conn.makefile("w", encoding="utf-8")
     writer.write(json.dumps({"index": index, "pid": os.getpid()}) + "\n")
     writer.flush()
-    serve(reader, writer, start(device, dict(phases)))
+    phases = dict(phases)
+    t0 = time.perf_counter()
+    if not reader.readline():  # the go (CompilePool.release), or the pool closed: nothing to do
+        return
+    phases["held"] = time.perf_counter() - t0
+    serve(reader, writer, start(device, phases))
 
 
 def main() -> None:
@@ -159,6 +167,10 @@ def main() -> None:
     device = os.environ.get("DRAFTGRAPH_COMPILE_DEVICE", "cpu")
     address = os.environ["DRAFTGRAPH_COMPILE_ADDRESS"]
     forks = int(os.environ.get("DRAFTGRAPH_COMPILE_FORKS", "1"))
+    nice = int(os.environ.get("DRAFTGRAPH_COMPILE_NICE", "0") or 0)
+    if nice > 0:  # below the engine process: its imports and tracing first (the forks and their helpers inherit it)
+        with contextlib.suppress(OSError):
+            os.nice(nice)
     preimport()
     phases = {"imports": time.perf_counter() - t0}
     t1 = time.perf_counter()

@@ -42,10 +42,12 @@ _prestarted: list[CompilePool] = []  # a pool started before the engine build kn
 def prestart(workers: int, device: str, cache_dir: str = "") -> CompilePool:
     """Start a pool now, for the next engine build in this process to take (`start_pool`): the `draftgraph`
     command calls this before it imports torch, so that the workers' parent imports torch and Inductor
-    beside it, not seconds later. A build whose settings differ closes it and starts its own; one that
-    builds no pool (artifacts, mode NONE) closes it too, and so does the exit of this process."""
+    beside it, not seconds later. Its workers are held (no CUDA start, no prewarm compile) until `release()`:
+    the command releases them once it has imported torch, a build that takes the pool at the latest. A build
+    whose settings differ closes it and starts its own; one that builds no pool (artifacts, mode NONE) closes it
+    too, and so does the exit of this process."""
     discard_prestarted()
-    pool = CompilePool(workers, device, progress=True, cache_dir=cache_dir, modules=())
+    pool = CompilePool(workers, device, progress=True, cache_dir=cache_dir, modules=(), held=True)
     _prestarted.append(pool)
     import atexit
 

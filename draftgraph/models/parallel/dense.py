@@ -131,8 +131,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def embedding(vocab_size: int, dim: int, tp: ParallelGroup) -> nn.Module:
-    """The token embedding: vocabulary-parallel over several ranks, nn.Embedding for one."""
-    return nn.Embedding(vocab_size, dim) if tp.is_single else VocabParallelEmbedding(vocab_size, dim, tp)
+    """The token embedding: vocabulary-parallel over several ranks, nn.Embedding for one. Built under
+    `torch.device("meta")` (shapes only, the weights assigned later), its weight is not initialised: on the meta
+    device nn.Embedding's normal_ runs torch's Python reference, whose first call imports Dynamo (a second of a
+    start that compiles nothing)."""
+    if not tp.is_single:
+        return VocabParallelEmbedding(vocab_size, dim, tp)
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
+    return nn.Embedding(vocab_size, dim)
 
 
 # transformers' Llama-family names -> how a rank slices them: rows (dim 0) or columns (dim 1) of its share.
