@@ -8,6 +8,8 @@
 #                                            the wheels in .whl and set PIP=1)
 #   bash scripts/bench_suite.sh tier         the GPU test tier (scripts/gpu_tier.sh, one process)
 #   bash scripts/bench_suite.sh cpu          the CPU rows (prefill against transformers, import, metadata build)
+#   bash scripts/bench_suite.sh multi        2+ GPUs: the all-reduce sweep, the 8B shape at TP 1 / 2 (/ 4 with four GPUs)
+#   bash scripts/bench_suite.sh multitier    2+ GPUs: the multi-GPU tests (with four GPUs two halves at once, on two pairs)
 #   bash scripts/bench_suite.sh all          every group in turn (several 10-minute calls' worth)
 # Several groups may be named: `bash scripts/bench_suite.sh default kernels`.
 # BUDGET (default 560 s per group): a step that would start past it is skipped; a step's timeout is cut to
@@ -74,12 +76,43 @@ cpu_group() {
   TAIL=12 step bench_metadata_build 120 python3 scripts/bench_metadata_build.py
 }
 
+gpus() { nvidia-smi -L | wc -l; }
+
+multi_group() {  # tensor parallelism (docs/performance.md "Tensor parallelism")
+  local n; n=$(gpus)
+  if [ "$n" -lt 2 ]; then echo "multi: needs two GPUs or more ($n here)"; return; fi
+  local b8=(scripts/bench_8b.py --cases plain,vllm_ci_k3 --sizes 1,8,32 --profile plain)
+  TAIL=22 step tp_sweep 120 torchrun --nproc-per-node 2 scripts/bench_tp.py --sweep
+  TAIL=16 step b8_tp1 120 env CUDA_VISIBLE_DEVICES=0 python3 "${b8[@]}"
+  TAIL=16 step b8_tp2 150 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 "${b8[@]}"
+  if [ "$n" -ge 4 ]; then  # no rule ships for 4 ranks: our kernel forced
+    TAIL=16 step b8_tp4 150 env CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node 4 "${b8[@]}" --push-kernel lamport
+  fi
+}
+
+multitier_group() {  # the multi-GPU tests; with four GPUs the Llama half and the DeepSeek / Qwen3.5 half at once
+  local n files=(tests/gpu/test_multi_gpu_cuda.py tests/gpu/test_push_all_reduce_cuda.py)
+  local common=(-q -p no:cacheprovider --tb=short --durations=0)
+  n=$(gpus)
+  if [ "$n" -lt 2 ]; then echo "multitier: needs two GPUs or more ($n here)"; return; fi
+  fresh
+  if [ "$n" -ge 4 ]; then
+    CUDA_VISIBLE_DEVICES=2,3 timeout $((BUDGET - 20)) python3 -m pytest "${common[@]}" "${files[0]}" \
+      -k "deepseek or qwen3_5" >"$OUT/multitier_b.log" 2>&1 &
+    TAIL=20 step multitier_a "$BUDGET" env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest "${common[@]}" "${files[@]}" \
+      -k "not deepseek and not qwen3_5"
+    wait; echo "== multitier_b (GPUs 2,3):"; tail -"${TAIL:-20}" "$OUT/multitier_b.log"
+  else
+    TAIL=25 step multitier "$BUDGET" python3 -m pytest "${common[@]}" "${files[@]}"
+  fi
+}
+
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(default)
 [ "${groups[0]}" = all ] && groups=(default kernels models tier cpu)
 [ "${groups[0]}" = cpu ] || versions
 for g in "${groups[@]}"; do
   case $g in
-    default|kernels|models|tier|cpu) echo "=== group $g"; group_start=$SECONDS; "${g}_group" ;;
-    *) echo "unknown group '$g' (default, kernels, models, tier, cpu, all)"; exit 2 ;;
+    default|kernels|models|tier|cpu|multi|multitier) echo "=== group $g"; group_start=$SECONDS; "${g}_group" ;;
+    *) echo "unknown group '$g' (default, kernels, models, tier, cpu, multi, multitier, all)"; exit 2 ;;
   esac
 done
