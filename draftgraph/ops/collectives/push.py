@@ -7,7 +7,11 @@ Each rank's share of the symmetric buffer (peer.py) holds, from `PushLayout.offs
   lamport2[2][W][max_bytes], lamport4[2][W][...]  the lamport kernel's rows, for 2- and 4-byte dtypes, filled with
                                                   the sentinel -0.0 (`prepare`, before the rendezvous)
   flags[max_programs][W]                          the push kernel's int64 epochs (zeroed)
-and each rank keeps, in its own (not shared) memory, `state` = [epoch, arrivals] (int64), one for both kernels.
+  fused2[3][W][fused_bytes], fused4[3][W][...]    the fused one-row all-reduce's lamport rows (fused.py: the
+                                                  row-parallel GEMV writes them, the next norm + GEMV reads them;
+                                                  three slots, its own epoch), the sentinel; only with fused_bytes
+and each rank keeps, in its own (not shared) memory, `state` = [epoch, arrivals] (int64), one for both kernels,
+and `fused_state` = [epoch, arrivals, elements and width of the last fused call] for the fused pair.
 
 Both: call e (e = epoch + 1, read by every program at its start; slot = e % 2): program `pid` takes a chunk of
 the message and stores it into every peer's row [slot][my rank][chunk] (NVLink stores). The last program to
@@ -55,12 +59,14 @@ class PushLayout:
     offset: int = 0
     max_programs: int = 128
     bytes_per_program: int = 8192
+    fused_bytes: int = 0  # a fused one-row all-reduce's largest row (fused.py); 0: no fused region
 
     def __post_init__(self):
-        if self.world_size < 2 or self.max_bytes <= 0 or self.max_bytes % ALIGN or self.offset % ALIGN:
+        if (self.world_size < 2 or self.max_bytes <= 0 or self.max_bytes % ALIGN or self.offset % ALIGN
+                or self.fused_bytes < 0 or self.fused_bytes % ALIGN):  # fmt: skip
             raise ValueError(
                 f"PushLayout(world_size={self.world_size}, max_bytes={self.max_bytes}, offset={self.offset}): need "
-                f"world_size >= 2, max_bytes > 0 and max_bytes, offset multiples of {ALIGN}"
+                f"world_size >= 2, max_bytes > 0 and max_bytes, offset (and fused_bytes) multiples of {ALIGN}"
             )
         bpp = self.bytes_per_program
         if self.max_programs < 1 or bpp < 16 or bpp & (bpp - 1):
@@ -92,8 +98,23 @@ class PushLayout:
         return self.offset + 3 * self.rows_bytes
 
     @property
+    def flags_end(self) -> int:
+        return -(-(self.flags_at + 8 * self.max_programs * self.world_size) // ALIGN) * ALIGN
+
+    @property
+    def fused_rows_bytes(self) -> int:
+        """The fused pair's rows for one width: 3 slots x world_size rows of `fused_bytes`."""
+        return 3 * self.world_size * self.fused_bytes
+
+    def fused_at(self, itemsize: int) -> int:
+        """Byte offset of the fused pair's rows [0][0] for dtypes of `itemsize` bytes (2 or 4), after the flags."""
+        return self.flags_end + {2: 0, 4: 1}[itemsize] * self.fused_rows_bytes
+
+    @property
     def end(self) -> int:
         """Bytes of a rank's share the layout needs (its region ends here)."""
+        if self.fused_bytes:
+            return self.fused_at(4) + self.fused_rows_bytes
         return self.flags_at + 8 * self.max_programs * self.world_size
 
     def grid(self, nbytes: int, itemsize: int, bytes_per_program: int | None = None) -> tuple[int, int, int]:
@@ -255,6 +276,9 @@ class PushAllReduce:
         self.flags = buffer[layout.flags_at : layout.end].view(torch.int64)
         self.deltas = torch.tensor([d // ALIGN for d in deltas], dtype=torch.int64, device=buffer.device)
         self.state = torch.zeros(2, dtype=torch.int64, device=buffer.device)
+        fused = layout.fused_rows_bytes
+        self.fused = {size: buffer[layout.fused_at(size) : layout.fused_at(size) + fused] for size in (2, 4)}
+        self.fused_state = torch.zeros(4, dtype=torch.int64, device=buffer.device)  # fused.py's kernels'
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype in PUSH_DTYPES and 0 < x.numel() * x.element_size() <= self.layout.max_bytes
@@ -290,3 +314,7 @@ def prepare(buffer: torch.Tensor, layout: PushLayout) -> None:
     rows = layout.rows_bytes
     buffer[layout.lamport_at(2) : layout.lamport_at(2) + rows].view(torch.int16).fill_(-32768)
     buffer[layout.lamport_at(4) : layout.lamport_at(4) + rows].view(torch.int32).fill_(-(2**31))
+    if layout.fused_bytes:
+        fused = layout.fused_rows_bytes
+        buffer[layout.fused_at(2) : layout.fused_at(2) + fused].view(torch.int16).fill_(-32768)
+        buffer[layout.fused_at(4) : layout.fused_at(4) + fused].view(torch.int32).fill_(-(2**31))
