@@ -76,11 +76,14 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, H]
         outs = {}
         if self.sums_in_norms(h):
-            delta = None
+            delta, summed = None, True
             for i, layer in enumerate(self.layers):
-                delta, h = layer.forward_unsummed(delta, h, cos, sin, meta, kv_caches[i])
+                delta, h = layer.forward_unsummed(delta, h, cos, sin, meta, kv_caches[i], summed)
+                summed = not layer.sends_partials(h)  # a partial: the next layer's input norm sums it
                 if i in aux_layers:
-                    outs[i] = h + delta
+                    outs[i] = h + (delta if summed else self.tp.all_reduce(delta))
+            if not summed:  # the last layer's down: a plain all_reduce before the final norm
+                delta = self.tp.all_reduce(delta)
             return self.norm.add_forward(delta, h)[1], [outs[i] for i in aux_layers]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_caches[i])

@@ -7,11 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import draftgraph.ops.attention.op  # noqa: F401  (registers torch.ops.draftgraph.paged_attention)
+import draftgraph.ops.collectives.fused  # noqa: F401  (registers linear_send, all_reduce_add_rms_norm_linear)
 import draftgraph.ops.norm.op  # noqa: F401  (registers torch.ops.draftgraph.rms_norm and add_rms_norm)
 import draftgraph.ops.rope.op as rope_op  # registers torch.ops.draftgraph.rope_qkv
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.linear import Linear
-from draftgraph.models.parallel.dense import row_linear
+from draftgraph.models.parallel.dense import RowParallelLinear, row_linear
 from draftgraph.models.rope import apply_rope, cos_sin_table
 from draftgraph.ops.attention.metadata import AttentionMetadata
 from draftgraph.ops.choices import DEFAULT_OPS, OpChoices
@@ -78,8 +79,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
         return self.attend(self.qkv(x), cos, sin, meta, kv)
 
-    def attend(self, qkv, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
-        """Everything after the QKV projection, from its output [T, q + 2 kv]."""
+    def attend(self, qkv, cos, sin, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor], send=False):
+        """Everything after the QKV projection, from its output [T, q + 2 kv]. `send`: the row-parallel o_proj's
+        partial, not summed (draftgraph::linear_send: the next all_reduce_add_rms_norm_linear sums it)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -111,6 +113,9 @@ class Attention(nn.Module):
             self.window,
             self.attn_impl,
         )  # [T, Hq, D]
+        if send:
+            group = self.o.tp.group_name
+            return torch.ops.draftgraph.linear_send(out.view(t, self.q_size), self.o.weight, group, False)
         return self.o(out.view(t, self.q_size))
 
 
@@ -169,20 +174,32 @@ class DecoderLayer(nn.Module):
         h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h) (one kernel with the norm ops)
         return h + self.mlp(n)
 
-    def forward_unsummed(self, delta, residual, cos, sin, meta, kv):
+    def forward_unsummed(self, delta, residual, cos, sin, meta, kv, summed=True):
         """`forward` on the input residual + delta (delta None: residual itself), its output left as the pair
         (mlp out, h) whose sum `forward` returns: the sum is made by the next layer's input norm (add_forward,
         one kernel with the norm ops) instead of a kernel of its own. Needs the input norm. Equal values: the
-        adds are the same float additions (x + y == y + x)."""
+        adds are the same float additions (x + y == y + x). With `sends_partials` the mlp out is this rank's
+        partial (its all-reduce left to the next layer's input norm: ops/collectives/fused.py), and `summed`
+        False says `delta` is the previous layer's."""
         fused = self.norms_in_projections(residual)
+        send = self.sends_partials(residual)
+        if delta is not None and not summed and not send:  # a partial this layer cannot sum in its norm
+            delta, summed = self.attn.o.tp.all_reduce(delta), True
         if delta is None:
             x, n = residual, self.input_norm(residual)
             qkv = self.attn.qkv(n)
+        elif not summed:
+            x, qkv = _sum_add_norm_project(delta, residual, self.input_norm, self.attn.qkv, self.attn.o.tp)
         elif fused:
             x, qkv = _add_norm_project(delta, residual, self.input_norm, self.attn.qkv)
         else:
             x, n = self.input_norm.add_forward(delta, residual)
             qkv = self.attn.qkv(n)
+        if send:  # o_proj's and down's partials summed inside the next norm + projection
+            a = self.attn.attend(qkv, cos, sin, meta, kv, send=True)
+            h, gate_up = _sum_add_norm_project(a, x, self.post_norm, self.mlp.gate_up, self.attn.o.tp)
+            down = self.mlp.down
+            return torch.ops.draftgraph.linear_send(gate_up, down.weight, down.tp.group_name, True), h
         a = self.attn.attend(qkv, cos, sin, meta, kv)
         if fused:
             h, gate_up = _add_norm_project(x, a, self.post_norm, self.mlp.gate_up)
@@ -202,6 +219,24 @@ class DecoderLayer(nn.Module):
             and type(self.attn.qkv) is Linear
             and type(self.mlp.gate_up) is Linear
         )
+
+    def sends_partials(self, residual: torch.Tensor) -> bool:
+        """Whether `forward_unsummed` leaves o_proj's and down's all-reduces to the norms after them
+        (ops.fuse_all_reduce, default off: draftgraph::linear_send then all_reduce_add_rms_norm_linear, one launch
+        fewer each at one row on a group with a peer all-reduce; the ops check the group when they run, so a
+        graph traced anywhere is the same): with `norms_in_projections`, row-parallel o_proj and down, no biases."""
+        return (
+            self.ops.fuse_all_reduce
+            and self.norms_in_projections(residual)
+            and all(type(m) is RowParallelLinear and m.bias is None for m in (self.attn.o, self.mlp.down))
+        )
+
+
+def _sum_add_norm_project(partial, residual, norm: RMSNorm, proj: nn.Linear, tp: ParallelGroup):
+    """(all_reduce(partial) + residual, proj(norm(...))) as draftgraph::all_reduce_add_rms_norm_linear."""
+    return torch.ops.draftgraph.all_reduce_add_rms_norm_linear(
+        partial, residual, norm.weight, norm.eps, proj.weight, proj.bias, tp.group_name
+    )
 
 
 def _add_norm_project(x, residual, norm: RMSNorm, proj: nn.Linear):

@@ -22,6 +22,11 @@ comparisons (`scripts/bench_step.py`'s variants, `draftgraph --ops gemv=0,...`).
   ops/sampling/triton_race.py), not torch ops over [N, V] noise.
 - `logits_kernels`: the step's logits processing (penalties, logit bias, min_tokens) and logprobs gather on CUDA run
   the Triton kernels of ops/logits (one read and one write of the logits; one read), not torch ops.
+- `fuse_all_reduce` (off by default, experimental): under tensor parallelism with a peer all-reduce, a Llama
+  layer's one-row all-reduces after o_proj and down run inside the GEMVs around them (ops/collectives/fused.py:
+  `draftgraph::linear_send` writes the lamport rows, `draftgraph::all_reduce_add_rms_norm_linear` sums them in the
+  next norm + projection): no all-reduce launch at batch 1; more rows keep the all_reduce op. Needs
+  `norm_in_projection` (and its needs).
 - `unfuse_addmm`: Inductor keeps a residual add apart from its matmul (passes/unfuse_addmm.py, installed as
   Inductor's post-grad pass) instead of fusing it into cuBLAS addmm (a copy of the residual first).
 """
@@ -33,12 +38,13 @@ from dataclasses import dataclass
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 # The fields a model's layers read (the rest are the runtime's and Inductor's).
-MODEL_FIELDS = ("gemv", "norm_kernel", "rope_kernel", "norm_in_projection", "rope_kv_write")
+MODEL_FIELDS = ("gemv", "norm_kernel", "rope_kernel", "norm_in_projection", "rope_kv_write", "fuse_all_reduce")
 
 
 @dataclass(frozen=True)
 class OpChoices:
-    """Which of draftgraph's kernels run (on CUDA); every field on by default (module docstring)."""
+    """Which of draftgraph's kernels run (on CUDA); every field on by default but the experimental
+    `fuse_all_reduce` (module docstring)."""
 
     gemv: bool = True
     norm_kernel: bool = True
@@ -48,6 +54,7 @@ class OpChoices:
     race_sampler: bool = True
     unfuse_addmm: bool = True
     logits_kernels: bool = True
+    fuse_all_reduce: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -79,9 +86,12 @@ class OpChoices:
         return cls(**values)
 
     def describe(self) -> str:
-        """One line for the log: "all draftgraph kernels", or the ones turned off."""
-        off = [f.name for f in dataclasses.fields(self) if not getattr(self, f.name)]
-        return "all draftgraph kernels (on CUDA)" if not off else "torch ops instead of " + ", ".join(off)
+        """One line for the log: "all draftgraph kernels", or the ones turned off (and the default-off ones on)."""
+        fields = dataclasses.fields(self)
+        off = [f.name for f in fields if f.default and not getattr(self, f.name)]
+        on = [f.name for f in fields if not f.default and getattr(self, f.name)]
+        text = "all draftgraph kernels (on CUDA)" if not off else "torch ops instead of " + ", ".join(off)
+        return text + "".join(f", {name} on" for name in on)
 
     def fields(self) -> dict[str, bool]:
         return dataclasses.asdict(self)
