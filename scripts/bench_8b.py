@@ -52,6 +52,7 @@ from draftgraph.models.builtin import module_from_state_dict
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.drafters import load_drafter
+from draftgraph.ops.choices import OpChoices
 from scripts.ranks import inner_engine, join_ranks, rank_env, say
 
 LLAMA_3_1_8B = dict(
@@ -214,9 +215,9 @@ def copy_bandwidth(device) -> float | None:
     return measured()
 
 
-def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode, tp=1):
+def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode, tp=1, fuse_all_reduce=False):
     """An engine at TP `tp` (above 1: `target` and `drafter` are modules each rank takes its share of, under
-    torchrun, ranks joined)."""
+    torchrun, ranks joined); `fuse_all_reduce`: OpChoices.fuse_all_reduce on (ops/collectives/fused.py)."""
     max_b = max(sizes)
     parallel = {}
     if tp > 1:
@@ -234,6 +235,7 @@ def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode,
         progress=False,
         full_capture_sizes=tuple(sizes) if mode != "NONE" else (),
         synthetic_acceptance=rates,
+        ops=OpChoices(fuse_all_reduce=True) if fuse_all_reduce else None,
         **parallel,
     )
     return dg.compile_model(target, drafter if k else None, cfg)
@@ -317,6 +319,8 @@ def main():
         help="at TP > 1: our peer-memory kernels compared, in turn (push, "
         "lamport: ops/collectives/push.py; the rule's other bounds as shipped); default: the shipped rule",
     )
+    ap.add_argument("--fuse-all-reduce", action="store_true", help="at TP > 1: OpChoices.fuse_all_reduce on (one-row "
+                    "all-reduces inside the GEMVs around them: ops/collectives/fused.py)")  # fmt: skip
     ap.add_argument("--profile", default="", help="cases whose batch-1 step is profiled after timing (CUDA): GPU "
                     "time per kernel, kernels in graphs vs outside")  # fmt: skip
     args = ap.parse_args()
@@ -365,7 +369,8 @@ def main():
                 shipped = RULES.get(tp) or AllReduceRule(0, 0, f"bench_8b --push-kernel at {tp} ranks", 8 << 20)
                 RULES[tp] = dataclasses.replace(shipped, push_kernel=push_kernel)  # (a TP without a rule: to 8 MiB)
             max_tokens = (args.warm + args.steps) * (k + 1) + 16
-            eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp)
+            eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp,
+                              args.fuse_all_reduce and tp > 1)  # fmt: skip
             inner = inner_engine(eng)  # at TP N this rank's Engine: the ranks step in lock-step
             t_bytes, d_bytes, kv_token = step_bytes(inner, k)
             num_layers = inner.target.cfg.num_layers

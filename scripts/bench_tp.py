@@ -19,6 +19,9 @@ driver round trip is timed.
 Usage:
   python scripts/bench_tp.py --model 8b                                   (TP 1)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b              (TP 2: all_reduce nccl, then auto)
+  torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b --cases plain --sizes 1 --all-reduce auto \
+      --fuse-all-reduce                                                   (auto, then auto with the one-row
+                                                                           all-reduces fused: OpChoices.fuse_all_reduce)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --sweep                 (all-reduce latency by message size)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --model tiny --sizes 1,2  (smoke, CPU: gloo, mode NONE)
 """
@@ -35,6 +38,7 @@ import torch
 
 import draftgraph as dg
 from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
+from draftgraph.ops.choices import OpChoices
 from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, eagle3_8b, hf_8b, measure, steady_profile
 from scripts.ranks import inner_engine, join_ranks, rank_env, say
 
@@ -108,7 +112,9 @@ def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20,
 
 
 def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models):
+    """`all_reduce` a CompileConfig.all_reduce value, or "fused": "auto" with OpChoices.fuse_all_reduce on."""
     target, drafter = models
+    fused = all_reduce == "fused"
     spec = case == "spec"
     k = (3 if key != "1b" else 4) if spec else 0
     cfg = dg.CompileConfig(
@@ -126,7 +132,8 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
         synthetic_acceptance=conditional(VLLM_CI_K3) if spec and key != "1b" else (),
         drafter_kind=("eagle3" if key != "1b" else "draft_model") if spec else None,
         tensor_parallel_size=tp,
-        all_reduce=all_reduce,
+        all_reduce="auto" if fused else all_reduce,
+        ops=OpChoices(fuse_all_reduce=True) if fused else None,
     )
     return dg.compile_model(target, drafter if spec else None, cfg), k
 
@@ -218,6 +225,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
+    ap.add_argument("--fuse-all-reduce", action="store_true", help="at TP > 1: also the variant 'fused' (all_reduce "
+                    "auto, OpChoices.fuse_all_reduce on: ops/collectives/fused.py)")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
     ap.add_argument("--kernels", default="", help="--sweep: the kernels timed beside NCCL (default: all)")
     ap.add_argument("--json", default="")
@@ -253,6 +262,8 @@ def main():
     vocab = model_shape(key)["vocab_size"]
     profile_sizes = {int(b) for b in args.profile.split(",") if b}
     variants = args.all_reduce.split(",") if world > 1 else ["nccl"]
+    if args.fuse_all_reduce and world > 1 and "fused" not in variants:
+        variants.append("fused")
     shared = dg.shared_compile_workers() if cuda else contextlib.nullcontext()
     with shared:
         for case in args.cases.split(","):

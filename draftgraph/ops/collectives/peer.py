@@ -53,6 +53,7 @@ class AllReduceRule:
     measured: str = ""
     push_max_bytes: int = 0
     push_kernel: str = "push"
+    fused_max_bytes: int = 0  # the fused one-row all-reduce's largest row (fused.py; OpChoices.fuse_all_reduce)
 
     def __post_init__(self):
         if not 0 <= self.one_shot_max_bytes <= self.two_shot_max_bytes:
@@ -62,6 +63,10 @@ class AllReduceRule:
             )
         if self.push_max_bytes < 0 or self.push_max_bytes % ALIGN:
             raise ValueError(f"AllReduceRule(push_max_bytes={self.push_max_bytes}): need a multiple of {ALIGN} >= 0")
+        fused = self.fused_max_bytes
+        if fused < 0 or fused % ALIGN or (fused and not self.push_max_bytes):
+            raise ValueError(f"AllReduceRule(fused_max_bytes={self.fused_max_bytes}): need a multiple of {ALIGN} >= 0, "
+                             "and a push region (push_max_bytes) to lie in")  # fmt: skip
         if self.push_kernel not in PUSH_KINDS:
             raise ValueError(f"AllReduceRule(push_kernel={self.push_kernel!r}): choose one of {list(PUSH_KINDS)}")
 
@@ -69,7 +74,8 @@ class AllReduceRule:
         """Where the push kernel's data and flags lie in the symmetric buffer: after torch's kernels' region."""
         if not self.push_max_bytes:
             return None
-        return PushLayout(world_size, self.push_max_bytes, offset=-(-self.two_shot_max_bytes // ALIGN) * ALIGN)
+        offset = -(-self.two_shot_max_bytes // ALIGN) * ALIGN
+        return PushLayout(world_size, self.push_max_bytes, offset=offset, fused_bytes=self.fused_max_bytes)
 
     def buffer_bytes(self, world_size: int) -> int:
         """The symmetric buffer the rule needs: torch's kernels' largest message, then the push kernel's region."""
@@ -84,7 +90,10 @@ RULES: dict[int, AllReduceRule] = {
     # 1 MiB 8.2 against 17.8; 8 MiB 35.2 against two-shot 48.6 and NCCL 57.7); in the 8B TP 2 step 3.89 us a call
     # (torch's one-shot 12.89). Torch's kernels are nowhere faster there (on 2 x H200, 2026-11-27, before ours:
     # one-shot up to 1 MiB, two-shot to 8 MiB); above 8 MiB not measured: NCCL.
-    2: AllReduceRule(0, 0, "measured on 2 x H100 NV18, 2026-11-28", push_max_bytes=8 << 20, push_kernel="lamport"),
+    # fused_max_bytes: a row of hidden 16384 in float32 (8B: 8 KiB), 768 KiB more a GPU; used only with
+    # OpChoices.fuse_all_reduce (not measured yet)
+    2: AllReduceRule(0, 0, "measured on 2 x H100 NV18, 2026-11-28", push_max_bytes=8 << 20, push_kernel="lamport",
+                     fused_max_bytes=64 << 10),  # fmt: skip
 }
 
 
