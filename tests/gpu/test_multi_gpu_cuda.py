@@ -107,6 +107,22 @@ def test_parallel_engines_equal_one_gpu(ckpts, one_gpu, over):
         check_ranks(eng, over.get("tensor_parallel_size", 1))
 
 
+def test_tp2_fused_all_reduce_plain_decode_equals_one_gpu(ckpts):
+    """OpChoices.fuse_all_reduce (ops/collectives/fused.py): one request decoding alone (one row: o_proj's and down's
+    all-reduces inside the GEMVs around them) and five together (the ops' unfused path) at TP 2 give the one-GPU
+    engine's greedy tokens; the fused all-reduces ran (counted at capture and eagerly on every rank)."""
+    from draftgraph.ops.choices import OpChoices
+
+    plain = dict(num_speculative_tokens=0)
+    with dg.compile_model(ckpts[0], None, config(**plain)) as eng:
+        want = tokens(eng, PROMPTS[:1]), tokens(eng)
+    over = dict(tensor_parallel_size=2, ops=OpChoices(fuse_all_reduce=True), **plain)
+    with dg.compile_model(ckpts[0], None, config(**over)) as eng:
+        assert (tokens(eng, PROMPTS[:1]), tokens(eng)) == want
+        every = check_ranks(eng, 2)
+        assert all(s["peer_all_reduce"]["fused"] > 0 for s in every), [s["peer_all_reduce"] for s in every]
+
+
 # ------------------------------------------------------------------------------------------------------------ EAGLE-3
 @pytest.fixture(scope="module")
 def eagle3(ckpts):

@@ -239,15 +239,18 @@ def all_reduce_norm_gemv_triton(
     return s, y
 
 
-def _fused_push(x: torch.Tensor, group_name: str) -> PushAllReduce | None:
+def _fused_push(x: torch.Tensor, group_name: str, count: bool = False) -> PushAllReduce | None:
     """The group's push state when this call fuses: one row on the symmetric buffer's device, fitting the fused
-    region; None otherwise (writer and reader decide alike: the same row, width, dtype and group)."""
+    region; None otherwise (writer and reader decide alike: the same row, width, dtype and group). `count`: the
+    reader's call, counted in the peer's `calls["fused"]`."""
     if not group_name or not x.is_cuda:
         return None
     peer = peer_for(group_name)
     push = getattr(peer, "push", None)
     if push is None or x.device != peer.buffer.device or not fused_fits(push, x):
         return None
+    if count:
+        peer.calls["fused"] = peer.calls.get("fused", 0) + 1
     return push
 
 
@@ -288,7 +291,7 @@ def all_reduce_add_rms_norm_linear(
     """add_rms_norm_linear(all_reduce(x), residual, ...), x a `linear_send` output: one row on a group with a
     fused region is one launch (the sum read from the peers' fused rows, then re-armed: a side effect on the
     symmetric buffer); otherwise the all_reduce op then add_rms_norm_linear."""
-    push = _fused_push(x, group_name)
+    push = _fused_push(x, group_name, count=True)
     if push is None:
         summed = torch.ops.draftgraph.all_reduce(x, group_name)
         return torch.ops.draftgraph.add_rms_norm_linear(summed, residual, norm_weight, eps, weight, bias)

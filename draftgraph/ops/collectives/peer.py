@@ -92,8 +92,14 @@ RULES: dict[int, AllReduceRule] = {
     # one-shot up to 1 MiB, two-shot to 8 MiB); above 8 MiB not measured: NCCL.
     # fused_max_bytes: a row of hidden 16384 in float32 (8B: 8 KiB), 768 KiB more a GPU; used only with
     # OpChoices.fuse_all_reduce (not measured yet)
-    2: AllReduceRule(0, 0, "measured on 2 x H100 NV18, 2026-11-28", push_max_bytes=8 << 20, push_kernel="lamport",
-                     fused_max_bytes=64 << 10),  # fmt: skip
+    2: AllReduceRule(
+        0,
+        0,
+        "measured on 2 x H100 NV18, 2026-11-28",
+        push_max_bytes=8 << 20,
+        push_kernel="lamport",
+        fused_max_bytes=64 << 10,
+    ),  # fmt: skip
 }
 
 
@@ -156,6 +162,7 @@ class PeerAllReduce:
         self.group_name = group.group_name
         self.world_size = group.size()
         self.calls = {k: 0 for k in KERNELS}  # eager calls and captures by kernel (replays are not counted)
+        self.calls["fused"] = 0  # fused one-row all-reduces (fused.py's reader op), counted alike
 
     @classmethod
     def setup(cls, group: Any, rank: int, device: int, rules: dict[int, AllReduceRule] = RULES) -> PeerAllReduce | None:
