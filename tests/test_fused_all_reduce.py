@@ -176,3 +176,62 @@ def test_fused_ops_fakes_and_one_process_fallback():
     r, nw, w2 = torch.randn(2, 16, generator=g), torch.randn(16, generator=g), torch.randn(4, 16, generator=g)
     s, out = torch.ops.draftgraph.all_reduce_add_rms_norm_linear(y, r, nw, 1e-5, w2, None, "")
     assert torch.equal(s, y + r) and torch.equal(out, F.linear(rms_norm_reference(y + r, nw, 1e-5), w2))
+
+
+# ----------------------------------------------------------------------------------- the model's wiring, TP 2 gloo
+def _check_wiring(tp):
+    """Rank body: a tiny Llama at TP 2 with fuse_all_reduce equals it without, bit for bit, and the one process,
+    with the layers' CUDA-only paths (sums in norms, norms in projections) forced on the CPU: the fused ops then
+    run their unfused path (the all_reduce op over gloo), so this checks which partial goes where (o_proj, down,
+    the next layer's input norm, the final norm's plain all_reduce, an aux layer's sum) and the ops' counts."""
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from draftgraph.models.causal_lm import CausalLM
+    from draftgraph.models.layers import DecoderLayer
+    from draftgraph.ops.choices import OpChoices
+    from tests.helpers import PagedRunner, tiny_hf_model
+    from tests.test_tensor_parallel import SHAPE
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name.startswith("draftgraph."):
+                self.names[name] = self.names.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    hf = tiny_hf_model("llama", **SHAPE)
+    models = [CausalLM.from_hf(hf, tp=tp), CausalLM.from_hf(hf, tp=tp, ops=OpChoices(fuse_all_reduce=True))]
+    layers = models[0].cfg.num_layers
+    ids = torch.randint(0, models[0].cfg.vocab_size, (1,), generator=torch.Generator().manual_seed(1))
+    outs, counts = [], []
+    with (
+        mock.patch.object(CausalLM, "sums_in_norms", lambda self, h: True),
+        mock.patch.object(DecoderLayer, "norms_in_projections", lambda self, residual: True),
+    ):
+        for model in models:
+            runner = PagedRunner(model.cfg)
+            meta, pos = runner.batch([(0, 1)])
+            with torch.no_grad(), Count() as count:
+                hidden, aux = model(ids, pos, meta, runner.cache.layers, aux_layers=(0,))
+            outs.append((hidden, aux[0]))
+            counts.append(count.names)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert "draftgraph.linear_send" not in counts[0], counts[0]
+    on = counts[1]
+    assert on["draftgraph.linear_send"] == 2 * layers, on  # o_proj and down of every layer
+    assert on["draftgraph.all_reduce_add_rms_norm_linear"] == 2 * layers - 1, on  # every norm after a partial
+    # the embedding's, the aux layer's and the last down's (plain); the fused ones' fallback runs inside their op
+    assert on["draftgraph.all_reduce"] == 3, on
+    assert counts[0]["draftgraph.all_reduce"] == 1 + 2 * layers, counts[0]
+
+
+def test_model_wiring_tp2_gloo_fused_equals_unfused(tmp_path):
+    from tests.test_tensor_parallel import spawn
+
+    spawn(_check_wiring, 2, tmp_path)
