@@ -198,8 +198,11 @@ class DecoderLayer(nn.Module):
         if send:  # o_proj's and down's partials summed inside the next norm + projection
             a = self.attn.attend(qkv, cos, sin, meta, kv, send=True)
             h, gate_up = _sum_add_norm_project(a, x, self.post_norm, self.mlp.gate_up, self.attn.o.tp)
+            # the activation apart, as the row-parallel down runs it today: SiLU inside the down GEMV was measured a
+            # net loss at TP 2 (docs/performance.md, "Tensor parallelism"); linear_send's silu_mul form is there
+            gate, up = gate_up.split([self.mlp.inter, self.mlp.inter], dim=-1)
             down = self.mlp.down
-            return torch.ops.draftgraph.linear_send(gate_up, down.weight, down.tp.group_name, True), h
+            return torch.ops.draftgraph.linear_send(F.silu(gate) * up, down.weight, down.tp.group_name, False), h
         a = self.attn.attend(qkv, cos, sin, meta, kv)
         if fused:
             h, gate_up = _add_norm_project(x, a, self.post_norm, self.mlp.gate_up)
