@@ -33,6 +33,12 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
     import draftgraph.ops.collectives.fused  # noqa: F401  (registers the ops)
     from draftgraph.ops.collectives.op import register_group
     from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce, register_peer
+    from draftgraph.ops.linear.triton_gemv import (
+        add_rms_norm_gemv_triton,
+        choose_config,
+        gemv_triton,
+        silu_mul_gemv_triton,
+    )
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
@@ -70,11 +76,23 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
                 outs.append(ops.all_reduce(c["r"], name))  # a standalone all-reduce between the pairs
             return outs
 
-        def plain():
+        def plain():  # one row: the Triton GEMVs the fused pair runs (float32 too: the ops give it to cuBLAS)
             outs = []
             for c in cases:
-                y = ops.silu_mul_linear(c["x"], c["w"], None) if c["silu"] else ops.linear(c["x"], c["w"], None)
-                outs += list(ops.add_rms_norm_linear(ops.all_reduce(y, name), c["r"], c["nw"], 1e-5, c["w2"], None))
+                x, w, k = c["x"], c["w"], c["w"].shape[1]
+                if x.shape[0] > 1:
+                    y = ops.silu_mul_linear(x, w, None) if c["silu"] else ops.linear(x, w, None)
+                    summed = ops.all_reduce(y, name)
+                    outs += list(ops.add_rms_norm_linear(summed, c["r"], c["nw"], 1e-5, c["w2"], None))
+                else:
+                    if c["silu"]:
+                        y = silu_mul_gemv_triton(x, w, None, choose_config(1, k, silu_mul=True))
+                    else:
+                        y = gemv_triton(x, w, None, choose_config(1, k))
+                    summed = ops.all_reduce(y, name)
+                    h = summed.shape[-1]
+                    cfg = choose_config(1, h, norm=True)
+                    outs += list(add_rms_norm_gemv_triton(summed, c["r"], c["nw"], 1e-5, c["w2"], None, cfg))
                 outs.append(ops.all_reduce(c["r"], name))
             return outs
 

@@ -239,15 +239,17 @@ def all_reduce_norm_gemv_triton(
     return s, y
 
 
-def _fused_push(x: torch.Tensor, group_name: str, count: bool = False) -> PushAllReduce | None:
-    """The group's push state when this call fuses: one row on the symmetric buffer's device, fitting the fused
-    region; None otherwise (writer and reader decide alike: the same row, width, dtype and group). `count`: the
-    reader's call, counted in the peer's `calls["fused"]`."""
-    if not group_name or not x.is_cuda:
+def _fused_push(row: torch.Tensor, group_name: str, count: bool = False) -> PushAllReduce | None:
+    """The group's push state when this call fuses: `row` (the all-reduced message, or one of its shape) one row
+    on the symmetric buffer's device, fitting the fused region; None otherwise (writer and reader decide alike:
+    the same row, width, dtype and group). At one row the fused pair runs the Triton GEMVs whatever the dtype
+    (float32 too, which the unfused ops give to cuBLAS). `count`: the reader's call, counted in the peer's
+    `calls["fused"]`."""
+    if not group_name or not row.is_cuda:
         return None
     peer = peer_for(group_name)
     push = getattr(peer, "push", None)
-    if push is None or x.device != peer.buffer.device or not fused_fits(push, x):
+    if push is None or row.device != peer.buffer.device or not fused_fits(push, row):
         return None
     if count:
         peer.calls["fused"] = peer.calls.get("fused", 0) + 1
@@ -259,15 +261,16 @@ def linear_send(x: torch.Tensor, weight: torch.Tensor, group_name: str, silu_mul
     """A row-parallel projection's local partial x @ weight.T (silu_mul: of silu(gate) * up, x = gate | up),
     which `all_reduce_add_rms_norm_linear` sums over the group. One row on a group with a fused region: the GEMV
     also stores it into the peers' fused rows (a side effect on the symmetric buffer); otherwise the plain op."""
-    out_row = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    push = _fused_push(out_row, group_name) if x.numel() == x.shape[-1] else None
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    one_row = x.numel() == x.shape[-1]
+    push = _fused_push(x.new_empty((1, weight.shape[0])), group_name) if one_row and x.is_cuda else None
     if push is None:
         if silu_mul:
             return torch.ops.draftgraph.silu_mul_linear(x, weight, None)
         return torch.ops.draftgraph.linear(x, weight, None)
     flat = x.reshape(1, x.shape[-1])
     config = choose_config(1, weight.shape[1], silu_mul=silu_mul)
-    return gemv_send_triton(flat, weight, push, config, silu_mul).view(out_row.shape)
+    return gemv_send_triton(flat, weight, push, config, silu_mul).view(out_shape)
 
 
 @linear_send.register_fake
