@@ -168,6 +168,26 @@ def test_push_kernel_two_forked_ranks_many_calls():
             assert bool((rows == torch.iinfo(bits).min).all()), (r, size)
 
 
+def test_push_all_reduce_refuses_what_its_rows_cannot_hold():
+    """A message past the layout's row (it would run into the next rows, the lamport rows or the flags of every
+    peer), of another dtype, empty or not contiguous, or an `out` that does not match, is refused before any launch
+    (PeerAllReduce gives such messages to NCCL; this guards the kernels' other callers, e.g. scripts/bench_tp.py)."""
+    layout = PushLayout(2, 1 * KIB, max_programs=4)
+    span = -(-layout.end // 256) * 256
+    raw = torch.zeros(2 * span + 256, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 256
+    shares = [raw[off + r * span : off + r * span + layout.end] for r in range(2)]
+    push = PushAllReduce(layout, 0, shares[0], [s.data_ptr() for s in shares])
+    for x in (torch.zeros(0), torch.zeros(257, dtype=torch.float32), torch.zeros(513, dtype=torch.bfloat16),
+              torch.zeros(8, dtype=torch.float64), torch.zeros(16, 4).t()):  # fmt: skip
+        for kind in ("push", "lamport"):
+            with pytest.raises(ValueError, match=r"push all-reduce: a contiguous .* of 1 to 1024 bytes, got"):
+                push.all_reduce(x, kind)
+    with pytest.raises(ValueError, match=r"push all-reduce: out torch.float16 \[256\] for a message torch.float32"):
+        push.all_reduce(torch.zeros(256), "lamport", out=torch.zeros(256, dtype=torch.float16))
+    assert push.fits(torch.zeros(256)) and push.state.tolist() == [0, 0]  # the bound itself fits; nothing ran
+
+
 def test_the_shipped_rules_are_ordered_and_say_where_they_come_from():
     for world, rule in RULES.items():
         assert world >= 2 and 0 <= rule.one_shot_max_bytes <= rule.two_shot_max_bytes <= rule.buffer_bytes(world)

@@ -288,7 +288,15 @@ class PushAllReduce:
     ) -> torch.Tensor:
         """The sum of x (contiguous, 16-byte aligned, `fits`) over the ranks by kernel `kind` ("push" or
         "lamport"), into `out` (a new tensor if None)."""
-        out = torch.empty_like(x) if out is None else out
+        if not self.fits(x) or not x.is_contiguous():  # (a larger message would run into the next rows or flags)
+            raise ValueError(
+                f"push all-reduce: a contiguous {list(PUSH_DTYPES)} message of 1 to {self.layout.max_bytes} bytes, "
+                f"got {x.dtype} [{x.numel()}] ({x.numel() * x.element_size()} bytes, contiguous: {x.is_contiguous()})"
+            )
+        if out is None:
+            out = torch.empty_like(x)
+        elif out.dtype != x.dtype or out.numel() != x.numel() or not out.is_contiguous():
+            raise ValueError(f"push all-reduce: out {out.dtype} [{out.numel()}] for a message {x.dtype} [{x.numel()}]")
         size = x.element_size()
         programs, chunk, block = self.layout.grid(x.numel() * size, size, bytes_per_program)
         common = dict(RANK=self.rank, WORLD=self.layout.world_size, ROW=self.layout.row_bytes // size,
