@@ -269,3 +269,37 @@ def test_collective_fakes_shape_by_registered_sizes_alone():
         unregister_group("sizes-only")
     with pytest.raises(KeyError, match="no process group registered as 'sizes-only'"):
         group_size("sizes-only")
+
+
+def _one_rank_fails_in_the_rendezvous(tp) -> None:
+    """Rank 1's rendezvous raises (the driver's mapping, say); rank 0's succeeds: both must refuse alike (a rank on
+    NCCL while its peer waits in our kernels would hang at the first all-reduce). The CUDA parts are stood in for."""
+    from unittest import mock
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from draftgraph.ops.collectives import peer
+    from draftgraph.ops.collectives.op import get_group
+
+    class Handle:
+        buffer_ptrs = (0, 0)
+
+    def rendezvous(buffer, name):
+        if tp.rank == 1:
+            raise RuntimeError("mapping failed")
+        return Handle()
+
+    with (
+        mock.patch.object(peer, "peer_access_refusal", return_value=""),
+        mock.patch.object(symm_mem, "empty", lambda n, dtype, device: torch.zeros(n, dtype=dtype)),
+        mock.patch.object(symm_mem, "rendezvous", rendezvous),
+        mock.patch.object(torch.cuda, "synchronize", lambda *a: None),
+    ):
+        got = peer.PeerAllReduce.setup(get_group("tp"), tp.rank, 0, {2: AllReduceRule(1024, 1024, "test")})
+    assert got is None, f"rank {tp.rank} kept peer memory while rank 1 had refused it"
+
+
+def test_a_rendezvous_failure_on_one_rank_is_every_ranks(tmp_path):
+    from tests.test_tensor_parallel import spawn
+
+    spawn(_one_rank_fails_in_the_rendezvous, 2, tmp_path)

@@ -192,11 +192,14 @@ class PeerAllReduce:
         dist.all_gather_object(errors, error, group=group)  # every rank decides alike before the rendezvous
         failed = {r: e for r, e in enumerate(errors) if e}
         if not failed:
-            try:  # collective: every rank gets here, so a failure is every rank's
+            try:  # collective: every rank gets here
                 handle = symm_mem.rendezvous(buffer, group.group_name)
-                push = PushAllReduce(layout, rank, buffer, list(handle.buffer_ptrs)) if layout else None
+                push, error = PushAllReduce(layout, rank, buffer, list(handle.buffer_ptrs)) if layout else None, ""
             except Exception as e:  # noqa: BLE001 - refused below, named
-                failed = {rank: f"rendezvous: {type(e).__name__}: {e}"}
+                error = f"rendezvous: {type(e).__name__}: {e}"
+            # and every rank decides alike after it: one rank on NCCL while its peers wait in our kernels would hang
+            dist.all_gather_object(errors, error, group=group)
+            failed = {r: e for r, e in enumerate(errors) if e}
         if failed:
             log.warning("all-reduce over %d ranks: peer memory refused (symmetric memory failed on rank(s) %s); "
                         "every all-reduce uses NCCL", group.size(), failed)  # fmt: skip
