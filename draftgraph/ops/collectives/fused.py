@@ -40,7 +40,7 @@ from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.collectives import op as _collectives  # noqa: F401  (the all_reduce op, the fallback's)
 from draftgraph.ops.collectives.peer import peer_for
-from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce
+from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait
 from draftgraph.ops.launch import launch
 from draftgraph.ops.linear.op import check_norm_linear
 from draftgraph.ops.linear.triton_gemv import GemvConfig, _silu_mul, choose_config
@@ -105,17 +105,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
             acc += tl.load(x + whole, mask=in_row, other=0.0).to(tl.float32)
         else:
             ptrs = rows + (slot * WORLD + src) * ROW + whole
-            v = tl.load(ptrs, mask=in_row, other=0.0, volatile=True)
-            if WIDE:
-                waiting = tl.max((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
-            else:
-                waiting = tl.max((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
-            while waiting > 0:
-                v = tl.load(ptrs, mask=in_row, other=0.0, volatile=True)
-                if WIDE:
-                    waiting = tl.max((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
-                else:
-                    waiting = tl.max((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+            v = lamport_wait(ptrs, in_row, WIDE)
             acc += v.to(tl.float32)
     sv = (acc.to(dt).to(tl.float32) + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)
     sf = sv.to(tl.float32)

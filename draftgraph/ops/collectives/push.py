@@ -190,6 +190,24 @@ def _push_all_reduce(
 
 
 @triton.jit
+def _sentinels(v, WIDE: tl.constexpr):
+    """How many elements of v are the sentinel -0.0 (compared by bits: -0.0 == 0.0 as floats)."""
+    if WIDE:
+        return tl.sum((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
+    return tl.sum((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+
+
+@triton.jit
+def lamport_wait(ptrs, mask, WIDE: tl.constexpr):
+    """The rows at `ptrs` once no element under `mask` is the sentinel any more (volatile loads: the data is the
+    signal, a peer's stores land element by element); the lamport kernel's and fused.py's reader's wait."""
+    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    while _sentinels(v, WIDE) > 0:
+        v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+    return v
+
+
+@triton.jit
 def _lamport_all_reduce(
     x_ptr,
     out_ptr,
@@ -234,17 +252,7 @@ def _lamport_all_reduce(
                 acc += tl.load(x_ptr + offs, mask=mask).to(tl.float32)
             else:
                 ptrs = data_ptr + (slot * WORLD + src) * ROW + offs
-                v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-                if WIDE:
-                    waiting = tl.max((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
-                else:
-                    waiting = tl.max((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
-                while waiting > 0:
-                    v = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-                    if WIDE:
-                        waiting = tl.max((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
-                    else:
-                        waiting = tl.max((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+                v = lamport_wait(ptrs, mask, WIDE)
                 acc += v.to(tl.float32)
                 tl.store(ptrs, sentinel, mask=mask)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
