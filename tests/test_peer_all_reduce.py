@@ -24,6 +24,7 @@ from draftgraph.ops.collectives.peer import (
     unregister_peer,
 )
 from draftgraph.ops.collectives.push import PushAllReduce, PushLayout, prepare
+from tests.helpers import compile_many_for_sm90
 
 KIB = 1024
 JOIN_S = 300
@@ -303,3 +304,37 @@ def test_a_rendezvous_failure_on_one_rank_is_every_ranks(tmp_path):
     from tests.test_tensor_parallel import spawn
 
     spawn(_one_rank_fails_in_the_rendezvous, 2, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    """The push, lamport and fused kernels compiled for sm_90 in every element width they take, in one fresh
+    process: the interpreter above runs code Triton's compiler refuses (it generated the 2-byte sentinel compare
+    for float32 rows once, behind an early return in a constexpr if: TP engines in float32 did not start)."""
+    from draftgraph.ops.collectives.fused import ARM, _all_reduce_norm_gemv_kernel, _gemv_lamport_kernel
+    from draftgraph.ops.collectives.push import _lamport_all_reduce, _push_all_reduce
+
+    common = {"RANK": 1, "WORLD": 2, "ROW": 4096, "UNIT": 64, "BLOCK": 1024}
+    jobs = {}
+    for dt, t in (("fp32", "*fp32"), ("bf16", "*bf16"), ("fp16", "*fp16")):
+        sig = {"x_ptr": t, "out_ptr": t, "data_ptr": t, "deltas_ptr": "*i64", "state_ptr": "*i64", "n": "i32",
+               "chunk": "i32"}  # fmt: skip
+        jobs[f"lamport {dt}"] = (_lamport_all_reduce, sig, {**common, "WIDE": dt == "fp32"})
+        jobs[f"push {dt}"] = (_push_all_reduce, {**sig, "flags_ptr": "*i64"}, common)
+        send = {"x": t, "w": t, "y": t, "rows": t, "deltas": "*i64", "state": "*i64", "N": "i32", "K": "i32",
+                "swn": "i64"}  # fmt: skip
+        jobs[f"send {dt}"] = (_gemv_lamport_kernel, send, {"RANK": 0, "WORLD": 2, "ROW": 4096, "UNIT": 64,
+                                                          "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": dt == "bf16",
+                                                          "ACCURATE": True})  # fmt: skip
+        read = {**{n: t for n in ("x", "r", "nw", "w", "b", "s_out", "y", "rows")}, "rows2": "*i16", "rows4": "*i32",
+                "state": "*i64", "N": "i32", "K": "i32", "swn": "i64", "eps": "fp32"}  # fmt: skip
+        jobs[f"read {dt}"] = (_all_reduce_norm_gemv_kernel, read, {
+            "RANK": 1, "WORLD": 2, "ROW": 4096, "ROW2": 8192, "ROW4": 4096, "HAS_BIAS": dt == "fp16", "BLOCK_N": 8,
+            "BLOCK_K": 1024, "WHOLE": 4096, "WIDE": dt == "fp32", "ARM_BLOCK": ARM, "ACCURATE": True})  # fmt: skip
+    return dict(zip(jobs, compile_many_for_sm90(list(jobs.values()))))
+
+
+@pytest.mark.parametrize("kernel", ["lamport", "push", "send", "read"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_kernels_compile_for_a_hopper_gpu_in_every_width(sm90, kernel, dtype):
+    assert "cubin" in sm90[f"{kernel} {dtype}"].stages()

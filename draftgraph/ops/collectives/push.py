@@ -192,9 +192,13 @@ def _push_all_reduce(
 @triton.jit
 def _sentinels(v, WIDE: tl.constexpr):
     """How many elements of v are the sentinel -0.0 (compared by bits: -0.0 == 0.0 as floats)."""
+    # if / else, not an early return: Triton's compiler still generates the statements after a return inside a
+    # constexpr if (a 16-bit bitcast of 4-byte rows: no compile for float32)
     if WIDE:
-        return tl.sum((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
-    return tl.sum((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+        n = tl.sum((v.to(tl.int32, bitcast=True) == -2147483648).to(tl.int32), axis=0)
+    else:
+        n = tl.sum((v.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+    return n
 
 
 @triton.jit
