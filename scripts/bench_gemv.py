@@ -9,7 +9,7 @@ against F.linear first.
 
 Prints per (shape, rows): the floor, cuBLAS, the config `choose_config` picks, and the best config of the sweep
 (its name: block_n x block_k / warps / stages). `--sweep` prints every config's time.
-Usage: python scripts/bench_gemv.py [--rows 1,2,4,5,8,16] [--sweep] [--replays 100]
+Usage: python scripts/bench_gemv.py [--set 1b|8b|8b_tp2] [--rows 1,2,4,5,8,16] [--sweep] [--replays 100]
        python scripts/bench_gemv.py --fused   (one row's fused prologues against their separate kernels)
 """
 
@@ -26,13 +26,15 @@ import triton
 from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, gemv_triton
 from scripts.bench_argmax import CALLS, copy_bandwidth, graph_us  # 20 calls per graph, cycling the inputs
 
-SHAPES = {  # name: (N, K) of the weight [N, K]
-    "qkv": (3072, 2048),
-    "o": (2048, 2048),
-    "gate_up": (16384, 2048),
-    "down": (2048, 8192),
-    "lm_head": (128256, 2048),
-}
+SHAPE_SETS = {  # name: {projection: (N, K) of the weight [N, K]}
+    # the 1B-shaped model (bench_full.py's pair)
+    "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+           "lm_head": (128256, 2048)},
+    # the 8B-shaped model (bench_8b.py) on one GPU, and one rank's share at TP 2 (column-parallel qkv / gate_up
+    # halve N, row-parallel o / down halve K)
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "8b_tp2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168)},
+}  # fmt: skip
 
 
 def sweep_configs(rows: int) -> list[GemvConfig]:
@@ -50,7 +52,8 @@ def name(c: GemvConfig) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,5,8,16")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--set", default="1b", choices=sorted(SHAPE_SETS), help="the model whose projections are timed")
+    parser.add_argument("--shapes", default="", help="projections of the set (default: all)")
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--l2-mib", type=int, default=256, help="weights cycled per graph: at least this many MiB")
     parser.add_argument("--sweep", action="store_true", help="print every config's time")
@@ -66,8 +69,11 @@ def main():
     print(f"measured copy bandwidth {bw / 1e9:.0f} GB/s; bf16; us per call (x = ratio to the weight-read floor)")
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'shape':>8} {'rows':>4} {'floor':>6} {'cuBLAS':>15} {'chosen':>15} {'best':>15} {'best config':>12}")
-    for shape in args.shapes.split(","):
-        n, k = SHAPES[shape]
+    shapes = SHAPE_SETS[args.set]
+    for shape in args.shapes.split(",") if args.shapes else shapes:
+        if shape not in shapes:
+            raise SystemExit(f"--shapes: {shape!r} is not a projection of set {args.set!r} ({', '.join(shapes)})")
+        n, k = shapes[shape]
         nbytes = n * k * 2
         copies = max(1, min(CALLS, -(-args.l2_mib * 2**20 // nbytes)))
         weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -106,23 +112,23 @@ def fused_prologues(args) -> None:
     print(f"device {torch.cuda.get_device_name()} ({sms} SMs); one row, bf16, us per call")
     print(f"{'shape':>8} {'separate':>9} " + " ".join(f"{'fused/' + str(b):>9}" for b in FUSED_BLOCKS))
     for shape in ("qkv", "gate_up", "down"):
-        separate, fused = _fused_times(shape, args)
+        separate, fused = _fused_times(SHAPE_SETS[args.set][shape], shape == "down", args)
         print(f"{shape:>8} {separate:>9.2f} " + " ".join(f"{t:>9.2f}" for t in fused))
 
 
 FUSED_BLOCKS = (2, 4, 8, 16)
 
 
-def _fused_times(shape: str, args) -> tuple[float, list[float]]:
+def _fused_times(nk: tuple[int, int], down: bool, args) -> tuple[float, list[float]]:
     from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, silu_mul_gemv_triton, silu_mul_triton
     from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    n, k = SHAPES[shape]
+    n, k = nk
     copies = max(1, min(CALLS, -(-args.l2_mib * 2**20 // (n * k * 2))))
     weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     one = choose_config(1, k)
-    if shape == "down":
+    if down:
         gu = torch.randn(1, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
 
         def separate(w):
