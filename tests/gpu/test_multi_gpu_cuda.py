@@ -194,17 +194,20 @@ def test_qwen3_5_moe_tp2_expert_parallel_equals_one_gpu(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- MTP heads over a TP 2 target
-def _head_over_tp2(target_dir: str, head, prompts, draft_tps=(2, 1)) -> None:
-    """`head` (a module of upstream-named MTP weights) over the target at TP 2, split (draft TP 2) and replicated
-    (draft TP 1): tokens and accepted drafts equal the one-GPU engine's."""
+def _one_gpu_head(target_dir: str, head, prompts) -> tuple[list[list[int]], int]:
+    """The one-GPU engine's tokens and accepted drafts for `head` (a module of upstream-named MTP weights)."""
     with dg.compile_model(target_dir, head, config(drafter_kind="mtp")) as eng:
-        want, accepted = tokens(eng, prompts), eng.stats()["accepted_tokens"]
-    for draft_tp in draft_tps:
-        cfg = config(drafter_kind="mtp", tensor_parallel_size=2, draft_tensor_parallel_size=draft_tp)
-        with dg.compile_model(target_dir, head, cfg) as eng:
-            assert tokens(eng, prompts) == want, draft_tp
-            every = check_ranks(eng, 2)
-        assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == accepted, draft_tp
+        return tokens(eng, prompts), eng.stats()["accepted_tokens"]
+
+
+def _head_over_tp2(target_dir: str, head, prompts, want: tuple[list[list[int]], int], draft_tp: int) -> None:
+    """`head` over the target at TP 2, split (draft TP 2) or replicated (draft TP 1): tokens and accepted drafts
+    equal the one-GPU engine's (`want`)."""
+    cfg = config(drafter_kind="mtp", tensor_parallel_size=2, draft_tensor_parallel_size=draft_tp)
+    with dg.compile_model(target_dir, head, cfg) as eng:
+        assert tokens(eng, prompts) == want[0], draft_tp
+        every = check_ranks(eng, 2)
+    assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == want[1], draft_tp
 
 
 def test_deepseek_v32_mtp_over_tp2_equals_one_gpu(tmp_path):
@@ -215,19 +218,29 @@ def test_deepseek_v32_mtp_over_tp2_equals_one_gpu(tmp_path):
     hf = tiny_v32_model()
     hf.save_pretrained(tmp_path)
     head = module_from_state_dict(mtp_weights(CausalLM.from_hf(hf)))
-    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS, draft_tps=(2,))
+    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS, _one_gpu_head(str(tmp_path), head, SMALL_PROMPTS), 2)
 
 
-def test_qwen3_5_mtp_over_tp2_equals_one_gpu(tmp_path):
-    """Qwen3.5 (Gated DeltaNet + gated attention) with its MTP head (random `mtp.*` weights), draft TP 2 and 1."""
+@pytest.fixture(scope="module")
+def qwen3_5_mtp(tmp_path_factory):
+    """Qwen3.5 (Gated DeltaNet + gated attention) saved, its MTP head (random `mtp.*` weights) and the one-GPU
+    engine's result: shared by the two draft TPs (each test then builds one TP 2 engine: three engines in one test
+    did not finish inside a 10-minute device call)."""
     from draftgraph.models.drafters.qwen3_5_mtp import random_mtp_weights
     from tests.test_qwen3_5 import tiny_qwen3_5
 
+    root = tmp_path_factory.mktemp("qwen3_5_mtp")
     hf = tiny_qwen3_5()
-    hf.save_pretrained(tmp_path)
-    cfg = CausalLM.from_hf(hf).cfg
-    head = module_from_state_dict(random_mtp_weights(cfg, torch.Generator().manual_seed(3)))
-    _head_over_tp2(str(tmp_path), head, SMALL_PROMPTS)
+    hf.save_pretrained(root)
+    head = module_from_state_dict(random_mtp_weights(CausalLM.from_hf(hf).cfg, torch.Generator().manual_seed(3)))
+    return str(root), head, _one_gpu_head(str(root), head, SMALL_PROMPTS)
+
+
+@pytest.mark.parametrize("draft_tp", [2, 1])
+def test_qwen3_5_mtp_over_tp2_equals_one_gpu(qwen3_5_mtp, draft_tp):
+    """Qwen3.5 with its MTP head over TP 2, the head split (draft TP 2) and replicated (draft TP 1)."""
+    root, head, want = qwen3_5_mtp
+    _head_over_tp2(root, head, SMALL_PROMPTS, want, draft_tp)
 
 
 # ------------------------------------------------------------------------------------------------------- a dead rank
