@@ -266,8 +266,12 @@ def adaptive_bench(target, drafter, args, device) -> None:
                 unit = "ms" if device.type == "cuda" else "(the target's bytes, x 1e3: no graphs timed here)"
                 text = ", ".join(f"K={kk}: {t * 1e3:.3f} {unit} x {e:.2f} tokens" if t else f"K={kk}: no time"
                                  for kk, (t, e) in view.items())  # fmt: skip
+                st, pb = eng.step_times, eng.step_times.bucket(b)
+                startup = ", ".join(f"K={kk} {st.measured[kk, pb] * 1e3:.3f} ms + {st.per_token[kk, pb] * 1e6:.2f} us/t"
+                                    for kk in ctl.ks if (kk, pb) in st.measured)  # fmt: skip
                 print(f"      controller at B={b}, mean cached {ctx:.0f}: {text}; acceptance rates "
-                      f"{[round(a, 3) for a in ctl.rates]}", flush=True)  # fmt: skip
+                      f"{[round(a, 3) for a in ctl.rates]}; start-up at {pb} rows: {startup or 'none'}; steady "
+                      f"offset {st.offset.get(pb, 0.0) * 1e3:+.3f} ms", flush=True)  # fmt: skip
     for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
         fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
         if f"adaptive{suffix}" not in variants:

@@ -129,21 +129,33 @@ def test_controller_margin_and_unknown_times():
     assert ctl.choose(64) == 4  # no measured time for this batch: the largest K, as "fixed"
 
 
-def test_calibration_moves_the_choice():
+def test_calibration_moves_every_k_of_the_batch_size():
     """Start-up's step times at batch 128 (an H200, the 1B pair: K = 0 1.39 ms + 1.26 us a cached token, K = 2 3.22
-    + 2.92, K = 4 4.92 + 4.85) favour K = 2 at 2.5 tokens a step; steady K = 2 steps that take 4.2 ms (the host's
-    share at 128 requests) move its entry alone, and K = 0 wins."""
+    + 2.92, K = 4 4.92 + 4.85). Steady K = 2 steps that take 4.2 ms (the host's share at 128 requests) move the
+    offset of their padded size, which every K's time at that size carries (K = 0's too, though none ran: an entry
+    of its own per K stayed where a stall had put it while its K did not run); another size keeps its entries. A
+    stall (one step 40x the rest) moves nothing (the median of the window)."""
     st = StepTimes((64, 128), None, None)
     for k, t, per in ((0, 1.39e-3, 1.26e-6), (2, 3.22e-3, 2.92e-6), (4, 4.92e-3, 4.85e-6)):
         st.measured[(k, 128)], st.per_token[(k, 128)] = t, per
+        st.measured[(k, 64)], st.per_token[(k, 64)] = t / 2, per
     ctl = AdaptiveK((0, 2, 4), st)
     ctl.rates = [0.85, 0.76, 0.7, 0.7]
     assert ctl.choose(100, 128.0) == 2  # (bucket 128)
     for _ in range(10):
         st.calibrate(2, 100, 4.2e-3, 128.0)
-    assert ctl.choose(100, 128.0) == 0
-    assert set(st.scale) == {(2, 128)} and st.scale[(2, 128)] > 1.1
-    assert st(0, 128, 128.0) == pytest.approx(1.39e-3 + 128 * 1.26e-6)  # K = 0's entry as measured
+    extra = 4.2e-3 - (3.22e-3 + 128 * 2.92e-6)
+    assert st.offset == {128: pytest.approx(extra)}
+    assert st(0, 128, 128.0) == pytest.approx(1.39e-3 + 128 * 1.26e-6 + extra)
+    assert st(2, 100, 128.0) == pytest.approx(4.2e-3)
+    assert st(0, 64, 128.0) == pytest.approx(1.39e-3 / 2 + 128 * 1.26e-6)  # another size: as measured
+    assert ctl.choose(100, 128.0) == 2  # 2.50 tokens in 4.2 ms against 1 in 1.99: K = 2 still
+    st.calibrate(0, 100, 40 * 4.2e-3, 128.0)  # a stall
+    assert st.offset[128] == pytest.approx(extra)
+    for _ in range(20):  # steps 0.8 ms faster than their entries: the offset follows (a time stays above 1/4)
+        st.calibrate(0, 100, 1.39e-3 + 128 * 1.26e-6 - 0.8e-3, 128.0)
+    assert st.offset[128] == pytest.approx(-0.8e-3)
+    assert st(0, 128, 128.0) > 0.25 * 1.39e-3
 
 
 def test_finish_time_follows_the_slowest_requests_and_the_tokens_left():
@@ -306,8 +318,8 @@ def test_forced_k_cycle_catches_the_draft_model_up(hf, target, want, monkeypatch
     eng.step_times.measured.update({(k, b): 1.0 for k in (0, 2, 3) for b in sizes})
     got = [o.token_ids for o in eng.generate(*workload())]
     assert got == want
-    scales = eng.step_times.scale  # (K, batch) -> observed / modelled (1 s modelled against the CPU's steps)
-    assert {k for k, b in scales} == {0, 2, 3} and all(0 < x < 0.9 for x in scales.values()), scales
+    offsets = eng.step_times.offset  # padded size -> observed less modelled (1 s modelled against the CPU's steps)
+    assert offsets and all(-1.0 < x < -0.1 for x in offsets.values()), offsets
     real = [(k, a) for k, acc in seen if k for a in acc]
     assert len(real) > 20 and all(a == k for k, a in real)  # every real draft accepted (padded ones not observed)
     s = eng.stats()["speculation"]

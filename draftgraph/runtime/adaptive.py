@@ -7,9 +7,10 @@ The choice maximises expected tokens per second for the step's batch:
 
 `time` is `StepTimes`, a table per (K, padded request count) of a step's time on real rows as a line in the
 requests' cached length: measured on the captured one-graph step graphs at start-up, every row a request at two
-cached lengths (runtime/warmup.py), and scaled by the step times observed in steady, overlapped decoding
-(`calibrate`, from runtime/engine.py); or, where nothing is captured (the CPU), estimated from the bytes each K
-reads (the target's weights once, the drafter's once per draft), which is what a decode step is bound by.
+cached lengths (runtime/warmup.py), plus an offset per padded size from the step times observed in steady,
+overlapped decoding at any K (`calibrate`, from runtime/engine.py); or, where nothing is captured (the CPU),
+estimated from the bytes each K reads (the target's weights once, the drafter's once per draft), which is what a
+decode step is bound by.
 
 While no request waits to join (runtime/engine.py passes `left`), the batch ends with its last request, and K is
 chosen among the K > 0 for the least expected time to finish the batch instead (`finish_time`): request i with r_i
@@ -48,7 +49,8 @@ flapping (every change of K costs one step without overlap, and a return from K 
 from __future__ import annotations
 
 import math
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from statistics import NormalDist
 
@@ -287,19 +289,24 @@ class AdaptiveK:
 class StepTimes:
     """Seconds of a decode step per (K, padded request count) as a line in the requests' mean cached length, the
     controller's `step_time`: `measured` (the step at cached length 0, every row a request) and `per_token` (its
-    slope) filled at start-up on the captured one-graph steps (runtime/warmup.py), times a `scale` per entry moved
-    toward the ratio of the step times observed in steady decoding to them (`calibrate`: what the start-up's rows
-    lack, such as the host's share of a step with many requests, which grows with K). An entry no step has run keeps
-    the start-up's time. Without measurements (no CUDA graphs),
-    estimated from the bytes a step reads (the target's weights once, the drafter's once per draft), in units of the
-    target's bytes, whatever the batch."""
+    slope) filled at start-up on the captured one-graph steps (runtime/warmup.py), plus an `offset` per padded size
+    shared by every K: the median of the last `window` residuals (a steady step's observed time less its entry's)
+    of steps at any K (`calibrate`: what the start-up's rows lack, the host's share of a step with many requests).
+    Shared, because an entry of its own per K was corrected only while its K ran: one that read too high kept its
+    K from running and stayed so (an H100, 2026-11-28: with nothing accepted, batch 32 ran K = 4 throughout, 0.47 of
+    plain's tokens/s, K = 0's time read 2.5x plain's step). The median: a stall (a collection, another process's
+    burst) moves it by one sample at most.
+    Without measurements (no CUDA graphs), estimated from the bytes a step reads (the target's weights once, the
+    drafter's once per draft), in units of the target's bytes, whatever the batch."""
 
-    def __init__(self, full_sizes: tuple[int, ...], target, drafter):
+    def __init__(self, full_sizes: tuple[int, ...], target, drafter, window: int = 15):
         self.sizes = tuple(sorted(full_sizes))
         self._bucket = [next((s for s in self.sizes if s >= b), None) for b in range(max(self.sizes, default=0) + 1)]
         self.measured: dict[tuple[int, int], float] = {}
         self.per_token: dict[tuple[int, int], float] = {}
-        self.scale: dict[tuple[int, int], float] = {}  # observed / modelled step time
+        self.offset: dict[int, float] = {}  # padded size -> seconds a steady step takes past its entry (any K)
+        self._residuals: dict[int, deque] = {}
+        self.window = window
         t = param_bytes(target)
         self.t_target, self.t_draft = t, param_bytes(drafter) or t // 50  # (the n-gram drafter: its lookup)
 
@@ -314,19 +321,18 @@ class StepTimes:
         t = self.measured.get((k, b))
         if t is None:
             return None
-        return (t + self.per_token.get((k, b), 0.0) * ctx) * self.scale.get((k, b), 1.0)
+        return max(t + self.per_token.get((k, b), 0.0) * ctx + self.offset.get(b, 0.0), 0.25 * t)
 
-    def calibrate(self, k: int, batch: int, seconds: float, ctx: float = 0.0, weight: float = 0.2) -> None:
-        """One steady step's time at K for `batch` requests of `ctx` cached tokens on average: the entry's scale
-        moves toward its ratio to the model's time."""
+    def calibrate(self, k: int, batch: int, seconds: float, ctx: float = 0.0) -> None:
+        """One steady step's time at K for `batch` requests of `ctx` cached tokens on average: its residual against
+        the entry joins the padded size's window, whose median is the size's offset."""
         b = self.bucket(batch)
         t = self.measured.get((k, b))
         if t is None:
             return
-        model = t + self.per_token.get((k, b), 0.0) * ctx
-        if model > 0:
-            s = self.scale.get((k, b), 1.0)
-            self.scale[(k, b)] = s + weight * (seconds / model - s)
+        window = self._residuals.setdefault(b, deque(maxlen=self.window))
+        window.append(seconds - (t + self.per_token.get((k, b), 0.0) * ctx))
+        self.offset[b] = statistics.median(window)
 
 
 def param_bytes(module) -> int:

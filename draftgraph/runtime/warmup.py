@@ -206,7 +206,7 @@ def warm_up_and_capture(engine, lazy: bool | None = None, largest_only: bool = F
 
 
 def measure_step_times(engine, runs: int = 5, max_context: int = 2048, timer=None, captured_only: bool = True) -> str:
-    """Adaptive speculation's cost model (runtime/adaptive.py): the median time of each K's greedy one-graph step at
+    """Adaptive speculation's cost model (runtime/adaptive.py): the least time of each K's greedy one-graph step at
     every FULL request count, every row a request (real rows read and write KV; padding rows do neither, and made the
     larger K look cheaper than they are), at cached length 0 and at the longest that fits (up to `max_context`), into
     `engine.step_times` (`measured`, `per_token`); returns a report fragment. Run once the KV cache has its size and
@@ -257,7 +257,7 @@ def measure_step_times(engine, runs: int = 5, max_context: int = 2048, timer=Non
                     x["valid"][:b] = 1
 
                 run = functools.partial(view.forwards.step, key, x, fn)
-                at[ctx] = _median_time(run, x, b, ctx, runs, timer)
+                at[ctx] = _least_time(run, x, b, ctx, runs, timer)
             times[(k, b)] = at[0]
             slopes[(k, b)] = max(0.0, (at[top] - at[0]) / top) if top in at and top > 0 else 0.0
             x["valid"][:b] = 0
@@ -282,8 +282,9 @@ def measure_step_times(engine, runs: int = 5, max_context: int = 2048, timer=Non
     return f"; adaptive speculation: step times of {len(times)} (K, batch) graphs measured ({per_k} at batch {top})"
 
 
-def _median_time(run, x: dict, b: int, ctx: int, runs: int, timer) -> float:
-    """The median seconds of `run` (a step of `b` rows at cached length `ctx`) after one untimed call; each call
+def _least_time(run, x: dict, b: int, ctx: int, runs: int, timer) -> float:
+    """The least seconds of `run` (a step of `b` rows at cached length `ctx`) over `runs` after one untimed call (a
+    replay's time only grows with what else runs: the compile threads of start-up, the host); each call
     from the same inputs (the step advances its own lengths and tokens)."""
     samples = []
     for i in range(runs + 1):
@@ -292,7 +293,7 @@ def _median_time(run, x: dict, b: int, ctx: int, runs: int, timer) -> float:
         t = timer(run)
         if i:
             samples.append(t)
-    return sorted(samples)[runs // 2]
+    return min(samples)
 
 
 def _cuda_time(fn) -> float:
