@@ -9,7 +9,8 @@
 #   bash scripts/bench_suite.sh tier         the GPU test tier (scripts/gpu_tier.sh, one process)
 #   bash scripts/bench_suite.sh cpu          the CPU rows (prefill against transformers, import, metadata build)
 #   bash scripts/bench_suite.sh multi        2+ GPUs: the all-reduce sweep, the 8B shape at TP 1 / 2 (/ 4 with four GPUs)
-#   bash scripts/bench_suite.sh multitier    2+ GPUs: the multi-GPU tests (with four GPUs two halves at once, on two pairs)
+#   bash scripts/bench_suite.sh multitier    2+ GPUs: the multi-GPU tests (four GPUs: both halves at once; two: half a)
+#   bash scripts/bench_suite.sh multitier_b  2+ GPUs: the multi-GPU tests' second half (DeepSeek, Qwen3.5)
 #   bash scripts/bench_suite.sh all          every group in turn (several 10-minute calls' worth)
 # Several groups may be named: `bash scripts/bench_suite.sh default kernels`.
 # BUDGET (default 560 s per group): a step that would start past it is skipped; a step's timeout is cut to
@@ -90,21 +91,32 @@ multi_group() {  # tensor parallelism (docs/performance.md "Tensor parallelism")
   fi
 }
 
-multitier_group() {  # the multi-GPU tests; with four GPUs the Llama half and the DeepSeek / Qwen3.5 half at once
-  local n files=(tests/gpu/test_multi_gpu_cuda.py tests/gpu/test_push_all_reduce_cuda.py)
-  local common=(-q -p no:cacheprovider --tb=short --durations=0)
+MULTI_A=(tests/gpu/test_multi_gpu_cuda.py tests/gpu/test_push_all_reduce_cuda.py tests/gpu/test_fused_all_reduce_cuda.py)
+MULTI_A_K="not deepseek and not qwen3_5"   # Llama-3 + draft model, DP 2, EAGLE-3, fused, a killed rank, our kernels
+MULTI_B_K="deepseek or qwen3_5"            # DeepSeek-V3 / V3.2 + MTP, expert parallelism, Qwen3.5-MoE, Qwen3.5 + MTP
+multitier_group() {  # the multi-GPU tests: with four GPUs both halves at once on two pairs; with two, half a only
+  local n common=(-q -p no:cacheprovider --tb=short --durations=0)
   n=$(gpus)
   if [ "$n" -lt 2 ]; then echo "multitier: needs two GPUs or more ($n here)"; return; fi
   fresh
   if [ "$n" -ge 4 ]; then
-    CUDA_VISIBLE_DEVICES=2,3 timeout $((BUDGET - 20)) python3 -m pytest "${common[@]}" "${files[0]}" \
-      -k "deepseek or qwen3_5" >"$OUT/multitier_b.log" 2>&1 &
-    TAIL=20 step multitier_a "$BUDGET" env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest "${common[@]}" "${files[@]}" \
-      -k "not deepseek and not qwen3_5"
+    CUDA_VISIBLE_DEVICES=2,3 timeout $((BUDGET - 20)) python3 -m pytest "${common[@]}" "${MULTI_A[0]}" \
+      -k "$MULTI_B_K" >"$OUT/multitier_b.log" 2>&1 &
+    TAIL=20 step multitier_a "$BUDGET" env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest "${common[@]}" "${MULTI_A[@]}" \
+      -k "$MULTI_A_K"
     wait; echo "== multitier_b (GPUs 2,3):"; tail -"${TAIL:-20}" "$OUT/multitier_b.log"
-  else
-    TAIL=25 step multitier "$BUDGET" python3 -m pytest "${common[@]}" "${files[@]}"
+  else  # the whole set takes about 10 minutes on two GPUs: the other half is group multitier_b, in the next call
+    TAIL=25 step multitier_a "$BUDGET" python3 -m pytest "${common[@]}" "${MULTI_A[@]}" -k "$MULTI_A_K"
+    echo "multitier: half a only on $n GPUs; run group multitier_b in another call"
   fi
+}
+
+multitier_b_group() {  # the multi-GPU tests' second half (two GPUs)
+  local n; n=$(gpus)
+  if [ "$n" -lt 2 ]; then echo "multitier_b: needs two GPUs or more ($n here)"; return; fi
+  fresh
+  TAIL=25 step multitier_b "$BUDGET" python3 -m pytest -q -p no:cacheprovider --tb=short --durations=0 "${MULTI_A[0]}" \
+    -k "$MULTI_B_K"
 }
 
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(default)
@@ -112,7 +124,7 @@ groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(default)
 [ "${groups[0]}" = cpu ] || versions
 for g in "${groups[@]}"; do
   case $g in
-    default|kernels|models|tier|cpu|multi|multitier) echo "=== group $g"; group_start=$SECONDS; "${g}_group" ;;
+    default|kernels|models|tier|cpu|multi|multitier|multitier_b) echo "=== group $g"; group_start=$SECONDS; "${g}_group" ;;
     *) echo "unknown group '$g' (default, kernels, models, tier, cpu, multi, multitier, all)"; exit 2 ;;
   esac
 done
