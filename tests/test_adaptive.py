@@ -117,6 +117,43 @@ def test_probes_stay_within_budget_when_nothing_is_accepted():
     assert extra <= 0.01 * zero_time, (extra, zero_time)
 
 
+def test_observe_counts_by_their_definition():
+    """`observe` written for the host's time (one comprehension a request, rates from a count of requests by drafts
+    accepted) equals its definition, bit for bit, over random steps at every K: a request's counts fade by the decay,
+    then gain 1 at each position it reached (0..a, below K) and at each it accepted (0..a - 1); position i's rate
+    moves toward (requests accepting more than i) / (requests accepting at least i), stopping at the first position
+    none reached; the positions past K drift toward position K - 1's rate."""
+    import random
+
+    rng = random.Random(7)
+    fast = AdaptiveK((0, 2, 3, 5), lambda *a: 1.0)
+    n, d = 5, fast.request_decay
+    rates, counts_ref = list(fast.rates), [[] for _ in range(40)]
+    counts = [[] for _ in range(40)]
+    for step in range(300):
+        k = rng.choice((2, 3, 5))
+        rows = rng.sample(range(40), rng.randint(1, 40))
+        accepted = [rng.choice([0, 0, 1, k, k, rng.randint(0, k)]) for _ in rows]
+        if step % 50 == 0:
+            accepted = [0] * len(rows)  # no position past 0 reached
+        fast.observe(k, accepted, [counts[r] for r in rows])
+        for a, r in zip(accepted, rows):  # the definition
+            c = counts_ref[r]
+            c[:] = [x * d for x in c] if c else [0.0] * (2 * n)
+            for i in range(min(a + 1, k)):
+                c[n + i] += 1.0
+            for i in range(min(a, k)):
+                c[i] += 1.0
+        for i in range(k):
+            reached = sum(1 for a in accepted if a >= i)
+            if not reached:
+                break
+            rates[i] += fast.ema * (sum(1 for a in accepted if a > i) / reached - rates[i])
+        for i in range(k, n):
+            rates[i] += fast.ema * (rates[k - 1] - rates[i])
+        assert fast.rates == rates and counts == counts_ref, step
+
+
 def test_controller_margin_and_unknown_times():
     times = {0: 1.0, 2: 1.5, 4: 2.0}
     ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k] if b <= 8 else None, margin=0.05)

@@ -92,6 +92,7 @@ class AdaptiveK:
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
+        self._adds: dict[int, list[list[float]]] = {}  # K -> per drafts accepted, a request's counts' increments
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -256,22 +257,34 @@ class AdaptiveK:
         (accepted, reached) counts per position (an empty list at first, filled here), fading by `request_decay`."""
         if not k or not accepted:
             return
-        if counts is not None:
-            n, d = self.k_max, self.request_decay
+        if counts is not None:  # one comprehension a request (the host's time a step at B = 128 counts)
+            d, add = self.request_decay, self._increments(k)
             for a, c in zip(accepted, counts):
-                c[:] = [x * d for x in c] if c else self._no_counts
-                for i in range(min(a + 1, k)):  # reached: positions 0..a (below K); accepted: 0..a - 1
-                    c[n + i] += 1.0
-                for i in range(min(a, k)):
-                    c[i] += 1.0
+                c[:] = [x * d + y for x, y in zip(c, add[min(a, k)])] if c else add[min(a, k)]
+        at = [0] * (k + 1)  # requests by drafts accepted
+        for a in accepted:
+            at[min(a, k)] += 1
+        reached = len(accepted)  # requests that accepted at least i drafts
         for i in range(k):
-            reached = sum(1 for a in accepted if a >= i)
             if not reached:
                 break
-            got = sum(1 for a in accepted if a > i)
+            got = reached - at[i]  # ... at least i + 1
             self.rates[i] += self.ema * (got / reached - self.rates[i])
+            reached = got
         for i in range(k, self.k_max):  # positions this K does not reach drift toward its last one's rate
             self.rates[i] += self.ema * (self.rates[k - 1] - self.rates[i])
+
+    def _increments(self, k: int) -> list[list[float]]:
+        """Per drafts accepted a (0..K) at K: what a request's counts gain, accepted positions 0..a - 1 and reached
+        positions 0..a, below K (the layout of `observe`'s counts: accepted per position, then reached)."""
+        add = self._adds.get(k)
+        if add is None:
+            n = self.k_max
+            add = self._adds[k] = [
+                [float(i < min(a, k)) for i in range(n)] + [float(i < min(a + 1, k)) for i in range(n)]
+                for a in range(k + 1)
+            ]
+        return add
 
     def stats(self) -> dict:
         return {
