@@ -91,6 +91,7 @@ class AdaptiveK:
         self.sizes = tuple(sorted(sizes))
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
+        self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
         self._adds: dict[int, list[list[float]]] = {}  # K -> per drafts accepted, a request's counts' increments
 
@@ -197,18 +198,27 @@ class AdaptiveK:
         c): the sum over c of step_time(K, c) x (the c-th largest n - the (c+1)-th). `ahead`: the K of a step
         launched but not read yet; its expected tokens are taken off r_i first."""
         b = len(left)
+        cuts, rows, z = self._cuts(b)
+        times = [self.step_time(k, c, ctx) for c in cuts]
+        if not all(times):
+            return None
         mean, sd = self.steps_left(k, left, ahead, table)
-        order = np.argsort(-mean, kind="stable")
+        i = np.argsort(-mean, kind="stable")[rows]  # the c-th longest request for each c of `cuts`
         # the sum by parts: n_c x (step_time(K, c) - step_time(K, c - 1)), nonzero at c = 1 and past each padded size
         total, prev = 0.0, 0.0
-        for c in (1, *(s + 1 for s in self.sizes if s < b)):
-            t = self.step_time(k, c, ctx)
-            if not t:
-                return None
-            i = order[c - 1]
-            total += max(float(mean[i] + self._order_z(c, b) * sd[i]), 0.0) * (t - prev)
+        for n, t in zip(np.maximum(mean[i] + z * sd[i], 0.0).tolist(), times):
+            total += n * (t - prev)
             prev = t
         return total
+
+    def _cuts(self, b: int) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+        """For a batch of b requests: the request counts c where a step's padded size changes (1, and one past each
+        padded size below b), their rows (c - 1) and z(c, b)."""
+        got = self._cut.get(b)
+        if got is None:
+            cuts = (1, *(s + 1 for s in self.sizes if s < b))
+            got = self._cut[b] = (cuts, np.array([c - 1 for c in cuts]), np.array([self._order_z(c, b) for c in cuts]))
+        return got
 
     def _order_z(self, c: int, b: int) -> float:
         """The expected c-th largest of b standard normals (Blom's approximation)."""
