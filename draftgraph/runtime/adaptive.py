@@ -318,7 +318,7 @@ class StepTimes:
     Shared, because an entry of its own per K was corrected only while its K ran: one that read too high kept its
     K from running and stayed so (an H100, 2026-11-28: with nothing accepted, batch 32 ran K = 4 throughout, 0.47 of
     plain's tokens/s, K = 0's time read 2.5x plain's step). The median: a stall (a collection, another process's
-    burst) moves it by one sample at most.
+    burst) moves it by one sample at most. A time never falls below a quarter of its entry.
     Without measurements (no CUDA graphs), estimated from the bytes a step reads (the target's weights once, the
     drafter's once per draft), in units of the target's bytes, whatever the batch."""
 
