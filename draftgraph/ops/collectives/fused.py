@@ -36,14 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.collectives import op as _collectives  # noqa: F401  (the all_reduce op, the fallback's)
 from draftgraph.ops.collectives.peer import peer_for
-from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait
+from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait, send_to_peers
 from draftgraph.ops.launch import launch
 from draftgraph.ops.linear.op import check_norm_linear
-from draftgraph.ops.linear.triton_gemv import GemvConfig, _silu_mul, choose_config
+from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, norm_rstd, normed_dot, row_gemv, store_columns
 from draftgraph.ops.registry import custom_op
 
 ARM = 256  # elements a reader program re-arms at once
@@ -55,29 +54,12 @@ def _gemv_lamport_kernel(x, w, y, rows, deltas, state, N, K, swn, RANK: tl.const
                          SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
     """`_gemv_kernel` (one row, no bias) whose epilogue also stores its columns into every peer's fused row
     [e % 3][RANK] (-0.0 as +0.0)."""
-    pid = tl.program_id(0)
     e = tl.load(state, cache_modifier=".cg") + 1
     slot = e % 3
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_rows = w + cols.to(tl.int64)[:, None] * swn
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < K
-        wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        xv = tl.load(x + kk, mask=k_ok, other=0.0)
-        if SILU_MUL:
-            xv = _silu_mul(xv, tl.load(x + K + kk, mask=k_ok, other=0.0), ACCURATE)
-        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1).to(y.dtype.element_ty)
+    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE)
+    out = out.to(y.dtype.element_ty)
     tl.store(y + cols, out, mask=col_ok)
-    out = tl.where(out == 0, tl.zeros_like(out), out)
-    for i in tl.static_range(1, WORLD):
-        p = (RANK + i) % WORLD
-        row = tl.load(deltas + p) * UNIT + (slot * WORLD + RANK) * ROW
-        tl.store(rows + row + cols, out, mask=col_ok)
+    send_to_peers(rows, deltas, cols, tl.where(out == 0, tl.zeros_like(out), out), col_ok, slot, RANK, WORLD, ROW, UNIT)
 
 
 @triton.jit
@@ -108,10 +90,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
             v = lamport_wait(ptrs, in_row, WIDE)
             acc += v.to(tl.float32)
     sv = (acc.to(dt).to(tl.float32) + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)
-    sf = sv.to(tl.float32)
-    rstd = triton_math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps, ACCURATE)
-    if pid == 0:
-        tl.store(s_out + whole, sv, mask=in_row)
+    rstd = norm_rstd(sv, s_out, whole, in_row, K, eps, ACCURATE)
     # 2. this program's columns, the summed row remade chunk by chunk (the rows are there: read through L2)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -129,14 +108,8 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
                 a += tl.load(rows + (slot * WORLD + src) * ROW + kk, mask=k_ok, other=0.0,
                              cache_modifier=".cg").to(tl.float32)  # fmt: skip
         sk = (a.to(dt).to(tl.float32) + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
-        nk = (sk.to(tl.float32) * rstd).to(dt)
-        nk = (tl.load(nw + kk, mask=k_ok, other=0.0).to(tl.float32) * nk.to(tl.float32)).to(dt)
-        wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        out += wt.to(tl.float32) * nk.to(tl.float32)[None, :]
-    res = tl.sum(out, axis=1)
-    if HAS_BIAS:
-        res += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(y + cols, res.to(dt), mask=col_ok)
+        out = normed_dot(out, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
+    store_columns(tl.sum(out, axis=1), b, y, cols, col_ok, HAS_BIAS)
     # 3. re-arm the previous call's rows (its reader has ended), spread over this call's programs
     step = tl.num_programs(0) * ARM_BLOCK
     for k0 in range(pid * ARM_BLOCK, prev_n, step):

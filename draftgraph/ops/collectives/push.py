@@ -129,6 +129,27 @@ class PushLayout:
 
 
 @triton.jit
+def send_to_peers(rows, deltas_ptr, offs, x, mask, slot, RANK: tl.constexpr, WORLD: tl.constexpr, ROW: tl.constexpr,
+                  UNIT: tl.constexpr):  # fmt: skip
+    """x (at offs) into every peer's row [slot][RANK] of `rows` (this rank's view of its region's first row:
+    `deltas_ptr` [W] moves it to rank p's, in 256-byte units of UNIT elements)."""
+    for i in tl.static_range(1, WORLD):
+        p = (RANK + i) % WORLD
+        row = tl.load(deltas_ptr + p) * UNIT + (slot * WORLD + RANK) * ROW
+        tl.store(rows + row + offs, x, mask=mask)
+
+
+@triton.jit
+def end_call(state_ptr, e):
+    """The call's last program to arrive here ends it: the arrivals back to 0, the epoch to e (the next launch
+    reads it)."""
+    arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr, e)
+
+
+@triton.jit
 def _push_all_reduce(
     x_ptr,
     out_ptr,
@@ -152,11 +173,7 @@ def _push_all_reduce(
     for off in range(start, start + chunk, BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK), BLOCK)
         mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask)
-        for i in tl.static_range(1, WORLD):
-            p = (RANK + i) % WORLD
-            row = tl.load(deltas_ptr + p) * UNIT + (slot * WORLD + RANK) * ROW
-            tl.store(data_ptr + row + offs, x, mask=mask)
+        send_to_peers(data_ptr, deltas_ptr, offs, tl.load(x_ptr + offs, mask=mask), mask, slot, RANK, WORLD, ROW, UNIT)
     tl.debug_barrier()  # every thread's stores before the release below
     # 2. signal: e into every peer's flags[pid][RANK]
     for i in tl.static_range(1, WORLD):
@@ -182,11 +199,7 @@ def _push_all_reduce(
                 row = (slot * WORLD + src) * ROW
                 acc += tl.load(data_ptr + row + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
-    # 5. the last program here ends the call: the next launch reads epoch e
-    arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, e)
+    end_call(state_ptr, e)  # 5.
 
 
 @triton.jit
@@ -242,10 +255,7 @@ def _lamport_all_reduce(
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask)
         x = tl.where(x == 0, tl.zeros_like(x), x)
-        for i in tl.static_range(1, WORLD):
-            p = (RANK + i) % WORLD
-            row = tl.load(deltas_ptr + p) * UNIT + (slot * WORLD + RANK) * ROW
-            tl.store(data_ptr + row + offs, x, mask=mask)
+        send_to_peers(data_ptr, deltas_ptr, offs, x, mask, slot, RANK, WORLD, ROW, UNIT)
     # 2. wait until the peers' rows hold no sentinel, sum in rank order, re-arm the rows with the sentinel
     for off in range(start, start + chunk, BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK), BLOCK)
@@ -260,11 +270,7 @@ def _lamport_all_reduce(
                 acc += v.to(tl.float32)
                 tl.store(ptrs, sentinel, mask=mask)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
-    # 3. the last program here ends the call: the next launch reads epoch e
-    arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, e)
+    end_call(state_ptr, e)  # 3.
 
 
 class PushAllReduce:

@@ -96,12 +96,12 @@ def _silu_mul_kernel(x, y, M, INTER, sxm, BLOCK: tl.constexpr, ACCURATE: tl.cons
 
 
 @triton.jit
-def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
-    """One row: products summed elementwise in float32 over K's chunks, reduced once at the end. SILU_MUL: the
-    row is silu(x[:K]) * x[K:2K] (a SwiGLU's gate and up halves), made as it is loaded."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
+def row_gemv(x, w, N, K, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+             ACCURATE: tl.constexpr):  # fmt: skip
+    """This program's BLOCK_N columns of one row's product: (cols, col_ok, their float32 sums), the products summed
+    elementwise in float32 over K's chunks and reduced once. SILU_MUL: the row is silu(x[:K]) * x[K:2K] (a
+    SwiGLU's gate and up halves), made as it is loaded. `_gemv_kernel`'s body, and fused.py's writer's."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -114,10 +114,46 @@ def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.cons
         if SILU_MUL:
             xv = _silu_mul(xv, tl.load(x + K + kk, mask=k_ok, other=0.0), ACCURATE)
         acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
+    return cols, col_ok, tl.sum(acc, axis=1)
+
+
+@triton.jit
+def store_columns(out, b, y, cols, col_ok, HAS_BIAS: tl.constexpr):
+    """The float32 sums `out` (+ the bias's columns) rounded once to y's dtype, stored at y's columns."""
     if HAS_BIAS:
         out += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y + cols, out.to(y.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def norm_rstd(sv, s_out, whole, in_row, K, eps, ACCURATE: tl.constexpr):
+    """The RMS norm's 1 / rms of the summed row sv (x's dtype, the whole row in every program: small, in L2);
+    program 0 stores sv, the new residual."""
+    sf = sv.to(tl.float32)
+    rstd = triton_math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps, ACCURATE)
+    if tl.program_id(0) == 0:
+        tl.store(s_out + whole, sv, mask=in_row)
+    return rstd
+
+
+@triton.jit
+def normed_dot(acc, sk, rstd, nw, w_rows, kk, k_ok, col_ok):
+    """acc plus one K chunk of the normalised row against this program's weight rows: sk, the summed row's chunk
+    (x's dtype), normalised with ops/norm's roundings (the normalised chunk and its product with the norm weight
+    each rounded to that dtype)."""
+    dt = sk.dtype
+    nk = (sk.to(tl.float32) * rstd).to(dt)
+    nk = (tl.load(nw + kk, mask=k_ok, other=0.0).to(tl.float32) * nk.to(tl.float32)).to(dt)
+    wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return acc + wt.to(tl.float32) * nk.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
+    """One row (`row_gemv`), + bias, rounded once."""
+    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE)
+    store_columns(out, b, y, cols, col_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -127,17 +163,13 @@ def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.con
     row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
     made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
     each rounded to x's dtype)."""
-    pid = tl.program_id(0)
     dt = x.dtype.element_ty
     whole = tl.arange(0, ROW)
     in_row = whole < K
     sv = (tl.load(x + whole, mask=in_row, other=0.0).to(tl.float32)
           + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
-    sf = sv.to(tl.float32)
-    rstd = triton_math.rsqrt(tl.sum(sf * sf, axis=0) / K + eps, ACCURATE)
-    if pid == 0:
-        tl.store(s_out + whole, sv, mask=in_row)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rstd = norm_rstd(sv, s_out, whole, in_row, K, eps, ACCURATE)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -147,14 +179,8 @@ def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.con
         k_ok = kk < K
         sk = (tl.load(x + kk, mask=k_ok, other=0.0).to(tl.float32)
               + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
-        nk = (sk.to(tl.float32) * rstd).to(dt)
-        nk = (tl.load(nw + kk, mask=k_ok, other=0.0).to(tl.float32) * nk.to(tl.float32)).to(dt)
-        wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += wt.to(tl.float32) * nk.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        out += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(y + cols, out.to(dt), mask=col_ok)
+        acc = normed_dot(acc, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
+    store_columns(tl.sum(acc, axis=1), b, y, cols, col_ok, HAS_BIAS)
 
 
 def add_rms_norm_gemv_triton(
