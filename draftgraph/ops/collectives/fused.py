@@ -41,7 +41,7 @@ from draftgraph.ops.collectives import op as _collectives  # noqa: F401  (the al
 from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait, send_to_peers
 from draftgraph.ops.launch import launch
-from draftgraph.ops.linear.op import check_norm_linear
+from draftgraph.ops.linear.op import check_linear, check_norm_linear
 from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, norm_rstd, normed_dot, row_gemv, store_columns
 from draftgraph.ops.registry import custom_op
 
@@ -238,9 +238,7 @@ def linear_send(x: torch.Tensor, weight: torch.Tensor, group_name: str, silu_mul
 
 @linear_send.register_fake
 def _(x, weight, group_name, silu_mul):
-    if x.shape[-1] != (2 if silu_mul else 1) * weight.shape[1]:
-        raise ValueError(f"linear_send takes x [..., {'2K' if silu_mul else 'K'}] and weight [N, K]; got x "
-                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
+    check_linear("linear_send", x, weight, silu_mul=silu_mul)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

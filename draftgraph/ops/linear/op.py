@@ -47,13 +47,17 @@ class GemvRule:
 GEMV_RULE = GemvRule()
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"linear takes x [..., K] and weight [N, K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-        )
+def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> None:  # fmt: skip
+    """Refuse shapes a linear op `name` cannot take, naming them: x [..., K] (silu_mul: gate | up, [..., 2K]),
+    weight [N, K], bias [N]."""
+    k = weight.shape[1] if weight.dim() == 2 else -1
+    if x.dim() < 1 or k < 0 or x.shape[-1] != (2 if silu_mul else 1) * k:
+        what = "gate_up [..., 2K] (gate | up)" if silu_mul else "x [..., K]"
+        raise ValueError(f"{name} takes {what} and weight [N, K]; got {what.split()[0]} {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")  # fmt: skip
     if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"linear's bias must be [N] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
+        raise ValueError(f"{name}'s bias must be [N] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
 
 
 @custom_op("draftgraph::linear", mutates_args=())
@@ -78,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @linear.register_fake
 def _(x, weight, bias):
-    _check(x, weight, bias)
+    check_linear("linear", x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -111,11 +115,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 @silu_mul_linear.register_fake
 def _(gate_up, weight, bias):
-    if gate_up.shape[-1] != 2 * weight.shape[1]:
-        raise ValueError(
-            f"silu_mul_linear takes gate_up [..., 2K] (gate | up) and weight [N, K]; got gate_up "
-            f"{tuple(gate_up.shape)}, weight {tuple(weight.shape)}"
-        )
+    check_linear("silu_mul_linear", gate_up, weight, bias, silu_mul=True)
     return gate_up.new_empty((*gate_up.shape[:-1], weight.shape[0]))
 
 
