@@ -228,6 +228,31 @@ print(json.dumps(results))
     return [Sm90Compile(name, r.get("stages"), r.get("error")) for name, r in zip(names, got)]
 
 
+def join_forked(procs, seconds: float, what: str) -> None:
+    """Join forked rank processes, each for up to `seconds` (a bound on a hang, not a speed check); ranks still
+    running then are killed and fail the test, named, with `what` (what a hang there means); every rank exits 0."""
+    for p in procs:
+        p.join(seconds)
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        procs[r].kill()
+    assert not alive, f"ranks {alive} still running after {seconds:.0f} s: {what}"
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+
+
+def join_spawned(ctx, seconds: int, what: str) -> None:
+    """Join torch.multiprocessing's started ranks (`start_processes(..., join=False)`) a second at a time, so a
+    rank's exception is raised here as soon as it ends; ranks still running after `seconds` are killed and fail
+    the test, named, with `what`."""
+    for _ in range(int(seconds)):
+        if ctx.join(timeout=1.0):
+            return
+    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for r in alive:
+        ctx.processes[r].kill()
+    assert not alive, f"ranks {alive} still running after {seconds:.0f} s: {what}"
+
+
 def within(seconds: float, what: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) in a daemon thread: its result, or its exception raised here (so `pytest.raises`
     sees it). Still running after `seconds` fails the test naming `what` instead of hanging it: a generous

@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from draftgraph.ops.collectives.push import ALIGN, PushAllReduce, PushLayout, prepare
+from tests.helpers import join_forked
 
 KIB = 1024
 JOIN_S = 600
@@ -104,14 +105,7 @@ def test_fused_pair_equals_lamport_then_norm_gemv_two_forked_ranks():
     procs = [ctx.Process(target=_rank, args=(r, whole, span, layout, calls, results, bad)) for r in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(JOIN_S)  # a bound on a hang (a lost row), not a speed check
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} still waiting after {JOIN_S} s: a row was lost"
-    assert [p.exitcode for p in procs] == [0, 0]
+    join_forked(procs, JOIN_S, "a row was lost")
     # bit for bit against the plain GEMV, the standalone all-reduce and add_rms_norm's GEMV, every call, both ranks
     assert bad.sum().item() == 0, bad.nonzero().tolist()
     for i in range(len(calls)):

@@ -24,7 +24,7 @@ from draftgraph.ops.collectives.peer import (
     unregister_peer,
 )
 from draftgraph.ops.collectives.push import PushAllReduce, PushLayout, prepare
-from tests.helpers import compile_many_for_sm90
+from tests.helpers import compile_many_for_sm90, join_forked
 
 KIB = 1024
 JOIN_S = 300
@@ -150,14 +150,7 @@ def test_push_kernel_two_forked_ranks_many_calls():
     procs = [ctx.Process(target=_push_rank, args=(r, whole, span, layout, inputs, results)) for r in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(JOIN_S)  # a bound on a hang (a lost signal), not a speed check
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} still waiting after {JOIN_S} s: a signal was lost"
-    assert [p.exitcode for p in procs] == [0, 0]
+    join_forked(procs, JOIN_S, "a signal was lost")
     for i, (a, b) in enumerate(inputs):
         for rank in range(2):
             assert torch.equal(results[rank, i, : a.numel()], (a.float() + b.float()).to(a.dtype).float()), (i, rank)

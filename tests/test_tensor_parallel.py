@@ -19,7 +19,7 @@ from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.parallel.dense import shard_config
 from draftgraph.ops.collectives.op import ParallelGroup, register_group
-from tests.helpers import PagedRunner, tiny_hf_model
+from tests.helpers import PagedRunner, join_spawned, tiny_hf_model
 from tests.test_deepseek_v32 import hf_greedy
 
 ATOL = 1e-5
@@ -74,13 +74,7 @@ def spawn(fn, world_size, tmp_path, *args):
         join=False,
         start_method="forkserver",
     )
-    for _ in range(JOIN_TIMEOUT_S):  # join's own timeout: one second per round, returning early on any exit
-        if ctx.join(timeout=1.0):
-            return
-    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
-    for rank in hung:
-        ctx.processes[rank].kill()
-    pytest.fail(f"{fn.__name__}: ranks {hung} of {world_size} still running after {JOIN_TIMEOUT_S} s (hung)")
+    join_spawned(ctx, JOIN_TIMEOUT_S, f"{fn.__name__} on {world_size} ranks hung")
 
 
 # ---- what each rank runs ---------------------------------------------------------------------------------
@@ -179,7 +173,7 @@ def test_tensor_parallel_equals_one_process(world_size, tmp_path):
 
 
 def test_dead_peer_fails_instead_of_hanging(tmp_path):
-    # A hang would end in spawn's pytest.fail (an outcome, not this exception): raising this is the proof that
+    # A hang would end in spawn's failure naming the ranks (an AssertionError, not this exception): raising this proves
     # the dead rank was noticed, and the live one (blocked in its all-reduce) ended with it.
     with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
         spawn(_peer_dies, 2, tmp_path)

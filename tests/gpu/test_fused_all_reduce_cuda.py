@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import join_spawned
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a two-GPU device kind)"),
@@ -131,14 +133,7 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
 def test_fused_all_reduce_ops_equal_the_unfused_eager_and_replayed(tmp_path):
     ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
                              start_method="spawn")  # fmt: skip
-    for _ in range(JOIN_S):
-        if ctx.join(timeout=1.0):
-            break
-    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} still running after {JOIN_S} s: a lost row (hang)"
+    join_spawned(ctx, JOIN_S, "a lost row (hang)")
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if any(v.get("refused") for v in verdicts):
         pytest.skip("peer memory refused between these GPUs (see the log): the fused kernels do not run")

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers import join_spawned
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (a two-GPU device kind)"),
@@ -85,14 +87,7 @@ def _rank(rank: int, init_file: str, out_dir: str, kernel: str) -> None:
 def test_push_all_reduce_equals_nccl_eager_and_replayed(tmp_path, kernel):
     ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path), kernel), nprocs=2, join=False,
                              start_method="spawn")  # fmt: skip
-    for _ in range(JOIN_S):
-        if ctx.join(timeout=1.0):
-            break
-    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} still running after {JOIN_S} s: a lost signal (hang)"
+    join_spawned(ctx, JOIN_S, "a lost signal (hang)")
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if any(v.get("refused") for v in verdicts):
         pytest.skip("peer memory refused between these GPUs (see the log): the push kernel does not run")
