@@ -9,7 +9,8 @@ and reading each of their bytes once:
 - 2-16 rows (`_dot_kernel`): the rows padded to 16, tensor-core products of [16, BLOCK_K] x [BLOCK_K, BLOCK_N]
   accumulated in float32, the weight streamed through Triton's software pipeline.
 Both round the float32 sum (plus bias) once to x's dtype, as cuBLAS does. `GemvConfig` is the tiling and
-`choose_config` picks it per shape (measured: scripts/bench_gemv.py).
+`choose_config` picks it per shape (measured: scripts/bench_gemv.py). The one-row bodies are jit helpers
+(`row_gemv`, `norm_rstd`, `normed_dot`, `store_columns`) that ops/collectives/fused.py's kernels share.
 """
 
 from __future__ import annotations
