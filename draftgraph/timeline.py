@@ -77,6 +77,14 @@ def marks() -> list[tuple[str, float, str]]:
     return [(phase, at - PROCESS_START, detail) for at, phase, detail in rows]
 
 
+def raw() -> list[tuple[float, str, str]]:
+    """(time.monotonic() reading, phase, detail) of every mark, in time order, with the process's start first as
+    "process started": what another process on this host marks into its own timeline (CLOCK_MONOTONIC is the
+    host's: a worker rank's marks, workers/driver.py)."""
+    with _lock:
+        return [(PROCESS_START, "process started", ""), *sorted(_marks)]
+
+
 def report() -> str:
     """One line per phase: when it ended (seconds since the process started), how long after the line before,
     its name and detail."""

@@ -204,11 +204,11 @@ def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_pa
     assert artifact_cache.builtin_in_artifacts(ranks, BuiltinSpec(seed=0)) is None
 
 
-@pytest.mark.parametrize("ending", ["command", "interpreter"])
+@pytest.mark.parametrize("ending", ["command", "rank", "interpreter"])
 def test_private_directories_of_loaded_artifacts_are_removed_after_the_process(ending, tmp_path):
-    """artifacts/private_cache.py: every load's private directory goes at exit. The command (`finish`) hands them to
-    an `rm` that outlives it (its end does not wait for the removal); any other process removes them in its exit
-    handler."""
+    """artifacts/private_cache.py: every load's private directory goes at exit. The command (`finish`) and a spawned
+    worker rank told to stop (workers/process_end.py, without the interpreter's teardown) hand them to an `rm` that
+    outlives them (their end does not wait for the removal); any other process removes them in its exit handler."""
     import subprocess
     import sys
     import time
@@ -221,6 +221,10 @@ def test_private_directories_of_loaded_artifacts_are_removed_after_the_process(e
         "if sys.argv[1] == 'command':\n"
         "    from draftgraph.cli.commands import finish\n"
         "    finish(0)\n"
+        "if sys.argv[1] == 'rank':\n"
+        "    from draftgraph.workers.process_end import exit_now, run_exit_handlers\n"
+        "    run_exit_handlers()\n"
+        "    exit_now(0)\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code, ending], capture_output=True, text=True, env=env, timeout=120)

@@ -35,3 +35,16 @@ def test_marks_in_time_order_since_the_process_started(clean_timeline):
     assert len(lines) == 4 and lines[1].endswith("a: earlier, reported from another thread")
     # "+" is the time since the line before: the second line's is the gap between a and b (1 s)
     assert abs(float(lines[2].split("+")[1].split(" s")[0]) - 1.0) < 0.5
+
+
+def test_raw_marks_carry_the_hosts_clock_for_another_process(clean_timeline):
+    """`raw()`: what a worker rank sends its driver (workers/driver.py marks rank 0's phases at their times)."""
+    timeline.mark("weight load")
+    timeline.mark("imports", at=time.monotonic() - 0.5)
+    rows = timeline.raw()
+    assert [p for _, p, _ in rows] == ["process started", "imports", "weight load"]
+    assert rows[0][0] == timeline.PROCESS_START and rows[0][0] <= rows[1][0] <= rows[2][0] <= time.monotonic()
+    for at, phase, detail in rows[1:]:  # into another timeline: the same seconds since that process's start
+        timeline.mark(f"rank 0 {phase}", detail, at=at)
+    by_phase = {p: t for p, t, _ in timeline.marks()}
+    assert by_phase["rank 0 weight load"] == by_phase["weight load"]

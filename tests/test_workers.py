@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 import draftgraph as dg
+from draftgraph import timeline
 from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 from draftgraph.workers.driver import WorkerError
 from tests.helpers import nothing_starts, within
@@ -61,8 +62,13 @@ def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
     one = dg.compile_model(target, drafter, config())
     want = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
     want_steps = one.stats()["steps"]
+    before = len(timeline.marks())
     engine = dg.compile_model(target, drafter, config(tensor_parallel_size=2))
     try:
+        # rank 0's start-up is in this process's timeline, in its order (the -v printout at TP)
+        ranks = [p for p, _, _ in timeline.marks()[before:] if p.startswith("rank 0 ")]
+        assert ranks[:3] == ["rank 0 imports", "rank 0 process group", "rank 0 weight load"], ranks
+        assert ranks[-1] == "rank 0 engine ready"
         assert engine.config.tensor_parallel_size == 2 and engine.config.draft_tensor_parallel_size == 2
         assert engine.k == 2 and engine.vocab_size == SPEC.vocab_size
         got = [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]

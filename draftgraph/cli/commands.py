@@ -382,24 +382,15 @@ def finish(rc: int, verbose: bool = False) -> NoReturn:
     this process is gone), freeing every object and the CUDA context one by one (the kernel reclaims it all at
     once)."""
     timeline.mark("exit")
-    import atexit
+    from draftgraph.workers.process_end import exit_now, run_exit_handlers
 
-    inductor = sys.modules.get("torch._inductor.async_compile")
-    if inductor is not None and hasattr(inductor, "shutdown_compile_workers"):
-        atexit.unregister(inductor.shutdown_compile_workers)
-    private = sys.modules.get("draftgraph.artifacts.private_cache")
-    if private is not None:  # loaded artifacts' private directories: removed by a process that outlives this one
-        private.remove_detached()
-    # The rest run: ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects),
-    # logging's flush, and any other library's.
-    atexit._run_exitfuncs()
+    # Ours (prestarted compile pools, worker ranks, private caches, weakref.finalize'd objects), logging's flush,
+    # and any other library's.
+    run_exit_handlers()
     if verbose:  # (printed after the handlers, so that the timeline says what they cost)
         timeline.mark("exit handlers")
         print(timeline.report(), file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(rc)
+    exit_now(rc)
 
 
 if __name__ == "__main__":

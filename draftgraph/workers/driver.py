@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import weakref
 from dataclasses import replace
 from multiprocessing.connection import wait
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from draftgraph import timeline
 from draftgraph.build.preflight import check_checkpoints
 from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
@@ -70,7 +72,7 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     ctx = mp.get_context("forkserver" if device_type == "cpu" else "spawn")
     if device_type == "cpu":
         ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
-    procs, conns = [], []
+    procs, conns, started = [], [], time.monotonic()
     for rank in range(world):
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(rank, spec, theirs), name=f"draftgraph-rank{rank}")
@@ -78,7 +80,7 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
         theirs.close()
         procs.append(proc)
         conns.append(ours)
-    return ParallelEngine(procs, conns, tmp, tok, config.tensor_parallel_size)
+    return ParallelEngine(procs, conns, tmp, tok, config.tensor_parallel_size, started)
 
 
 def _shutdown(procs, conns, tmp, grace_s: float = 10.0) -> None:
@@ -86,11 +88,13 @@ def _shutdown(procs, conns, tmp, grace_s: float = 10.0) -> None:
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):  # already closed or broken
             conn.send(None)
+    # The ranks stop side by side: one deadline for all of them, then for the terminated ones
+    _join_by(procs, time.monotonic() + grace_s)
     for proc in procs:
-        proc.join(grace_s if proc.exitcode is None else 0)
         if proc.is_alive():
             proc.terminate()
-            proc.join(5)
+    _join_by(procs, time.monotonic() + 5)
+    for proc in procs:
         if proc.is_alive():
             proc.kill()
             proc.join()
@@ -99,17 +103,28 @@ def _shutdown(procs, conns, tmp, grace_s: float = 10.0) -> None:
     tmp.cleanup()
 
 
+def _join_by(procs, deadline: float) -> None:
+    """Join every process that is still running, by `deadline` (a time.monotonic() reading) at the latest."""
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+
 class ParallelEngine(RankedEngine):
     """The Engine's API over worker processes this engine started (ranked.py): each call goes to the ranks
     it concerns through their pipes; a rank that fails or dies stops them all (WorkerError)."""
 
-    def __init__(self, procs, conns, tmp, tokenizer, tensor_parallel_size: int = 1):
+    def __init__(self, procs, conns, tmp, tokenizer, tensor_parallel_size: int = 1, started: float | None = None):
         self.procs, self._conns = procs, conns
         self._closed = False
         # Runs at close(), when the driver is collected, or at interpreter exit (before multiprocessing joins).
         self._finalizer = weakref.finalize(self, _shutdown, procs, conns, tmp)
         self.world_size = len(procs)
         infos = self._gather("ready", range(self.world_size))
+        if started is not None:  # rank 0's start-up into this process's timeline, from when the ranks started
+            for at, phase, detail in infos[0].get("timeline", ()):
+                if at >= started:  # (a forked CPU rank's "process started" is its fork server's)
+                    timeline.mark(f"rank 0 {phase}", detail, at=at)
         self._setup(len(procs), tensor_parallel_size, tokenizer, [infos[r] for r in range(len(procs))])
 
     @property

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
+from draftgraph import timeline
 from draftgraph.build.engine import build_engine
 from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.ops.collectives.op import ExpertGroups, ParallelGroup, register_group
 from draftgraph.ops.collectives.peer import PeerAllReduce, peer_for, register_peer
+from draftgraph.workers.process_end import exit_now, run_exit_handlers
 from draftgraph.workers.sources import open_sources
 
 
@@ -186,7 +188,9 @@ def setup_rank(rank: int, world_size: int, request: BuildRequest):
     request = replace(request, config=config, artifacts=artifacts, build_dir=build_dir)
     groups = make_groups(rank, world_size, config)
     engine = build_rank_engine(request, groups)
+    timeline.mark("engine ready")
     info = {
+        "timeline": timeline.raw(),  # this rank's start-up, for the driver's timeline (rank 0's)
         "rank": rank,
         "config": engine.config,
         "k": engine.k,
@@ -217,6 +221,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
     if spec.env:  # the driver's environment now, not the fork server's from when it started
         os.environ.clear()
         os.environ.update(spec.env)
+    timeline.mark("imports")  # (a spawned rank: its interpreter's start, torch's and draftgraph's imports)
     _exit_with_parent()
     try:
         if spec.device_type == "cuda":
@@ -230,21 +235,28 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             world_size=spec.world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
+        timeline.mark("process group")
         target, drafter = open_sources(spec.request.target, spec.request.drafter)
         engine, info = setup_rank(rank, spec.world_size, replace(spec.request, target=target, drafter=drafter))
         conn.send(("ok", info))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the driver, named
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:  # the driver closed its end
-                return
-            if msg is None:
-                return
-            conn.send(run_command(engine, *msg))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the driver closed its end
+            break
+        if msg is None:
+            break
+        conn.send(run_command(engine, *msg))
+    conn.close()
+    if spec.device_type == "cuda":
+        # A spawned rank told to stop (or whose driver is gone): its exit handlers (compile pool, private caches),
+        # then the process ends without the interpreter's teardown or the process group's: NCCL's and Inductor's
+        # shutdowns took the driver's close 21 s at TP 2 (H200), which nobody waits for (the driver stops every
+        # rank at once). A forked CPU rank returns: multiprocessing ends it without the exit handlers it inherited.
+        run_exit_handlers()
+        exit_now(0)
+    if dist.is_initialized():
+        dist.destroy_process_group()
