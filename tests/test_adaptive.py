@@ -233,6 +233,27 @@ def test_finish_time_follows_the_slowest_requests_and_the_tokens_left():
     assert half._order_z(1, 8) == pytest.approx(1.42, abs=0.02)  # (the expected largest of 8 standard normals)
 
 
+def test_a_switch_up_counts_its_padded_first_step():
+    """A step at a K above the last step's verifies that step's drafts padded (runtime/step.py fit_drafts): it emits
+    the smaller K's tokens at the larger K's time. The finish-time choice counts that step: near the batch's end
+    (no step `ahead`, 1 % margin) K = 4 finishes 8 requests of 7 tokens left in fewer steps than K = 2, but not
+    after the padded step; from K = 4 (its drafts there) it stays, and far from the end the gain outweighs it."""
+    times = {0: 1.408e-3, 2: 2.193e-3, 4: 2.886e-3}
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k], sizes=(1, 8))
+    ctl.rates = [0.95] * 4
+    near = [(7, []) for _ in range(8)]
+    assert ctl.finish_time(4, near) < ctl.finish_time(2, near) / 1.01  # without the padded step: K = 4
+    ctl.current = 2
+    assert ctl.choose(8, 0.0, near) == 2
+    e2, e4 = ctl.expected_tokens(2), ctl.expected_tokens(4)
+    padded = ctl.finish_time(4, near) + times[4] * (e4 - e2) / e4
+    assert padded > ctl.finish_time(2, near) / 1.01  # (what the choice compared)
+    ctl.current = 4
+    assert ctl.choose(8, 0.0, near) == 4  # K = 4's own drafts: no padded step
+    ctl.current = 2
+    assert ctl.choose(8, 0.0, [(400, []) for _ in range(8)]) == 4  # far from the end: worth one padded step
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match=r"unknown; choose one of \['auto', 'fixed', 'adaptive'\]"):
         dg.CompileConfig(speculation="dynamic")
