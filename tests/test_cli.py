@@ -189,6 +189,36 @@ def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compil
     assert started == []
 
 
+def test_the_artifact_cache_at_two_ranks_keeps_each_ranks_code(tmp_path, monkeypatch, capsys):
+    """With --tp 2 each rank draftgraph started writes its compiled code into the entry's rank-R/ after the job
+    (workers/worker.py `write_artifacts`), and the next start with the same flags loads it there: no trace on any
+    rank, the same tokens. Ranks a launcher started (WORLD_SIZE) use no cache."""
+    from draftgraph.cli import artifact_cache
+    from draftgraph.cli import commands as cli
+
+    monkeypatch.setattr(artifact_cache, "ENABLED", True)  # (conftest turns it off for every other test)
+    monkeypatch.setattr(artifact_cache, "cache_root", lambda: str(tmp_path / "cache"))
+    argv = ["generate", "--device", "cpu", "--mode", "PIECEWISE", "--compile-backend", "eager", "--tp", "2"]
+    argv += ["--capture-sizes", "1,4", "--max-tokens", "4", "--num-prompts", "2", "--no-drafter"]
+    parser, _ = _parsers()
+    args = parser.parse_args(argv)
+    entry = artifact_cache.entry_dir(args)
+    assert artifact_cache.lookup(args) is None
+    outs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        outs.append(capsys.readouterr().out)
+        if not outs[1:]:  # after the first start: both ranks' artifacts, the entry found
+            assert all(os.path.isfile(os.path.join(entry, f"rank-{r}", "manifest.json")) for r in range(2))
+            assert artifact_cache.lookup(args) == entry
+    assert "no trace" not in outs[0]
+    assert f"loaded compiled code from {entry}/rank-0" in outs[1] and "no trace, no Inductor compile" in outs[1]
+    requests = [[line for line in out.splitlines() if line.startswith("request ")] for out in outs]
+    assert len(requests[0]) == 2 and requests[0] == requests[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert artifact_cache.lookup(args) is None and not artifact_cache.eligible(args)
+
+
 def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_path):
     """`draftgraph build` of the built-in pair writes the pair's target inside the artifact (cli/artifact_cache.py);
     `generate --artifacts` reads it only for the same pair: another --seed builds its own weights."""

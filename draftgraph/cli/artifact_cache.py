@@ -15,7 +15,9 @@ transformers (seconds).
   the entry is written again after the job.
 - Written after the job's output, whole: into a temporary directory beside it, then renamed into place.
 - Only where an artifact needs nothing outside its directory: CUDA (Inductor's binary artifacts and our bundled
-  kernels), or the eager backend; one process (no --tp / --dp, no torchrun); `--no-artifact-cache` turns it off.
+  kernels), or the eager backend; `--no-artifact-cache` turns it off. With --tp / --dp the ranks draftgraph starts
+  each write and load their own (`rank-R/`, as `draftgraph build` lays ranks out); ranks a launcher started
+  (torchrun) use none.
 - Trust: an entry holds compiled code, as Inductor's own cache entries beside it do; it is trusted as they are.
 - The built-in pair (`builtin_checkpoint`): the first start builds the transformers model (seeded) and writes it
   with save_pretrained into `builtin-<key>/` (key: the spec, torch's and transformers' versions); every start,
@@ -75,15 +77,21 @@ def _code() -> dict:
 
 
 def eligible(args) -> bool:
-    """Whether this command uses the cache: `generate` (or `serve`) of one process that compiles, no --artifacts of
-    its own."""
+    """Whether this command uses the cache: `generate` (or `serve`) that compiles, no --artifacts of its own, not a
+    rank a launcher started."""
     if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
         return False
     if args.artifacts or args.verify_key or args.mode == "NONE":
         return False
-    if getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1 or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # ranks a launcher started: each its own process
         return False
     return args.device != "cpu" or args.compile_backend == "eager"
+
+
+def _ranks(args) -> int:
+    """How many ranks the command's engine runs (tensor_parallel_size x data_parallel_size): an entry of several
+    holds each rank's artifacts in rank-R/ (artifacts/ranks.py, as `draftgraph build` lays them out)."""
+    return getattr(args, "tp", 1) * getattr(args, "dp", 1)
 
 
 def entry_dir(args) -> str:
@@ -98,7 +106,9 @@ def lookup(args) -> str | None:
     if not eligible(args):
         return None
     path = entry_dir(args)
-    return path if os.path.isfile(os.path.join(path, "manifest.json")) else None
+    world = _ranks(args)
+    manifests = [os.path.join(path, f"rank-{r}") for r in range(world)] if world > 1 else [path]
+    return path if all(os.path.isfile(os.path.join(m, "manifest.json")) for m in manifests) else None
 
 
 def builtin_enabled(args) -> bool:
@@ -173,8 +183,13 @@ def store(args, engine) -> str | None:
     """After the job: write the engine's compiled code as the entry for these flags, when this process compiled it
     (an engine that loaded the entry traced nothing); returns the entry written, or None. A failure is logged,
     never raised: the job's output is already out."""
-    compiled = engine.compiled if eligible(args) else None
-    if compiled is None or not compiled.counters.traces:
+    if not eligible(args):
+        return None
+    ranked = hasattr(engine, "write_artifacts")  # several ranks (workers/ranked.py): each writes rank-R/
+    if ranked:
+        if not engine.traced():
+            return None
+    elif engine.compiled is None or not engine.compiled.counters.traces:
         return None
     if engine.config.device.type != "cuda" and args.compile_backend != "eager":
         return None  # a CPU Inductor artifact needs its Inductor cache inside it: only `draftgraph build` does that
@@ -185,7 +200,10 @@ def store(args, engine) -> str | None:
         os.makedirs(cache_root(), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
         try:
-            build_artifacts(engine, os.path.join(tmp, "entry"), progress=False)
+            if ranked:
+                engine.write_artifacts(os.path.join(tmp, "entry"))
+            else:
+                build_artifacts(engine, os.path.join(tmp, "entry"), progress=False)
             shutil.rmtree(final, ignore_errors=True)  # a stale entry (it failed its checks at this start)
             os.replace(os.path.join(tmp, "entry"), final)
         finally:

@@ -121,6 +121,14 @@ class RankedEngine:
     def reset_stats(self) -> None:
         self._call("reset_stats")
 
+    def traced(self) -> bool:
+        """Whether any rank traced (compiled) its functions, rather than loading them all from artifacts."""
+        return any((info.get("compile") or {}).get("traces") for info in self.rank_info)
+
+    def write_artifacts(self, out: str) -> list[dict]:
+        """Every rank's compiled code into out/rank-R (artifacts/ranks.py); their manifests, in rank order."""
+        return self._call("write_artifacts", out)
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

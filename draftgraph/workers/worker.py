@@ -132,6 +132,15 @@ def _occupancy(engine) -> dict:
             "kv_total": engine.config.num_kv_blocks}  # fmt: skip
 
 
+def _write_artifacts(engine, out: str) -> dict:
+    """This rank's compiled code into out/rank-R (artifacts/ranks.py), as `draftgraph build` lays ranks out: the
+    start-up cache of `generate` at several ranks (cli/artifact_cache.py). Returns the rank's manifest."""
+    from draftgraph.artifacts.ranks import rank_dir, this_rank
+    from draftgraph.artifacts.store import build_artifacts
+
+    return build_artifacts(engine, rank_dir(out, this_rank(engine.config)), progress=False)
+
+
 # The calls a driver may make: name -> what the rank runs.
 COMMANDS = {
     "add_request": lambda e, prompt, params: e.add_request(prompt, params),
@@ -143,6 +152,7 @@ COMMANDS = {
     "generate": _generate,
     "stats": _stats,
     "reset_stats": _reset_stats,
+    "write_artifacts": _write_artifacts,
 }
 
 
