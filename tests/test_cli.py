@@ -59,7 +59,8 @@ def test_defaults_are_auto_and_the_new_flags_reach_the_config():
     capture = {
         ("generate",): "lazy", ("run",): "lazy", ("serve",): "eager", ("build", "--out", "x"): "eager",
         ("generate", "--speculation", "adaptive"): "eager", ("generate", "--capture", "eager"): "eager",
-        ("serve", "--capture", "lazy"): "lazy", ("generate", "--tp", "2"): "eager",
+        ("serve", "--capture", "lazy"): "lazy", ("generate", "--tp", "2"): "lazy",
+        ("generate", "--dp", "2"): "eager",
     }  # fmt: skip
     for argv, want in capture.items():
         assert _config(parser.parse_args(list(argv))).capture == want, argv
@@ -217,6 +218,29 @@ def test_the_artifact_cache_at_two_ranks_keeps_each_ranks_code(tmp_path, monkeyp
     assert len(requests[0]) == 2 and requests[0] == requests[1]
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert artifact_cache.lookup(args) is None and not artifact_cache.eligible(args)
+
+
+def test_ranks_read_the_built_in_pair_from_its_cached_checkpoints(tmp_path, monkeypatch):
+    """At several ranks the built-in pair comes from the start-up cache as two checkpoints (no transformers build):
+    the target's, and the drafter's written from it, the tensors and config of builtin_hf_pair's drafter."""
+    from draftgraph.cli import artifact_cache, flags
+    from draftgraph.models.builtin import builtin_hf_pair
+    from draftgraph.models.weights import read_checkpoint, read_config
+
+    monkeypatch.setattr(artifact_cache, "ENABLED", True)  # (conftest turns it off for every other test)
+    monkeypatch.setattr(artifact_cache, "cache_root", lambda: str(tmp_path / "cache"))
+    parser, _ = _parsers()
+    target, drafter, where = flags.models(parser.parse_args(["generate", "--tp", "2"]))
+    spec = flags.builtin_spec(parser.parse_args(["generate"]))
+    assert where == "built-in pair, checkpoints" and target == artifact_cache.builtin_checkpoint(spec)
+    assert drafter == artifact_cache.builtin_drafter_checkpoint(spec, target) == f"{target}-draft{spec.draft_layers}"
+    _, hf_drafter = builtin_hf_pair(spec)
+    want, got = hf_drafter.state_dict(), read_checkpoint(drafter)
+    assert got.keys() <= want.keys() and {k for k in want if k not in got} <= {"lm_head.weight"}  # (tied: not stored)
+    assert all(torch.equal(v, want[k]) for k, v in got.items())
+    config = read_config(drafter)
+    assert config["num_hidden_layers"] == spec.draft_layers == hf_drafter.config.num_hidden_layers
+    assert flags.models(parser.parse_args(["generate", "--tp", "2", "--no-drafter"]))[1] is None
 
 
 def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_path):

@@ -112,11 +112,11 @@ def lookup(args) -> str | None:
 
 
 def builtin_enabled(args) -> bool:
-    """Whether the built-in pair comes from its cached checkpoint: `generate` or `serve` of one process (several
-    ranks load their shares from transformers objects, cli/commands.py)."""
+    """Whether the built-in pair comes from its cached checkpoint: `generate` or `serve`, not under a launcher
+    (several ranks read their shares of it, and of the drafter's checkpoint: `builtin_drafter_checkpoint`)."""
     if not ENABLED or args.command not in COMMANDS or getattr(args, "no_artifact_cache", True):
         return False
-    return getattr(args, "tp", 1) * getattr(args, "dp", 1) == 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
 
 
 BUILTIN_IN_ARTIFACTS = "builtin-target"  # `draftgraph build` of the built-in pair: its target's checkpoint, inside
@@ -170,6 +170,45 @@ def builtin_checkpoint(spec) -> str:
     tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
     try:
         builtin_hf_target(spec).save_pretrained(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def builtin_drafter_checkpoint(spec, target: str) -> str:
+    """The built-in drafter as a checkpoint of its own, beside the target's (`target`, from builtin_checkpoint): the
+    target's first `spec.draft_layers` layers with its embedding, final norm and head, the same tensors (what
+    models/builtin.py builtin_hf_pair builds with transformers), for ranks that read their shares of it. Written from
+    the target's files (no transformers) when it is not there yet."""
+    path = f"{target}-draft{spec.draft_layers}"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from safetensors.torch import save_file
+
+    from draftgraph.models.weights import read_checkpoint
+
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = spec.draft_layers
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][: spec.draft_layers]
+    kept = {
+        name: t.contiguous()
+        for name, t in read_checkpoint(target).items()
+        if (m := _LAYER.match(name)) is None or int(m.group(1)) < spec.draft_layers
+    }
+    tmp = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(path))  # the same file system: atomic rename
+    try:
+        save_file(kept, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
         os.replace(tmp, path)
     except OSError:
         if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)

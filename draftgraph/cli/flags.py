@@ -61,15 +61,15 @@ def config(args, **over):
 
 def capture(args) -> str:
     """--capture auto: lazy for `generate` and its alias `run` (graphs captured by the steps that need them: the
-    first token does not wait for sizes the job may never run), eager for `serve` (steady latency from the first
-    request), for adaptive speculation (its cost model measures the captured graphs at start) and for several ranks
-    (their collectives inside graphs are captured together at start, as measured on two GPUs)."""
+    first token does not wait for sizes the job may never run), also at several tensor-parallel ranks (they take the
+    same steps, so each captures a graph, its collectives inside, at the same step as its peers); eager for `serve`
+    (steady latency from the first request), for adaptive speculation (its cost model measures the captured graphs
+    at start) and for data-parallel replicas (each steps its own requests: every graph at start, as before)."""
     if args.capture != "auto":
         return args.capture
     adaptive = getattr(args, "speculation", "fixed") == "adaptive"
-    ranks = getattr(args, "tp", 1) * getattr(args, "dp", 1)  # several ranks: every graph at start, as before
     one_off = getattr(args, "command", "") in ("generate", "run")
-    return "lazy" if one_off and not adaptive and ranks == 1 else "eager"
+    return "lazy" if one_off and not adaptive and getattr(args, "dp", 1) == 1 else "eager"
 
 
 FUSE = {"auto": "auto", "on": True, "off": False}  # --fuse-draft-loop -> CompileConfig.fuse_draft_loop
@@ -117,13 +117,19 @@ def models(args):
         f"built-in pair: {spec.family} target, {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"vocab {spec.vocab_size}; drafter: its first {spec.draft_layers} layers (shared weights)"
     )
-    # Several ranks load their shares from checkpoints: the pair crosses as transformers objects.
+    # Several ranks load their shares from checkpoints: the start-up cache's (the target's, and the drafter's
+    # written from it), else the pair crosses as transformers objects.
     split = getattr(args, "tp", 1) * getattr(args, "dp", 1) > 1
     ops = op_choices(getattr(args, "ops", "")) or DEFAULT_OPS  # the layers are built with --ops
     # the same weights, read without importing transformers: from --artifacts (draftgraph build wrote them
     # there), else from the start-up cache
     inside = artifact_cache.builtin_in_artifacts(args, spec)
     checkpoint = inside or _builtin_checkpoint(args, spec)
+    if checkpoint is not None and split:
+        drafter = None if args.no_drafter else (args.drafter or _builtin_drafter(spec, checkpoint))
+        if drafter is not None or args.no_drafter or args.drafter:
+            return checkpoint, drafter, "built-in pair, checkpoints"
+        checkpoint = None  # (the drafter's could not be written: the pair in memory)
     if checkpoint is not None:
         from draftgraph.models.causal_lm import CausalLM
         from draftgraph.models.drafters.loader import truncated_draft_model
@@ -134,6 +140,16 @@ def models(args):
         target, built_drafter = builtin_hf_pair(spec) if split else builtin_pair(spec, ops=ops)
     drafter = None if args.no_drafter else (args.drafter or built_drafter)
     return target, drafter, "built-in pair" + (", from the artifacts" if inside else "")
+
+
+def _builtin_drafter(spec, target: str) -> str | None:
+    """The built-in drafter's checkpoint beside the cached target's (artifact_cache.py), or None where it could not
+    be written (logged)."""
+    try:
+        return artifact_cache.builtin_drafter_checkpoint(spec, target)
+    except Exception as e:  # noqa: BLE001 - a cache: the pair is built in memory instead
+        log.warning("the built-in drafter's weights were not cached (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def builtin_spec(args):
