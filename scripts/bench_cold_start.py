@@ -7,7 +7,8 @@ built-in pair, or --args for another job) timed from the shell, command to exit,
 Each run's start-up timeline (`-v` prints it: draftgraph/timeline.py, seconds since the process started) gives
 the phases; the table shows the whole process (wall clock around the command), the first token and the engine's
 "ready", medians over `--repeats` (variants interleaved so that drift hits every variant alike), the most
-processes and the highest one-minute load seen. The printed tokens and acceptance of every run are compared:
+processes and the highest one-minute load seen. Each run starts once the host is back to the process count of the
+script's start (at most 30 s): what the run before left running is printed, not timed into the next. The printed tokens and acceptance of every run are compared:
 a start-up change must not change them.
 
 Python's bytecode (--bytecode): a user's `pip install` byte-compiles every package, but some machines (this project's
@@ -68,6 +69,17 @@ def fresh_caches(root: str) -> dict:
         "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=root),
         "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-", dir=root),
     }
+
+
+def settle(baseline: int, limit_s: float = 30.0) -> str:
+    """Wait until the host runs no more processes than at the script's start (what an earlier run left, such as
+    compile subprocesses that end once they see their parent gone), at most `limit_s`; says what it waited for, so
+    that a start is timed on a quiet host and what a start leaves behind is shown."""
+    t0, first = time.perf_counter(), process_count()
+    while process_count() > baseline and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.1)
+    left, waited = process_count() - baseline, time.perf_counter() - t0
+    return f"{max(first - baseline, 0)} processes above the baseline, {max(left, 0)} after {waited:.1f} s"
 
 
 def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
@@ -201,6 +213,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict]] = {(n, k): [] for n, _, _ in variants for k in kinds}
     generate = [sys.executable, "-m", "draftgraph", "-v", "generate", "--device", "cuda", *base_args]
     root = tempfile.mkdtemp(prefix="bench-cold-start-")
+    baseline = process_count() + 2  # (this script's own helpers: a margin of two)
     try:
         if args.pair == "acceptance":
             t0 = time.perf_counter()
@@ -237,7 +250,9 @@ def main() -> None:
                         cmd, run_env = cmd + ["--artifacts", out], dict(env, **fresh_caches(root))
                     if kind in args.profile.split(","):
                         cmd = [sys.executable, "-c", PROFILED, *cmd[3:]]  # the same argv after `-m draftgraph`
+                    settled = settle(baseline)  # what the run before left running ends first
                     res = run_once(cmd, run_env, args.timeout)
+                    res["settled"] = settled
                     if kind in args.profile.split(","):
                         print(res["stdout"][res["stdout"].find("== cProfile") :], flush=True)
                     results[(name, kind)].append(res)
@@ -245,7 +260,7 @@ def main() -> None:
                     print(
                         f"[{r + 1}/{args.repeats}] {name} {kind}: whole process {res['wall']:.1f} s, first token "
                         f"{p.get('first token', '-')}, engine ready {p.get('engine ready', '-')} (rc {res['rc']}), "
-                        f"peak {res['procs']} processes, load {res['load']:.1f}",
+                        f"peak {res['procs']} processes, load {res['load']:.1f}; before it {settled}",
                         flush=True,
                     )
                     for key in ("compiled", "pool"):
