@@ -8,7 +8,8 @@ Each run's start-up timeline (`-v` prints it: draftgraph/timeline.py, seconds si
 the phases; the table shows the whole process (wall clock around the command), the first token and the engine's
 "ready", medians over `--repeats` (variants interleaved so that drift hits every variant alike), the most
 processes and the highest one-minute load seen. Each run starts once the host is back to the process count of the
-script's start (at most 30 s): what the run before left running is printed, not timed into the next. The printed tokens and acceptance of every run are compared:
+script's start, or their count stays put for 3 s (at most 30 s): what the run before left running is printed, not
+timed into the next. The printed tokens and acceptance of every run are compared:
 a start-up change must not change them.
 
 Python's bytecode (--bytecode): a user's `pip install` byte-compiles every package, but some machines (this project's
@@ -71,15 +72,21 @@ def fresh_caches(root: str) -> dict:
     }
 
 
-def settle(baseline: int, limit_s: float = 30.0) -> str:
+def settle(baseline: int, limit_s: float = 30.0, still_s: float = 3.0) -> str:
     """Wait until the host runs no more processes than at the script's start (what an earlier run left, such as
-    compile subprocesses that end once they see their parent gone), at most `limit_s`; says what it waited for, so
-    that a start is timed on a quiet host and what a start leaves behind is shown."""
-    t0, first = time.perf_counter(), process_count()
-    while process_count() > baseline and time.perf_counter() - t0 < limit_s:
+    compile subprocesses that end once they see their parent gone), or their count has not moved for `still_s`
+    (processes that stay: on a 2 x H200 host 9 stayed from the first CUDA run on), at most `limit_s`; says what it
+    waited for, so that a start is timed on a quiet host and what a start leaves behind is shown."""
+    t0 = time.perf_counter()
+    first = last = process_count()
+    moved = t0
+    while last > baseline and time.perf_counter() - t0 < limit_s and time.perf_counter() - moved < still_s:
         time.sleep(0.1)
-    left, waited = process_count() - baseline, time.perf_counter() - t0
-    return f"{max(first - baseline, 0)} processes above the baseline, {max(left, 0)} after {waited:.1f} s"
+        now = process_count()
+        if now != last:
+            last, moved = now, time.perf_counter()
+    waited = time.perf_counter() - t0
+    return f"{max(first - baseline, 0)} processes above the baseline, {max(last - baseline, 0)} after {waited:.1f} s"
 
 
 def run_once(cmd: list[str], env: dict, timeout: float) -> dict:
