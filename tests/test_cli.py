@@ -243,6 +243,31 @@ def test_ranks_read_the_built_in_pair_from_its_cached_checkpoints(tmp_path, monk
     assert flags.models(parser.parse_args(["generate", "--tp", "2", "--no-drafter"]))[1] is None
 
 
+def test_ranks_are_prestarted_only_where_the_command_spawns_gpu_ranks(monkeypatch):
+    """cli/commands.py `_prestart_ranks`: `generate` / `serve` with several ranks on GPUs spawn them before the
+    imports (workers/prestart.py); one rank, the CPU (forked ranks) and ranks a launcher started do not."""
+    from draftgraph.cli import commands as cli
+    from draftgraph.workers import prestart
+
+    started = []
+    monkeypatch.setattr(prestart, "prestart_ranks", lambda n, cuda: started.append((n, cuda)))
+    parser, _ = _parsers()
+    cases = {
+        ("generate", "--device", "cuda", "--tp", "2"): [(2, True)],
+        ("serve", "--device", "cuda", "--tp", "2", "--dp", "2"): [(4, True)],
+        ("generate", "--device", "cuda"): [],
+        ("generate", "--device", "cpu", "--tp", "2"): [],
+        ("build", "--device", "cuda", "--tp", "2", "--out", "x"): [],
+    }
+    for argv, want in cases.items():
+        started.clear()
+        cli._prestart_ranks(parser.parse_args(list(argv)))
+        assert started == want, argv
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cli._prestart_ranks(parser.parse_args(["generate", "--device", "cuda", "--tp", "2"]))
+    assert started == []
+
+
 def test_the_built_in_pair_inside_artifacts_is_used_only_for_its_own_seed(tmp_path):
     """`draftgraph build` of the built-in pair writes the pair's target inside the artifact (cli/artifact_cache.py);
     `generate --artifacts` reads it only for the same pair: another --seed builds its own weights."""

@@ -105,3 +105,29 @@ def test_a_rank_that_raises_while_building_surfaces_its_error():
     with pytest.raises(WorkerError, match=r"worker rank \d of 2 failed during ready: ValueError: max_model_len=512"):
         dg.compile_model(hf, None, config(tensor_parallel_size=2, max_model_len=512))
     assert not multiprocessing.active_children()  # the other rank too
+
+
+def test_ranks_started_before_the_imports_become_the_engines_ranks():
+    """workers/prestart.py: ranks spawned before the command's imports (the CLI on GPUs) import theirs, then wait;
+    the build sends each its spec and they run as ranks it started itself: the same tokens as one process, rank 0's
+    start-up in the driver's timeline from its own process start. Held ranks of another world size are stopped."""
+    from draftgraph.workers import prestart
+
+    target, drafter = builtin_hf_target(SPEC), builtin_hf_target(replace(SPEC, num_layers=1, seed=1))
+    want = [o.token_ids for o in dg.compile_model(target, drafter, config()).generate(PROMPTS, PARAMS)]
+    prestart.prestart_ranks(2, cuda=False)
+    held = [p.pid for p in prestart._held[-1].procs]
+    before = len(timeline.marks())
+    engine = dg.compile_model(target, drafter, config(tensor_parallel_size=2))
+    try:
+        assert engine.pids == held and prestart._held == []  # the held processes are the ranks
+        assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == want
+        ranks = [p for p, _, _ in timeline.marks()[before:] if p.startswith("rank 0 ")]
+        assert ranks[:3] == ["rank 0 process started", "rank 0 imports", "rank 0 process group"], ranks
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()
+    prestart.prestart_ranks(2, cuda=False)
+    procs = list(prestart._held[-1].procs)
+    assert prestart.take(3) is None and prestart._held == []  # another world size: stopped, not taken
+    assert all(wait_gone(p, HANG_S) for p in procs)

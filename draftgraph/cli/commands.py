@@ -283,6 +283,22 @@ def _prestart_workers(args):
     return prestart(args.compile_workers or auto_workers("cuda"), "cuda:0")
 
 
+def _prestart_ranks(args) -> None:
+    """`generate` or `serve` with several ranks on GPUs: the ranks' processes start before this one imports torch,
+    import theirs and make their device contexts beside it, then wait for the build (workers/prestart.py). Not under
+    a launcher (torchrun started the ranks) and not on the CPU (forked ranks start in milliseconds)."""
+    world = getattr(args, "tp", 1) * getattr(args, "dp", 1)
+    if args.command not in ("generate", "run", "serve") or world == 1:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return
+    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return
+    from draftgraph.workers.prestart import prestart_ranks
+
+    prestart_ranks(world, cuda=True)
+
+
 def _compiles(args) -> bool:
     """Whether the command's engine runs compiled code (traces, or loads artifacts): `build`, and `generate` and
     `serve` in any mode but NONE, which "auto" is on the CPU. (`--device auto` counts as a GPU where the NVIDIA
@@ -330,6 +346,7 @@ def _command(args, after_imports=None) -> int:
     work (`run` freezes the collector's view there)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     pool = _prestart_workers(args)
+    _prestart_ranks(args)
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 

@@ -23,6 +23,7 @@ from draftgraph.build.preflight import check_checkpoints
 from draftgraph.build.request import BuildRequest
 from draftgraph.compiler.config import CompileConfig
 from draftgraph.runtime.text import resolve_tokenizer
+from draftgraph.workers import prestart
 from draftgraph.workers.ranked import RankedEngine, WorkerError
 from draftgraph.workers.sources import portable_sources
 from draftgraph.workers.worker import RankSpec, worker_main
@@ -73,7 +74,12 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
     if device_type == "cpu":
         ctx.set_forkserver_preload(["draftgraph.workers.worker"])  # only read when the server starts
     procs, conns, started = [], [], time.monotonic()
-    for rank in range(world):
+    held = prestart.take(world)  # ranks the command spawned before its imports (prestart.py)
+    if held is not None:
+        procs, conns, started = held.procs, held.conns, 0.0
+        for conn in conns:
+            conn.send(spec)
+    for rank in range(len(procs), world):
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(rank, spec, theirs), name=f"draftgraph-rank{rank}")
         proc.start()

@@ -231,7 +231,7 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
     if spec.env:  # the driver's environment now, not the fork server's from when it started
         os.environ.clear()
         os.environ.update(spec.env)
-    timeline.mark("imports")  # (a spawned rank: its interpreter's start, torch's and draftgraph's imports)
+    timeline.mark_once("imports")  # (a spawned rank: its interpreter's start, torch's and draftgraph's imports)
     _exit_with_parent()
     try:
         if spec.device_type == "cuda":
