@@ -67,12 +67,14 @@ def discard() -> None:
 
 
 def _stop(held: HeldRanks) -> None:
+    """A held rank waiting for its spec ends on the None sent; one still importing is terminated (it holds
+    nothing yet): a command that fails before its build does not wait for its ranks' imports."""
     for conn in held.conns:
         with contextlib.suppress(OSError, ValueError):
             conn.send(None)
         conn.close()
     for proc in held.procs:
-        proc.join(0.5)
+        proc.join(0.05)
         if proc.is_alive():
             proc.terminate()
 
