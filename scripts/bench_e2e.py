@@ -256,8 +256,11 @@ def adaptive_bench(target, drafter, args, device) -> None:
             hist[name, b] = s["speculation"]["histogram"]
             acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
             hits = s["prefix_cache"]["hit_tokens"]
+            per_step = statistics.median(times[name]) / max(s["steps"], 1) * 1e3  # (steps: the last run's)
             print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step (last run) "
-                  f"{hist[name, b]}, steps {s['steps']}, prefix-cache hit tokens {hits}, catch-up tokens "
+                  f"{hist[name, b]}, steps {s['steps']} ({s.get('overlapped_steps', 0)} overlapped, "
+                  f"{s.get('dropped_steps', 0)} dropped), wall per step {per_step:.3f} ms, "
+                  f"prefix-cache hit tokens {hits}, catch-up tokens "
                   f"{s['speculation'].get('catch_up_tokens', 0)}, probes {s['speculation'].get('probes', 0)}",
                   flush=True)  # fmt: skip
             if getattr(eng, "adaptive", None) is not None:  # what the controller saw: why it chose its K
