@@ -167,9 +167,15 @@ def builtin_checkpoint(spec) -> str:
     from draftgraph.models.builtin import builtin_hf_target
 
     os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".writing-", dir=cache_root())  # the same file system: the rename is atomic
+    return _write_checkpoint(path, lambda tmp: builtin_hf_target(spec).save_pretrained(tmp))
+
+
+def _write_checkpoint(path: str, write) -> str:
+    """`write(tmp)` into a new directory beside `path`, then renamed into place (the same file system: atomic); a
+    start that wrote it meanwhile wins."""
+    tmp = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(path))
     try:
-        builtin_hf_target(spec).save_pretrained(tmp)
+        write(tmp)
         os.replace(tmp, path)
     except OSError:
         if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)
@@ -204,18 +210,13 @@ def builtin_drafter_checkpoint(spec, target: str) -> str:
         for name, t in read_checkpoint(target).items()
         if (m := _LAYER.match(name)) is None or int(m.group(1)) < spec.draft_layers
     }
-    tmp = tempfile.mkdtemp(prefix=".writing-", dir=os.path.dirname(path))  # the same file system: atomic rename
-    try:
+
+    def write(tmp: str) -> None:
         save_file(kept, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        os.replace(tmp, path)
-    except OSError:
-        if not os.path.isfile(os.path.join(path, "config.json")):  # (not another start that wrote it meanwhile)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return _write_checkpoint(path, write)
 
 
 def store(args, engine) -> str | None:

@@ -80,12 +80,9 @@ def start_workers(request: BuildRequest) -> ParallelEngine:
         for conn in conns:
             conn.send(spec)
     for rank in range(len(procs), world):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=worker_main, args=(rank, spec, theirs), name=f"draftgraph-rank{rank}")
-        proc.start()
-        theirs.close()
+        proc, conn = prestart.start_rank(ctx, rank, worker_main, spec)
         procs.append(proc)
-        conns.append(ours)
+        conns.append(conn)
     return ParallelEngine(procs, conns, tmp, tok, config.tensor_parallel_size, started)
 
 

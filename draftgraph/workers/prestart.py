@@ -39,14 +39,20 @@ def prestart_ranks(world_size: int, cuda: bool) -> None:
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
     for rank in range(world_size):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=held_rank, args=(rank, theirs, cuda), name=f"draftgraph-rank{rank}")
-        proc.start()
-        theirs.close()
+        proc, conn = start_rank(ctx, rank, held_rank, cuda)
         procs.append(proc)
-        conns.append(ours)
+        conns.append(conn)
     _held.append(HeldRanks(procs, conns))
     atexit.register(discard)
+
+
+def start_rank(ctx, rank: int, target, arg):
+    """Start rank `rank`'s process running `target(rank, arg, its end of a pipe)`; returns (process, this end)."""
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(rank, arg, theirs), name=f"draftgraph-rank{rank}")
+    proc.start()
+    theirs.close()
+    return proc, ours
 
 
 def take(world_size: int) -> HeldRanks | None:
@@ -79,7 +85,7 @@ def _stop(held: HeldRanks) -> None:
             proc.terminate()
 
 
-def held_rank(rank: int, conn, cuda: bool) -> None:
+def held_rank(rank: int, cuda: bool, conn) -> None:
     """A held rank's process: its imports and device context, then its spec (None: stop), then the rank's work."""
     from draftgraph import timeline
     from draftgraph.workers.worker import worker_main  # torch and the rank's modules
