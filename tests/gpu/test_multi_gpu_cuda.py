@@ -96,11 +96,15 @@ def test_tp2_draft_tp2_equals_one_gpu(tp2, one_gpu):
 
 
 @pytest.mark.parametrize(
-    "over", [dict(tensor_parallel_size=2, draft_tensor_parallel_size=1), dict(data_parallel_size=2)],
-    ids=["tp2-draft_tp1", "dp2"],
+    "over",
+    [dict(tensor_parallel_size=2, draft_tensor_parallel_size=1), dict(data_parallel_size=2),
+     dict(tensor_parallel_size=2, capture="lazy")],
+    ids=["tp2-draft_tp1", "dp2", "tp2-lazy"],
 )  # fmt: skip
 def test_parallel_engines_equal_one_gpu(ckpts, one_gpu, over):
-    """Draft TP 1 (the draft model replicated); DP 2 over 5 requests (3 on one replica, 2 on the other)."""
+    """Draft TP 1 (the draft model replicated); DP 2 over 5 requests (3 on one replica, 2 on the other); TP 2 with
+    lazy capture (`generate`'s default at several TP ranks: each rank captures a graph, its all-reduces inside, at
+    the step that first needs it, the same step as its peer)."""
     want, _ = one_gpu
     with dg.compile_model(*ckpts, config(drafter_kind="draft_model", **over)) as eng:
         assert tokens(eng) == want
