@@ -95,16 +95,27 @@ def test_tp2_draft_tp2_equals_one_gpu(tp2, one_gpu):
     assert every[0]["accepted_tokens"] == every[1]["accepted_tokens"] == one_stats["accepted_tokens"]
 
 
+def test_the_cli_start_at_tp2_equals_one_gpu(ckpts, one_gpu):
+    """What `draftgraph generate --tp 2` runs: ranks spawned before the command's imports, holding their CUDA contexts
+    until the build sends their spec (workers/prestart.py), and lazy capture (each rank captures a graph, its
+    all-reduces inside, at the step that first needs it, the same step as its peer)."""
+    from draftgraph.workers import prestart
+
+    want, _ = one_gpu
+    prestart.prestart_ranks(2, cuda=True)
+    held = [p.pid for p in prestart._held[-1].procs]
+    with dg.compile_model(*ckpts, config(drafter_kind="draft_model", tensor_parallel_size=2, capture="lazy")) as eng:
+        assert eng.pids == held and eng.config.capture == "lazy"
+        assert tokens(eng) == want
+        check_ranks(eng, 2)
+
+
 @pytest.mark.parametrize(
-    "over",
-    [dict(tensor_parallel_size=2, draft_tensor_parallel_size=1), dict(data_parallel_size=2),
-     dict(tensor_parallel_size=2, capture="lazy")],
-    ids=["tp2-draft_tp1", "dp2", "tp2-lazy"],
+    "over", [dict(tensor_parallel_size=2, draft_tensor_parallel_size=1), dict(data_parallel_size=2)],
+    ids=["tp2-draft_tp1", "dp2"],
 )  # fmt: skip
 def test_parallel_engines_equal_one_gpu(ckpts, one_gpu, over):
-    """Draft TP 1 (the draft model replicated); DP 2 over 5 requests (3 on one replica, 2 on the other); TP 2 with
-    lazy capture (`generate`'s default at several TP ranks: each rank captures a graph, its all-reduces inside, at
-    the step that first needs it, the same step as its peer)."""
+    """Draft TP 1 (the draft model replicated); DP 2 over 5 requests (3 on one replica, 2 on the other)."""
     want, _ = one_gpu
     with dg.compile_model(*ckpts, config(drafter_kind="draft_model", **over)) as eng:
         assert tokens(eng) == want
