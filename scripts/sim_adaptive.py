@@ -21,7 +21,10 @@ Each batch runs twice on one controller (its rates carry over, as in the benchma
 so far fed to a controller): the finish-time model's `finish_time`, and the tokens/s model's implicit estimate (the
 tokens left over the batch's tokens a step, times the step time); a bias that differs by K misleads the choice.
 
+`--times h200`: the H200's measured step times per padded size instead; `--zero`: a drafter that agrees nowhere.
+
 Usage: python scripts/sim_adaptive.py [--pair tiny|mid] [--batches 8,32] [--prompts 128] [--fresh] [--predict]
+       [--times h100|h200] [--zero]
 Prints per batch of prompts the time of each variant and adaptive's K histogram, then per B the mean and the least
 ratio of the best fixed K's time to adaptive's (1.000: as fast as the best fixed K).
 """
@@ -43,8 +46,20 @@ T8 = {0: 1.408e-3, 2: 2.193e-3, 4: 2.886e-3}  # H100, the 1B pair, B = 8, mean c
 T128 = {0: 2.2e-3, 2: 4.1e-3, 4: 6.0e-3}  # an estimate from the same run's B = 128 tokens/s
 
 
+# The H200's (GPU 0 of nvidia-h200-x2, the same benchmark, 2026-11-28) per padded size: `--times h200`
+H200 = {
+    8: {0: 1.166e-3, 2: 1.803e-3, 4: 2.411e-3},
+    32: {0: 1.249e-3, 2: 2.051e-3, 4: 2.952e-3},
+    64: {0: 1.401e-3, 2: 2.651e-3, 4: 3.939e-3},
+    128: {0: 1.739e-3, 2: 3.925e-3, 4: 6.099e-3},
+}
+TIMES = "h100"
+
+
 def step_time(k: int, n: int, ctx: float = 0.0) -> float:
     b = next(s for s in SIZES if s >= n)
+    if TIMES == "h200":
+        return H200[max(b, 8)][k]
     return T8[k] if b <= 8 else T8[k] + (T128[k] - T8[k]) * (b - 8) / 120
 
 
@@ -154,8 +169,16 @@ def main():
     ap.add_argument("--gap", type=float, default=0.3e-3, help="seconds a step not overlapped adds")
     ap.add_argument("--fresh", action="store_true", help="a new controller per batch (no rates carried over)")
     ap.add_argument("--predict", action="store_true", help="each model's estimate of a fixed K's time left")
+    ap.add_argument("--times", default="h100", choices=("h100", "h200"), help="whose step times (module docstring)")
+    ap.add_argument("--zero", action="store_true", help="a drafter that agrees nowhere (acc 0): no model is run")
     args = ap.parse_args()
-    m = agreement(args.pair, args.prompts, args.new_tokens)
+    global TIMES
+    TIMES = args.times
+    m = (
+        [[0] * args.new_tokens for _ in range(args.prompts)]
+        if args.zero
+        else agreement(args.pair, args.prompts, args.new_tokens)
+    )
     print(f"{args.pair} pair: {len(m)} requests, agreement {statistics.mean(map(statistics.mean, m)):.3f}")
     if args.predict:
         for b in map(int, args.batches.split(",")):
@@ -172,9 +195,10 @@ def main():
             res = {f"K={k}": simulate(rows, args.new_tokens, fixed=k, gap=args.gap) for k in (0, 2, 4)}
             for name in ratios:
                 ctl = AdaptiveK((0, 2, 4), step_time, sizes=SIZES)
+                finish = name == "finish"
                 if not args.fresh:  # the benchmark's warm-up run: rates and K carry over
-                    simulate(rows, args.new_tokens, ctl=ctl, finish=name == "finish", gap=args.gap)
-                res[name] = simulate(rows, args.new_tokens, ctl=ctl, finish=name == "finish", gap=args.gap)
+                    simulate(rows, args.new_tokens, ctl=ctl, finish=finish, gap=args.gap)
+                res[name] = simulate(rows, args.new_tokens, ctl=ctl, finish=finish, gap=args.gap)
             best = min(res[f"K={k}"][0] for k in (0, 2, 4))
             for name in ratios:
                 ratios[name].append(best / res[name][0])
