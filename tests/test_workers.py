@@ -110,7 +110,8 @@ def test_a_rank_that_raises_while_building_surfaces_its_error():
 def test_ranks_started_before_the_imports_become_the_engines_ranks():
     """workers/prestart.py: ranks spawned before the command's imports (the CLI on GPUs) import theirs, then wait;
     the build sends each its spec and they run as ranks it started itself: the same tokens as one process, rank 0's
-    start-up in the driver's timeline from its own process start. Held ranks of another world size are stopped."""
+    start-up in the driver's timeline from its own process start; told to stop, they end as spawned GPU ranks do
+    (exit handlers, then no teardown: exit code 0). Held ranks of another world size are stopped."""
     from draftgraph.workers import prestart
 
     target, drafter = builtin_hf_target(SPEC), builtin_hf_target(replace(SPEC, num_layers=1, seed=1))
@@ -126,7 +127,7 @@ def test_ranks_started_before_the_imports_become_the_engines_ranks():
         assert ranks[:3] == ["rank 0 process started", "rank 0 imports", "rank 0 process group"], ranks
     finally:
         engine.close()
-    assert not multiprocessing.active_children()
+    assert not multiprocessing.active_children() and [p.exitcode for p in engine.procs] == [0, 0]
     prestart.prestart_ranks(2, cuda=False)
     procs = list(prestart._held[-1].procs)
     assert prestart.take(3) is None and prestart._held == []  # another world size: stopped, not taken

@@ -104,4 +104,4 @@ def held_rank(rank: int, cuda: bool, conn) -> None:
         os._exit(0)
     if spec is None:
         os._exit(0)
-    worker_main(rank, spec, conn)
+    worker_main(rank, spec, conn, spawned=True)

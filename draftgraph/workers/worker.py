@@ -224,8 +224,9 @@ def run_command(engine, name: str, args: tuple) -> tuple[str, Any]:
         return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
-def worker_main(rank: int, spec: RankSpec, conn) -> None:
-    """The process's entry point (forked by the fork server for driver.start_workers)."""
+def worker_main(rank: int, spec: RankSpec, conn, spawned: bool | None = None) -> None:
+    """The process's entry point (forked by the fork server for driver.start_workers on the CPU, spawned on GPUs and
+    by prestart.py: `spawned`, default: on GPUs)."""
     import torch.distributed as dist
 
     if spec.env:  # the driver's environment now, not the fork server's from when it started
@@ -261,7 +262,9 @@ def worker_main(rank: int, spec: RankSpec, conn) -> None:
             break
         conn.send(run_command(engine, *msg))
     conn.close()
-    if spec.device_type == "cuda":
+    if spawned is None:
+        spawned = spec.device_type == "cuda"
+    if spawned:
         # A spawned rank told to stop (or whose driver is gone): its exit handlers (compile pool, private caches),
         # then the process ends without the interpreter's teardown or the process group's: NCCL's and Inductor's
         # shutdowns took the driver's close 21 s at TP 2 (H200), which nobody waits for (the driver stops every
