@@ -63,6 +63,25 @@ def _gemv_lamport_kernel(x, w, y, rows, deltas, state, N, K, swn, RANK: tl.const
 
 
 @triton.jit
+def _rank_sum(x, rows, slot, idx, ok, acc, RANK: tl.constexpr, WORLD: tl.constexpr, ROW: tl.constexpr,
+              WIDE: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
+    """acc plus the row at `idx` summed over the ranks in rank order (the lamport kernel's order and bits): this
+    rank's partial x, each peer's from its fused row of `slot`. WAIT: polled until it holds no sentinel; else read
+    (already seen whole: through L2)."""
+    for src in tl.static_range(WORLD):
+        if src == RANK:
+            acc += tl.load(x + idx, mask=ok, other=0.0).to(tl.float32)
+        else:
+            ptrs = rows + (slot * WORLD + src) * ROW + idx
+            if WAIT:
+                v = lamport_wait(ptrs, ok, WIDE)
+            else:
+                v = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+            acc += v.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, state, N, K, swn, eps,
                                  RANK: tl.constexpr, WORLD: tl.constexpr, ROW: tl.constexpr, ROW2: tl.constexpr,
                                  ROW4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -81,14 +100,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
     whole = tl.arange(0, WHOLE)
     in_row = whole < K
     # 1. wait for the peers' rows, sum in rank order (the lamport kernel's bits), the residual, the norm's rstd
-    acc = tl.zeros([WHOLE], dtype=tl.float32)
-    for src in tl.static_range(WORLD):
-        if src == RANK:
-            acc += tl.load(x + whole, mask=in_row, other=0.0).to(tl.float32)
-        else:
-            ptrs = rows + (slot * WORLD + src) * ROW + whole
-            v = lamport_wait(ptrs, in_row, WIDE)
-            acc += v.to(tl.float32)
+    acc = _rank_sum(x, rows, slot, whole, in_row, tl.zeros([WHOLE], dtype=tl.float32), RANK, WORLD, ROW, WIDE, True)
     sv = (acc.to(dt).to(tl.float32) + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)
     rstd = norm_rstd(sv, s_out, whole, in_row, K, eps, ACCURATE)
     # 2. this program's columns, the summed row remade chunk by chunk (the rows are there: read through L2)
@@ -100,13 +112,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        a = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for src in tl.static_range(WORLD):
-            if src == RANK:
-                a += tl.load(x + kk, mask=k_ok, other=0.0).to(tl.float32)
-            else:
-                a += tl.load(rows + (slot * WORLD + src) * ROW + kk, mask=k_ok, other=0.0,
-                             cache_modifier=".cg").to(tl.float32)  # fmt: skip
+        a = _rank_sum(x, rows, slot, kk, k_ok, tl.zeros([BLOCK_K], dtype=tl.float32), RANK, WORLD, ROW, WIDE, False)
         sk = (a.to(dt).to(tl.float32) + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
         out = normed_dot(out, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
     store_columns(tl.sum(out, axis=1), b, y, cols, col_ok, HAS_BIAS)
