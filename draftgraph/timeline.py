@@ -19,6 +19,8 @@ import time
 PHASES = (
     ("imports", "python started, the command parsed, torch and draftgraph imported"),
     ("models", "the model pair built or found (the built-in pair: random weights on the CPU)"),
+    ("process group", "a worker rank: torch.distributed's default group joined"),
+    ("groups", "a worker rank: its tensor-parallel group, the group's NCCL communicator and peer memory"),
     ("CUDA init", "the CUDA context made, the device's memory read"),
     ("compile workers ready", "the compile workers' processes started (in the background)"),
     ("weight load", "target and drafter weights on the device"),

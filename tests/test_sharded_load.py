@@ -119,3 +119,63 @@ def test_a_size_tp_cannot_split_is_refused_before_reading(checkpoint, monkeypatc
     monkeypatch.setattr(sharded_read, "safe_open", no_reads)
     with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide num_attention_heads=8"):
         CausalLM.from_pretrained(checkpoint, tp=ParallelGroup(0, 3, "unused"))
+
+
+def _raw_safetensors(path, entries: dict, data: bytes) -> None:
+    """A safetensors file written by hand (entries: name -> (dtype, shape, begin, end)), so its offsets can be
+    what safetensors' own writer never makes (unaligned)."""
+    import json
+    import struct
+
+    header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": [b, e]} for k, (d, s, b, e) in entries.items()})
+    raw = header.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_the_mapped_reader_reads_what_safetensors_reads(tmp_path):
+    """models/mapped_read.py: every dtype, a scalar, an empty tensor; slices are views; an unaligned tensor is
+    still read; a truncated file is named; the loader's chunks (a buffer of a few rows) build the same tensors,
+    a share of several column ranges included."""
+    from safetensors.torch import load_file, save_file
+
+    from draftgraph.models.mapped_read import DeviceLoader, MappedSafetensors
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "bf16": torch.randn(37, 11, generator=g).bfloat16(), "f32": torch.randn(5, 3, 2, generator=g),
+        "f16": torch.randn(9, generator=g).half(), "i64": torch.arange(7), "i8": torch.arange(-3, 4).to(torch.int8),
+        "u8": torch.arange(5).to(torch.uint8), "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5), "empty": torch.empty(0, 4),
+    }  # fmt: skip
+    file = tmp_path / "m.safetensors"
+    save_file(state, str(file))
+    want = load_file(str(file))
+    with MappedSafetensors(str(file)) as h:
+        assert sorted(h.keys()) == sorted(state)
+        for name, t in want.items():
+            got = h.get_tensor(name)
+            assert got.dtype == t.dtype and torch.equal(got, t), name
+        part = h.get_slice("bf16")[:, 3:7]
+        assert h.get_slice("bf16").get_shape() == [37, 11] and torch.equal(part, want["bf16"][:, 3:7])
+        assert part.data_ptr() == h.get_tensor("bf16")[:, 3:].data_ptr()  # a view of the map, not a copy
+        loader = DeviceLoader(torch.device("cpu"), stage_bytes=64, pin=False)  # 64 bytes: a few rows a chunk
+        for name, t in want.items():
+            assert torch.equal(loader.load([h.get_tensor(name)]), t), name
+        cols = [h.get_slice("bf16")[:, 0:2], h.get_slice("bf16")[:, 5:9]]
+        assert torch.equal(loader.load(cols, dim=1), torch.cat([want["bf16"][:, 0:2], want["bf16"][:, 5:9]], 1))
+        rows = [h.get_slice("f32")[0:2], h.get_slice("f32")[3:5]]
+        assert torch.equal(loader.load(rows, dim=0), torch.cat([want["f32"][0:2], want["f32"][3:5]]))
+        assert loader.copied_bytes > 0
+        loader.close()
+
+    odd = tmp_path / "odd.safetensors"  # a 3-byte tensor first: the bf16 one after it starts at an odd byte
+    values = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    data = b"\x01\x02\x03" + values.view(torch.uint8).numpy().tobytes()
+    _raw_safetensors(odd, {"u": ("U8", [3], 0, 3), "b": ("BF16", [2], 3, 7)}, data)
+    with MappedSafetensors(str(odd)) as h:
+        assert torch.equal(h.get_tensor("b"), values) and h.get_tensor("u").tolist() == [1, 2, 3]
+
+    cut = tmp_path / "cut.safetensors"
+    _raw_safetensors(cut, {"w": ("F32", [4, 4], 0, 64)}, bytes(32))
+    with pytest.raises(ValueError, match=r"'w' \(F32 \[4, 4\]\) claims bytes \[0, 64\) of the 32 data bytes"):
+        MappedSafetensors(str(cut))

@@ -68,7 +68,7 @@ def test_two_ranks_equal_one_process_then_a_killed_rank_stops_both():
         # rank 0's start-up is in this process's timeline, in its order (the -v printout at TP)
         # (a forked CPU rank's "process started" is its fork server's: there when this call started the server)
         ranks = [p for p, _, _ in timeline.marks()[before:] if p.startswith("rank 0 ") and "started" not in p]
-        assert ranks[:3] == ["rank 0 imports", "rank 0 process group", "rank 0 weight load"], ranks
+        assert ranks[:4] == ["rank 0 imports", "rank 0 process group", "rank 0 groups", "rank 0 weight load"], ranks
         assert ranks[-1] == "rank 0 engine ready"
         assert engine.config.tensor_parallel_size == 2 and engine.config.draft_tensor_parallel_size == 2
         assert engine.k == 2 and engine.vocab_size == SPEC.vocab_size

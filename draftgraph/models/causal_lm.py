@@ -165,15 +165,18 @@ class CausalLM(nn.Module):
         ops: OpChoices = DEFAULT_OPS,
     ) -> CausalLM:
         """From a checkpoint directory. With a tensor-parallel `tp`, each rank reads only its share of the
-        split tensors (models/parallel/sharded_read.py, every family)."""
+        split tensors (models/parallel/sharded_read.py, every family). Onto a CUDA device the tensors are read
+        straight there (models/mapped_read.py: one host copy, through pinned buffers)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
-        if tp.is_single:
+        on_cuda = torch.device(device).type == "cuda"
+        if tp.is_single and not on_cuda:
             return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp, ops=ops)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
         from draftgraph.models.parallel.sharded_read import read_target_share
 
-        return cls.from_state_dict(cfg, read_target_share(path, cfg, tp), device, attn_impl, tp, sharded=True, ops=ops)
+        state = read_target_share(path, cfg, tp, device=device if on_cuda else None)
+        return cls.from_state_dict(cfg, state, device, attn_impl, tp, sharded=True, ops=ops)
 
     @classmethod
     def from_hf(

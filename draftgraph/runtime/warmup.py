@@ -119,14 +119,17 @@ def warm_up_and_capture(engine, lazy: bool | None = None, largest_only: bool = F
     compiles_before = counters.inductor_compiles
     variants_before = compiled_variants()
     phases = counters.warmup_seconds
+    detail = ""
     with tqdm(total=1, desc="tracing and compiling", disable=not graphs.progress, leave=False) as bar:
         runner.dummy_run(rc.warmup_tokens)  # the first call traces and compiles every unique piece once
         phases["forwards"] = time.perf_counter() - t0
+        detail = f"forwards {phases['forwards']:.1f} s"
         if compiled.loops is not None and rc.full_capture_sizes:
             runner.dummy_run_full(max(rc.full_capture_sizes))  # traces the fused loops (no capture yet)
             phases["draft_loops"] = time.perf_counter() - t0 - phases["forwards"]
+            detail += f", draft loops {phases['draft_loops']:.1f} s"
         bar.update(1)
-    timeline.mark("tracing")
+    timeline.mark("tracing", detail)
     t_wait = time.perf_counter()
     had_pool = compiled.pool is not None  # a later warm-up (after KV sizing) has no workers left to wait for
     compiled.finish_compiles()  # the compile workers' pieces: loaded before any graph is captured

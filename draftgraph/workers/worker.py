@@ -197,6 +197,7 @@ def setup_rank(rank: int, world_size: int, request: BuildRequest):
         config = _build_config(config, build_dir, rank)
     request = replace(request, config=config, artifacts=artifacts, build_dir=build_dir)
     groups = make_groups(rank, world_size, config)
+    timeline.mark("groups")
     engine = build_rank_engine(request, groups)
     timeline.mark("engine ready")
     info = {

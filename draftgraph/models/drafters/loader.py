@@ -84,7 +84,7 @@ def load_drafter(
         check_draft_pair(source, target)
         return DraftModelDrafter(source)
     if isinstance(source, str):  # stored tensors: each read (as this rank's share) only where it is kept
-        with open_checkpoint(source, tp, "drafter") as state:
+        with open_checkpoint(source, tp, "drafter", device) as state:  # (onto a CUDA device: read straight there)
             return _from_state(source, read_config(source), state, target, kind, device, attn_impl, dtype,
                                aux_layers, tp, ops)  # fmt: skip
     if not isinstance(source, nn.Module):

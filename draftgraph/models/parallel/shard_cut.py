@@ -37,11 +37,10 @@ class Cut:
             return parts[0].clone(memory_format=torch.contiguous_format)
         return torch.cat(parts, dim=self.dim)
 
-    def read(self, stored: Any) -> torch.Tensor:
-        """The share read from a safetensors slice handle (`safe_open(...).get_slice(name)`): each range's
-        bytes only, concatenated."""
-        parts = [stored[self.index(a, b)] for a, b in self.ranges]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)).contiguous()
+    def views(self, stored: Any) -> list[torch.Tensor]:
+        """The share's ranges from a safetensors slice handle (`safe_open(...).get_slice(name)`), in order, each
+        as the handle gives it (sharded_read.StoredTensor concatenates them, on its device)."""
+        return [stored[self.index(a, b)] for a, b in self.ranges]
 
 
 def split_cut(

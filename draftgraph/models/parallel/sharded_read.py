@@ -32,6 +32,7 @@ import torch
 
 from draftgraph.models.config import ModelConfig
 from draftgraph.models.families import family_of
+from draftgraph.models.mapped_read import DeviceLoader, MappedSafetensors
 from draftgraph.models.parallel.dense import tensor_cut
 from draftgraph.models.parallel.shard_cut import Cut, take
 from draftgraph.models.weights import CheckpointError, check_weight_files, read_checkpoint
@@ -41,10 +42,9 @@ log = logging.getLogger("draftgraph")
 
 
 def safe_open(file: str):
-    """safetensors' reader of one file (a function of its own, so tests can count what goes through it)."""
-    from safetensors import safe_open as open_file
-
-    return open_file(file, framework="pt")
+    """The reader of one safetensors file: its tensors as views of a memory map (models/mapped_read.py; a function
+    of its own, so tests can count what goes through it)."""
+    return MappedSafetensors(file)
 
 
 class StoredTensor:
@@ -55,11 +55,19 @@ class StoredTensor:
         self.shape = torch.Size(self._call(lambda: handle.get_slice(name).get_shape()))
 
     def read(self, cut: Cut | None = None) -> torch.Tensor:
-        """The whole tensor (cut None) or this rank's share (only its ranges' bytes are read)."""
+        """The whole tensor (cut None) or this rank's share (only its ranges' bytes are read): on the reader's
+        device (through its DeviceLoader), else in CPU memory (a view of the file's map where the share is one
+        contiguous range, as safetensors' own tensors are; a copy otherwise)."""
         if self._reader.closed:
             raise RuntimeError(f"{self.name} was read after its checkpoint was closed")
         h, name = self._handle, self.name
-        t = self._call(lambda: h.get_tensor(name) if cut is None else cut.read(h.get_slice(name)))
+        parts = self._call(lambda: cut.views(h.get_slice(name)) if cut else [h.get_tensor(name)])
+        dim = cut.dim if cut else 0
+        loader = self._reader.loader
+        if loader is not None:
+            t = loader.load(parts, dim)
+        else:
+            t = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)
         self._reader.read_bytes += t.numel() * t.element_size()
         return t
 
@@ -73,22 +81,27 @@ class StoredTensor:
 
 
 class _Reader:
-    def __init__(self):
-        self.read_bytes, self.closed = 0, False
+    def __init__(self, loader: DeviceLoader | None):
+        self.read_bytes, self.closed, self.loader = 0, False, loader
 
 
 @contextmanager
-def open_checkpoint(path: str, tp: ParallelGroup, what: str) -> Iterator[dict[str, Any]]:
+def open_checkpoint(
+    path: str, tp: ParallelGroup, what: str, device: torch.device | str | None = None
+) -> Iterator[dict[str, Any]]:
     """A checkpoint directory's tensors by stored name: `StoredTensor`s (safetensors; the files stay open
-    until the context ends), or tensors in memory (pytorch_model.bin, read whole). On a clean exit, logs how
-    many MB of the checkpoint rank `tp.rank` read for `what`."""
+    until the context ends), or tensors in memory (pytorch_model.bin, read whole). With a CUDA `device`, stored
+    tensors read straight onto it (mapped_read.DeviceLoader). On a clean exit, logs how many MB of the
+    checkpoint rank `tp.rank` read for `what`."""
     files = check_weight_files(path)
     if not files:
         yield read_checkpoint(path)
         log.info("%s: pytorch_model.bin read whole by rank %d of %d (it cannot be read in part)",
                  what, tp.rank, tp.world_size)  # fmt: skip
         return
-    reader, handles, state = _Reader(), [], {}
+    device = torch.device(device) if device is not None else None
+    loader = DeviceLoader(device) if device is not None and device.type == "cuda" else None
+    reader, handles, state = _Reader(loader), [], {}
     try:
         for file in files:
             try:
@@ -104,6 +117,8 @@ def open_checkpoint(path: str, tp: ParallelGroup, what: str) -> Iterator[dict[st
         reader.closed = True
         for opened in handles:
             opened.__exit__(None, None, None)
+        if loader is not None:
+            loader.close()
     total = sum(os.path.getsize(f) for f in files)
     log.info(
         "%s: tensor-parallel rank %d of %d read %.1f MB of the checkpoint's %.1f MB (its shares of split "
@@ -132,8 +147,11 @@ def model_share(state: dict[str, Any], cfg: ModelConfig, tp: ParallelGroup) -> d
     }
 
 
-def read_target_share(path: str, cfg: ModelConfig, tp: ParallelGroup, what: str = "target") -> dict[str, torch.Tensor]:
+def read_target_share(
+    path: str, cfg: ModelConfig, tp: ParallelGroup, what: str = "target", device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """A checkpoint directory's share for rank `tp.rank` of the model whose whole config is `cfg`: what
-    `parallel.shard_state` cuts from the whole checkpoint (`CausalLM.from_state_dict(..., sharded=True)`)."""
-    with open_checkpoint(path, tp, what) as state:
+    `parallel.shard_state` cuts from the whole checkpoint (`CausalLM.from_state_dict(..., sharded=True)`); on
+    `device` when it is a CUDA device (read straight there), else in CPU memory."""
+    with open_checkpoint(path, tp, what, device) as state:
         return model_share(state, cfg, tp)
