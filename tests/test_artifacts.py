@@ -189,6 +189,8 @@ def test_cli_build_then_generate_in_a_fresh_process(tmp_path, capsys):
     assert phases == [*expected, "first token", "exit", "exit handlers"], timeline  # (-v: the handlers' cost last)
     frozen = int(timeline[0].split("imports: ")[1].split()[0])  # the command's process froze its imports (gc)
     assert frozen > 10_000, timeline[0]
+    ready = next(row for row in timeline if "engine ready" in row)  # and what the engine's build made, once built
+    assert int(ready.split("engine ready: ")[1].split()[0]) > 1_000, ready
     # the built-in pair's weights travel inside the artifact (listed, signed), read from there: no transformers model
     listed = json.loads((tmp_path / "art" / "manifest.json").read_text())["files"]
     assert "builtin-target/model.safetensors" in listed and "models: built-in pair, from the artifacts" in timeline[1]
