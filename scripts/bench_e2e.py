@@ -244,9 +244,9 @@ def adaptive_bench(target, drafter, args, device) -> None:
     # collector's sight, so a full collection in one variant's timed run does not walk every engine's graphs
     gc.collect()
     gc.freeze()
-    res, hist = {}, {}
+    res, hist, runs = {}, {}, {}
     for b in batches:  # the variants in turn within each run (round robin), medians over the runs
-        times = {name: [] for name in engines}
+        times = runs[b] = {name: [] for name in engines}
         for run in range(args.runs + 1):  # run 0 warms up
             for name, eng in engines.items():
                 sync(device)
@@ -262,7 +262,9 @@ def adaptive_bench(target, drafter, args, device) -> None:
             acc = s["accepted_tokens"] / s["verify_steps"] if s["verify_steps"] else 0.0
             hits = s["prefix_cache"]["hit_tokens"]
             per_step = statistics.median(times[name]) / max(s["steps"], 1) * 1e3  # (steps: the last run's)
-            print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s, accepted/step {acc:.2f}, K per step (last run) "
+            spread = max(times[name]) / min(times[name]) - 1  # the runs' spread: what one engine's runs differ by
+            print(f"  B={b:>3} {name:>15}: {res[name, b]:>8.1f} tok/s (runs spread {spread:.1%}), accepted/step "
+                  f"{acc:.2f}, K per step (last run) "
                   f"{hist[name, b]}, steps {s['steps']} ({s.get('overlapped_steps', 0)} overlapped, "
                   f"{s.get('dropped_steps', 0)} dropped), wall per step {per_step:.3f} ms, "
                   f"prefix-cache hit tokens {hits}, catch-up tokens "
@@ -286,12 +288,23 @@ def adaptive_bench(target, drafter, args, device) -> None:
             continue
         print(f"\n(e) {label}: adaptive K in (0, {half}, {k}) against plain and fixed K")
         hdr = (f"{'B':>4} | {'plain':>8} " + " ".join(f"{f:>12}" for f in fixed) + f" {'adaptive':>9} | "
-               f"{'vs plain':>8} {'vs best':>7} | adaptive K per step")  # fmt: skip
+               f"{'vs plain':>8} {'vs best':>7} | {'paired':>15} | adaptive K per step")  # fmt: skip
         print(hdr + "\n" + "-" * len(hdr))
         for b in batches:
             p, a, fx = res["plain", b], res[f"adaptive{suffix}", b], [res[f, b] for f in fixed]
+            # paired: within each run (the variants back to back), plain's time / adaptive's and the fastest fixed
+            # variant's / adaptive's; the median of those ratios (drift between runs cancels within a pair)
+            t = runs[b]
+            mine = t[f"adaptive{suffix}"]
+            vs_plain = statistics.median(x / y for x, y in zip(t["plain"], mine))
+            vs_best = statistics.median(min(r) / y for r, y in zip(zip(*(t[f] for f in ["plain", *fixed])), mine))
             print(f"{b:>4} | {p:>8.1f} " + " ".join(f"{x:>12.1f}" for x in fx) + f" {a:>9.1f} | {a / p:>8.3f} "
-                  f"{a / max([p, *fx]):>7.3f} | {hist[f'adaptive{suffix}', b]}")  # fmt: skip
+                  f"{a / max([p, *fx]):>7.3f} | {vs_plain:>6.3f} {vs_best:>7.3f} | "
+                  f"{hist[f'adaptive{suffix}', b]}")  # fmt: skip
+        print(
+            "paired: the medians over the runs of (plain's time / adaptive's) and (the fastest of plain and fixed K "
+            "in that run / adaptive's), each run's variants back to back"
+        )
 
 
 def hf_static_compiled(hf, prompt, new_tokens: int, device, runs: int) -> tuple[float, list[int]]:
