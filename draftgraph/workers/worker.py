@@ -238,8 +238,9 @@ def worker_main(rank: int, spec: RankSpec, conn, spawned: bool | None = None) ->
     try:
         if spec.device_type == "cuda":
             torch.cuda.set_device(rank)
-        else:  # the ranks share the CPU's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        # The ranks share the host's cores: each its share of torch's threads (a GPU rank's host copies too, its
+        # weights into pinned buffers: models/mapped_read.py), not every rank all of them, spinning on each other's.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         dist.init_process_group(
             "nccl" if spec.device_type == "cuda" else "gloo",
             init_method=spec.init_method,
