@@ -7,8 +7,10 @@ tests' recording wrapper take either.
 
 `DeviceLoader(device)` turns such views into device tensors with ONE host copy: each view (strided too: a
 row-parallel share) is copied by torch's threads into one of two pinned buffers, whose copy to the device runs
-while the next one fills. Measured on an H100 host (4 GB of bf16 in the page cache): 29 GB/s, against 8 GB/s for
-safetensors' `load_file` then `.to("cuda")`, and 7 GB/s for a tensor-parallel share read then moved.
+while the next one fills. Before, a share was read into CPU memory, its fused parts concatenated there, then moved
+with pageable copies; the 8B shape's weight load at TP 2 (rank 0, `scripts/bench_cold_start.py --pair 8b --args
+"--tp 2" --timeline`, 2 x H200) took 4.0 s warm, 2.8 s with this reader, and the 1B pair's on one H100 1.1 -> 0.4 s
+(docs/performance.md).
 
 A view keeps its map alive (the tensor holds the mmap object), so the map is never closed by hand: closing a
 map under a live view would leave the view reading unmapped memory. The map is copy-on-write, as safetensors'
