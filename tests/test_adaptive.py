@@ -117,6 +117,40 @@ def test_probes_stay_within_budget_when_nothing_is_accepted():
     assert extra <= 0.01 * zero_time, (extra, zero_time)
 
 
+def test_counts_by_slot_equal_the_lists():
+    """The engine's path (runtime/engine.py): each request's counts kept by the controller in a row per slot
+    (`observe(..., slots, ids)`, `BatchLeft`), updated in one array operation, equal the per-request lists, bit for bit,
+    and so do the finish times and choices made from them, over random steps at every K while requests come and go
+    (a slot taken by a new request starts from no counts, as a new request's empty list does)."""
+    import numpy as np
+
+    from draftgraph.runtime.adaptive import BatchLeft
+
+    rng = random.Random(3)
+    times = {0: 1.4e-3, 2: 2.2e-3, 3: 2.5e-3, 5: 3.1e-3}
+    by_list, by_slot = (AdaptiveK((0, 2, 3, 5), lambda k, b, c: times[k], sizes=(1, 8, 16)) for _ in range(2))
+    owner = list(range(16))  # slot -> request id; lists by request id
+    lists = {i: [] for i in owner}
+    next_id = 16
+    for _ in range(200):
+        for slot in rng.sample(range(16), rng.randint(0, 3)):  # requests that finished: new ones take their slots
+            owner[slot], next_id = next_id, next_id + 1
+            lists[owner[slot]] = []
+        k = rng.choice((2, 3, 5))
+        rows = sorted(rng.sample(range(16), rng.randint(1, 16)))
+        accepted = [rng.randint(0, k) for _ in rows]
+        by_list.observe(k, accepted, [lists[owner[r]] for r in rows])
+        ids = np.array([owner[r] for r in rows], dtype=np.int64)
+        by_slot.observe(k, accepted, slots=np.array(rows, dtype=np.int64), ids=ids)
+        assert by_list.rates == by_slot.rates
+        tokens = [rng.randint(1, 300) for _ in rows]
+        left = [(t, lists[owner[r]]) for t, r in zip(tokens, rows)]
+        batch = BatchLeft(np.array(tokens, dtype=np.float64), np.array(rows, dtype=np.int64), ids)
+        for kk in (2, 3, 5):
+            assert by_list.finish_time(kk, left, 100.0, 3) == by_slot.finish_time(kk, batch, 100.0, 3)
+        assert by_list.choose(len(rows), 100.0, left, k) == by_slot.choose(len(rows), 100.0, batch, k)
+
+
 def test_observe_counts_by_their_definition():
     """`observe` written for the host's time (one comprehension a request, rates from a count of requests by drafts
     accepted) equals its definition, bit for bit, over random steps at every K: a request's counts fade by the decay,
@@ -328,7 +362,7 @@ def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
     calls, choose = [], ctl.choose
 
     def spy(batch, ctx=0.0, left=None, ahead=None):
-        calls.append((ahead, None if left is None else [r for r, _ in left]))
+        calls.append((ahead, None if left is None else [int(r) for r in left.tokens]))  # (a BatchLeft: tokens left)
         return choose(batch, ctx, left, ahead)
 
     monkeypatch.setattr(ctl, "choose", spy)
@@ -360,7 +394,7 @@ def forced(monkeypatch, eng, cycle):
 
     monkeypatch.setattr(eng.adaptive, "choose", choose)
     monkeypatch.setattr(
-        eng.adaptive, "observe", lambda k, acc, counts=None: (seen.append((k, list(acc))), observe(k, acc, counts))
+        eng.adaptive, "observe", lambda k, acc, **rows: (seen.append((k, list(acc))), observe(k, acc, **rows))
     )
     return seen
 

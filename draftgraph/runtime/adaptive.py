@@ -54,9 +54,29 @@ import math
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class BatchLeft:
+    """A decode batch's requests as `choose` takes them while none waits (runtime/engine.py): per request, the
+    tokens it may still emit, its slot and its id. Its acceptance counts are the controller's, a row per slot
+    (`observe(..., slots, ids)`), so no per-request list is built or updated on the host each step."""
+
+    tokens: np.ndarray  # [B] float64
+    slots: np.ndarray  # [B] int64
+    ids: np.ndarray  # [B] int64
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+# What choose, finish_time and steps_left take as the batch's requests: a BatchLeft, or per request (tokens left,
+# its own counts list)
+Left = BatchLeft | Sequence[tuple[int, list]]
 
 
 class AdaptiveK:
@@ -96,6 +116,11 @@ class AdaptiveK:
         self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
         self._adds: dict[int, list[list[float]]] = {}  # K -> per drafts accepted, a request's counts' increments
+        # The requests' own counts by slot (BatchLeft's and observe's `slots`): a row, and the id of its request (a
+        # slot taken by another request starts from no counts)
+        self._js: dict[int, np.ndarray] = {}  # K -> the draft positions 1..K (_moments)
+        self._counts = np.zeros((0, 2 * self.k_max))
+        self._owner = np.zeros(0, dtype=np.int64)
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<k} prod_{j<=i} a_j: tokens a step at K emits per request on average."""
@@ -109,9 +134,7 @@ class AdaptiveK:
         t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(
-        self, batch: int, ctx: float = 0.0, left: Sequence[tuple[int, list]] | None = None, ahead: int | None = None
-    ) -> int:
+    def choose(self, batch: int, ctx: float = 0.0, left: Left | None = None, ahead: int | None = None) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
         histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
         emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them, after a
@@ -174,10 +197,12 @@ class AdaptiveK:
         cur = self.current if self.current in scores else self.k_max
         return cur if scores[best] <= scores[cur] * (1 + self.margin) else best
 
-    def _best_to_finish(self, left: Sequence[tuple[int, list]], ctx: float, ahead: int | None = None) -> int:
+    def _best_to_finish(self, left: Left, ctx: float, ahead: int | None = None) -> int:
         """Among the K > 0, the one of the least expected time to finish the batch's requests (`finish_time`)."""
-        table = self._table(left)
-        times = {k: self.finish_time(k, left, ctx, ahead, table) for k in self.ks if k}
+        r, p = self._table(left)
+        if ahead is not None:  # the step launched and not read: its expected tokens off, once for every K
+            r = r - self._moments(ahead, r, p)[0]
+        times = {k: self.finish_time(k, left, ctx, None, (r, p)) for k in self.ks if k}
         if any(t is None for t in times.values()):
             return self.k_max
         if self.current not in times:  # (up from K = 0)
@@ -197,9 +222,7 @@ class AdaptiveK:
         switch = self.step_time(cur, len(left), ctx) if ahead is not None else 0.0
         return cur if times[cur] <= times[best] * (1 + self.finish_margin) + switch else best
 
-    def finish_time(
-        self, k: int, left: Sequence[tuple[int, list]], ctx: float = 0.0, ahead: int | None = None, table=None
-    ) -> float | None:
+    def finish_time(self, k: int, left: Left, ctx: float = 0.0, ahead: int | None = None, table=None) -> float | None:
         """Expected seconds until every request of `left` (tokens it may still emit, its acceptance counts) has
         finished at K. Request i needs n_i steps, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a
         renewal process's; e_i, v_i: mean and variance of the tokens a step emits for it, at most r_i); the c-th
@@ -237,18 +260,35 @@ class AdaptiveK:
             z = self._z[(c, b)] = NormalDist().inv_cdf((b - c + 1 - 0.375) / (b + 0.25)) if b > 1 else 0.0
         return z
 
-    def _table(self, left: Sequence[tuple[int, list]]) -> tuple[np.ndarray, np.ndarray]:
+    def _table(self, left: Left) -> tuple[np.ndarray, np.ndarray]:
         """Per request of `left`: its tokens left [B], and P(A >= j + 1) for each draft position j [B, K_max], from
-        its own rates: its counts with `prior` observations at the batch's rates."""
+        its own rates: its counts with `prior` observations at the batch's rates. `left`: a BatchLeft (its counts
+        the controller's, by slot), or per request (tokens left, its counts list as `observe` keeps them)."""
         n = self.k_max
-        r = np.fromiter((x for x, _ in left), dtype=np.float64, count=len(left))
-        counts = np.array([c if c else self._no_counts for _, c in left], dtype=np.float64).reshape(len(left), 2 * n)
+        if isinstance(left, BatchLeft):
+            r, rows = left.tokens, self._own(left.slots, left.ids)  # (first: it may grow the counts)
+            counts = self._counts[rows]
+        else:
+            r = np.fromiter((x for x, _ in left), dtype=np.float64, count=len(left))
+            counts = np.array([c if c else self._no_counts for _, c in left], dtype=np.float64).reshape(
+                len(left), 2 * n
+            )
         rates = (counts[:, :n] + self.prior * np.asarray(self.rates)) / (counts[:, n:] + self.prior)
         return r, np.cumprod(rates, axis=1)
 
-    def steps_left(
-        self, k: int, left: Sequence[tuple[int, list]], ahead: int | None = None, table=None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _own(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """`slots`, their rows made to belong to `ids` (grown as needed; a row of another request starts at zero)."""
+        if len(slots) and int(slots.max()) >= len(self._owner):
+            grow = int(slots.max()) + 1 - len(self._owner)
+            self._counts = np.concatenate([self._counts, np.zeros((grow, self._counts.shape[1]))])
+            self._owner = np.concatenate([self._owner, np.full(grow, -1, dtype=np.int64)])
+        stale = self._owner[slots] != ids
+        if stale.any():
+            self._counts[slots[stale]] = 0.0
+            self._owner[slots[stale]] = ids[stale]
+        return slots
+
+    def steps_left(self, k: int, left: Left, ahead: int | None = None, table=None) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation of the steps each request of `left` needs at K for its remaining tokens,
         after a step at K = `ahead` not read yet (None: none) has emitted its expected share."""
         r, p = table if table is not None else self._table(left)
@@ -265,20 +305,34 @@ class AdaptiveK:
     def _moments(self, k: int, r: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the tokens a step at K emits per request (at most its r tokens left): E = 1 + sum_j
         P(A >= j), E[tokens^2] = 1 + sum_j (2j + 1) P(A >= j), over the drafts j <= min(K, r - 1)."""
-        j = np.arange(1, k + 1, dtype=np.float64)
+        j = self._js.get(k)
+        if j is None:
+            j = self._js[k] = np.arange(1, k + 1, dtype=np.float64)
         q = p[:, :k] * (j < np.ceil(r)[:, None])  # draft j counts while j <= r - 1
         e = 1.0 + q.sum(axis=1)
-        m2 = 1.0 + (q * (2 * j + 1)).sum(axis=1)
+        m2 = 1.0 + (q @ (2 * j + 1))
         return e, np.maximum(m2 - e * e, 0.0)
 
-    def observe(self, k: int, accepted: list[int], counts: Sequence[list] | None = None) -> None:
+    def observe(
+        self,
+        k: int,
+        accepted: list[int],
+        counts: Sequence[list] | None = None,
+        slots: np.ndarray | None = None,
+        ids: np.ndarray | None = None,
+    ) -> None:
         """One verified step at K: `accepted` drafts per request. Position i's observation is the fraction of the
-        requests that reached it (accepted >= i) that accepted it (accepted > i). `counts`, per request, its own
-        (accepted, reached) counts per position (an empty list at first, filled here), fading by `request_decay`."""
+        requests that reached it (accepted >= i) that accepted it (accepted > i). Each request's own (accepted,
+        reached) counts per position, fading by `request_decay`: the controller's rows of `slots` (requests
+        `ids`: BatchLeft's), in one array operation; or `counts`, per request a list (empty at first, filled here)."""
         if not k or not accepted:
             return
-        if counts is not None:  # one comprehension a request (the host's time a step at B = 128 counts)
-            d, add = self.request_decay, self._increments(k)
+        d, add = self.request_decay, self._increments(k)
+        if slots is not None:
+            rows = self._own(slots, ids)  # (first: it may grow the counts)
+            a = np.minimum(np.asarray(accepted), k)
+            self._counts[rows] = self._counts[rows] * d + np.asarray(add)[a]
+        elif counts is not None:  # one comprehension a request
             for a, c in zip(accepted, counts):
                 c[:] = [x * d + y for x, y in zip(c, add[min(a, k)])] if c else add[min(a, k)]
         at = [0] * (k + 1)  # requests by drafts accepted

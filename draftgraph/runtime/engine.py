@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from draftgraph import timeline
@@ -24,7 +25,7 @@ from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
-from draftgraph.runtime.adaptive import AdaptiveK, StepTimes
+from draftgraph.runtime.adaptive import AdaptiveK, BatchLeft, StepTimes
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
@@ -396,22 +397,27 @@ class Engine:
         self._next_k = None  # the relaunched step is the one it was chosen for
         return True
 
-    def _left(self, decodes) -> list[tuple[int, list]] | None:
+    def _left(self, decodes) -> BatchLeft | None:
         """Adaptive speculation: while no request waits to join, the batch ends with its last request, so K is chosen
         for the time to finish them: per request, the tokens it may still emit (up to max_tokens, as read so far; one
-        that may stop at a stop token earlier counts to its max_tokens) and its own acceptance counts
-        (runtime/adaptive.py). None while requests wait: a finished one's place is
+        that may stop at a stop token earlier counts to its max_tokens), its slot and id (its own acceptance counts
+        are the controller's by slot: runtime/adaptive.py). None while requests wait: a finished one's place is
         taken, and K is chosen for tokens per second."""
         if self.scheduler.waiting:
             return None
-        return [(r.params.max_tokens - len(r.output), r.acceptance) for r in decodes]
+        n = len(decodes)
+        return BatchLeft(
+            np.fromiter((r.params.max_tokens - len(r.output) for r in decodes), dtype=np.float64, count=n),
+            np.fromiter((r.slot for r in decodes), dtype=np.int64, count=n),
+            np.fromiter((r.id for r in decodes), dtype=np.int64, count=n),
+        )
 
     def _apply(self, batch, result, k: int) -> list[RequestOutput]:
         """A step's outcome into its requests: tokens, drafts, lengths, statistics; the finished ones leave.
         Requests that stopped in the step before (an overlapped step ran them once more) are skipped."""
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
-        done, observed, counts = [], [], []
+        done, observed, slots, ids = [], [], [], []
         padded, self._padded = self._padded, set()
         for i, req in enumerate(result.sampled):
             if req.finish_reason is not None:
@@ -421,7 +427,8 @@ class Engine:
                 a = result.accepted[i]
                 if req.id not in padded:  # padded drafts say nothing about the drafter's acceptance
                     observed.append(a)
-                    counts.append(req.acceptance)
+                    slots.append(req.slot)
+                    ids.append(req.id)
                 req.num_computed += a + 1
                 req.num_verify_steps += 1
                 req.num_draft_tokens += k
@@ -450,7 +457,7 @@ class Engine:
                     out.text = decode_text(self.tokenizer, out.token_ids)
                 done.append(out)
         if self.adaptive is not None:
-            self.adaptive.observe(k, observed, counts)
+            self.adaptive.observe(k, observed, slots=np.array(slots, dtype=np.int64), ids=np.array(ids, dtype=np.int64))
         return done
 
     def generate(

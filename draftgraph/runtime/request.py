@@ -134,9 +134,6 @@ class Request:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # Adaptive speculation (runtime/adaptive.py, AdaptiveK.observe): per draft position its fading counts of steps
-    # that accepted it, then of steps that reached it (empty until its first observed step)
-    acceptance: list[float] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None  # one per output token, when params.logprobs is set
     cumulative_logprob: float = 0.0
     grammar: RequestGrammar | None = None  # the matcher of params.structured (runtime/grammar.py), set when added
