@@ -169,7 +169,7 @@ class CausalLM(nn.Module):
         straight there (models/mapped_read.py: one host copy, through pinned buffers)."""
         cfg = ModelConfig.from_hf(read_target_config(path), dtype=dtype)
         cfg = cfg.replace(eos_token_ids=merge_eos(cfg.eos_token_ids, checkpoint_generation_eos(path)))
-        on_cuda = torch.device(device).type == "cuda"
+        on_cuda = device is not None and torch.device(device).type == "cuda"
         if tp.is_single and not on_cuda:
             return cls.from_state_dict(cfg, read_checkpoint(path), device, attn_impl, tp, ops=ops)
         shard_config(cfg, tp)  # sizes tp cannot split are refused before anything is read
