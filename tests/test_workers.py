@@ -125,6 +125,8 @@ def test_ranks_started_before_the_imports_become_the_engines_ranks():
         assert [o.token_ids for o in engine.generate(PROMPTS, PARAMS)] == want
         ranks = [p for p, _, _ in timeline.marks()[before:] if p.startswith("rank 0 ")]
         assert ranks[:3] == ["rank 0 process started", "rank 0 imports", "rank 0 process group"], ranks
+        imports = next(d for p, _, d in timeline.marks()[before:] if p == "rank 0 imports")
+        assert int(imports.split()[0]) > 10_000, imports  # the rank froze its imports out of the collector's sight
     finally:
         engine.close()
     assert not multiprocessing.active_children() and [p.exitcode for p in engine.procs] == [0, 0]

@@ -88,9 +88,9 @@ def _stop(held: HeldRanks) -> None:
 def held_rank(rank: int, cuda: bool, conn) -> None:
     """A held rank's process: its imports and device context, then its spec (None: stop), then the rank's work."""
     from draftgraph import timeline
-    from draftgraph.workers.worker import worker_main  # torch and the rank's modules
+    from draftgraph.workers.worker import freeze_rank, worker_main  # torch and the rank's modules
 
-    timeline.mark("imports")
+    timeline.mark("imports", freeze_rank())
     if cuda:
         import torch
 
