@@ -245,10 +245,14 @@ def adaptive_bench(target, drafter, args, device) -> None:
     gc.collect()
     gc.freeze()
     res, hist, runs = {}, {}, {}
-    for b in batches:  # the variants in turn within each run (round robin), medians over the runs
+    for b in batches:  # the variants in turn within each run (round robin, rotated), medians over the runs
         times = runs[b] = {name: [] for name in engines}
+        names = list(engines)
         for run in range(args.runs + 1):  # run 0 warms up
-            for name, eng in engines.items():
+            # each run starts one variant later (no variant always follows the same one: a heavy one before it
+            # would leave the GPU's clocks or the host's caches to it alone)
+            for name in names[run % len(names) :] + names[: run % len(names)]:
+                eng = engines[name]
                 sync(device)
                 t0 = time.perf_counter()
                 eng.generate(prompts[:b], params)
