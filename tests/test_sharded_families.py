@@ -179,3 +179,36 @@ def _deepseek_engine(tp: ParallelGroup, path: str):
 def test_tp2_engine_loaded_in_shares_equals_one_process(tmp_path):
     path, _ = _checkpoint(tmp_path, "v3")
     spawn(_deepseek_engine, 2, tmp_path, path)
+
+
+@pytest.mark.parametrize("name", ["v3", "v32", "qwen_moe_odd", "llama"])
+def test_reads_through_the_device_loader_equal_the_plain_read(tmp_path, monkeypatch, name):
+    """What a GPU read does (models/mapped_read.DeviceLoader: each share copied in chunks, a fused tensor's parts
+    concatenated at the destination), made on the CPU with a buffer of a few rows: every family's target share and
+    its drafter (DeepSeek's MTP layer, V3.2, Qwen3.5-MoE's `mtp.*` head with unequal q / k / v parts, EAGLE-3) equal
+    the plain read, tensor for tensor."""
+    from draftgraph.models.mapped_read import DeviceLoader
+    from draftgraph.models.parallel import sharded_read
+
+    path, drafter = _checkpoint(tmp_path, name)
+    cfg = ModelConfig.from_hf(read_target_config(path))
+    w = 3 if name.endswith("odd") else 2
+    tp = ParallelGroup(w - 1, w, "unused")
+    plain = CausalLM.from_pretrained(path, tp=tp)
+    loaders, real = [], sharded_read._Reader
+
+    class Staged(real):
+        def __init__(self, loader):
+            super().__init__(DeviceLoader(torch.device("cpu"), stage_bytes=512, pin=False))
+            loaders.append(self.loader)
+
+    monkeypatch.setattr(sharded_read, "_Reader", Staged)
+    _same(CausalLM.from_pretrained(path, tp=tp), plain)
+    if drafter is not None:
+        kind, _ = drafter
+        src = f"{path}/eagle3" if kind == "eagle3" else path
+        aux = (0, 1, cfg.num_layers - 1) if kind == "eagle3" else None
+        got = load_drafter(src, plain, kind=kind, tp=tp, aux_layers=aux)
+        monkeypatch.setattr(sharded_read, "_Reader", real)  # the plain read of the drafter
+        _same(got, load_drafter(src, plain, kind=kind, tp=tp, aux_layers=aux))
+    assert loaders and all(loader.copied_bytes > 0 for loader in loaders)
