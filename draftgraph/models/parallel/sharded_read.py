@@ -67,7 +67,7 @@ class StoredTensor:
         if loader is not None:
             t = loader.load(parts, dim)
         else:
-            t = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)
+            t = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)  # (safetensors' slices alike)
         self._reader.read_bytes += t.numel() * t.element_size()
         return t
 
