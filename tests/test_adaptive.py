@@ -151,6 +151,22 @@ def test_counts_by_slot_equal_the_lists():
         assert by_list.choose(len(rows), 100.0, left, k) == by_slot.choose(len(rows), 100.0, batch, k)
 
 
+def test_a_step_at_k0_builds_no_batch_left():
+    """The engine passes the batch's tokens left as a function (runtime/engine.py `_left`): it is called only where
+    tokens/s chose a K > 0 (the finish-time choice among the K > 0), so a step at K = 0 builds nothing."""
+
+    def never():
+        raise AssertionError("built for a step at K = 0")
+
+    times = {0: 1.0e-3, 2: 1.5e-3, 4: 2.0e-3}
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k], sizes=(8,))
+    ctl.rates = [0.1] * 4  # nothing pays: K = 0 by tokens/s
+    assert ctl.choose(8, 0.0, never) == 0
+    ctl.rates = [0.95] * 4
+    built = []
+    assert ctl.choose(8, 0.0, lambda: built.append(1) or [(200, [])] * 8) in (2, 4) and built == [1]
+
+
 def test_observe_counts_by_their_definition():
     """`observe` written for the host's time (one comprehension a request, rates from a count of requests by drafts
     accepted) equals its definition, bit for bit, over random steps at every K: a request's counts fade by the decay,
@@ -362,8 +378,9 @@ def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
     calls, choose = [], ctl.choose
 
     def spy(batch, ctx=0.0, left=None, ahead=None):
-        calls.append((ahead, None if left is None else [int(r) for r in left.tokens]))  # (a BatchLeft: tokens left)
-        return choose(batch, ctx, left, ahead)
+        batch_left = left() if callable(left) else left  # (the engine passes a function giving a BatchLeft)
+        calls.append((ahead, None if batch_left is None else [int(r) for r in batch_left.tokens]))
+        return choose(batch, ctx, batch_left, ahead)
 
     monkeypatch.setattr(ctl, "choose", spy)
     prompts = [list(range(3 + i, 11 + i)) for i in range(12)]  # (8 requests x 8 tokens: one prefill step)

@@ -134,15 +134,24 @@ class AdaptiveK:
         t = self.step_time(k, batch, ctx)
         return None if not t else self.expected_tokens(k) / t
 
-    def choose(self, batch: int, ctx: float = 0.0, left: Left | None = None, ahead: int | None = None) -> int:
+    def choose(
+        self,
+        batch: int,
+        ctx: float = 0.0,
+        left: Left | Callable[[], Left | None] | None = None,
+        ahead: int | None = None,
+    ) -> int:
         """K for the next decode step of `batch` requests holding `ctx` cached tokens on average (counted in the
         histogram). `left`, when no request waits to join: per request of the batch, (the tokens it may still
-        emit, its acceptance counts as `observe` keeps them); then K minimises the time to finish them, after a
-        step at K = `ahead` that is launched but not read yet (None: none)."""
+        emit, its acceptance counts as `observe` keeps them), or a BatchLeft, or a function giving either (called
+        only where K > 0 is in question: a step at K = 0 builds nothing); then K minimises the time to finish them,
+        after a step at K = `ahead` that is launched but not read yet (None: none)."""
         if self._probe_left:  # the probe's second step: it verifies the drafts the first one proposed
             self._probe_left -= 1
             return self._count(self.ks[1])
         k = self._best(batch, ctx)
+        if k and callable(left):
+            left = left()
         if k and left is not None:  # (K = 0 stays tokens/s's choice: it observes nothing, so probes must bring K back)
             k = self._best_to_finish(left, ctx, ahead)
         if k == 0:

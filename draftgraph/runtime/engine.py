@@ -323,7 +323,7 @@ class Engine:
         if chunks or not batch.decodes:
             k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
         elif k is None:
-            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes), self._left(batch.decodes))
+            k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes), lambda: self._left(batch.decodes))
         runner = self.runners[k]
         # (a prefill's first chunk lags where its cached blocks lack the draft model's KV: runtime/scheduler.py)
         reqs = batch.decodes + [c.req for c in chunks]
@@ -386,8 +386,9 @@ class Engine:
                 return False
         if self.adaptive is not None:  # the choice for the next step, from the steps read so far (up to s - 2),
             d = launched.decodes
-            self._next_k = self.adaptive.choose(len(d), mean_cached(d), self._left(d), launched.key.query_len - 1)
-            if self._next_k != launched.key.query_len - 1:  # (taken by the next step unless relaunched)
+            ahead = launched.key.query_len - 1
+            self._next_k = self.adaptive.choose(len(d), mean_cached(d), lambda: self._left(d), ahead)
+            if self._next_k != ahead:  # (taken by the next step unless relaunched)
                 return False
         need = [(r, writes.slots(r.num_computed + k1, writes.decode_rows, True)) for r in launched.decodes]
         if sum(r.block_table.blocks_needed(n) for r, n in need) > self.allocator.num_free:
