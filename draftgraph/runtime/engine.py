@@ -419,6 +419,7 @@ class Engine:
         for c in batch.prefills:
             c.req.num_computed += c.num_tokens
         done, observed, slots, ids = [], [], [], []
+        track = self.adaptive is not None and k > 0  # (a step at K = 0 observes nothing)
         padded, self._padded = self._padded, set()
         for i, req in enumerate(result.sampled):
             if req.finish_reason is not None:
@@ -426,7 +427,7 @@ class Engine:
             emitted = result.emitted[i]
             if i < len(result.accepted):  # a decode: the last token and `accepted` drafts now have KV
                 a = result.accepted[i]
-                if req.id not in padded:  # padded drafts say nothing about the drafter's acceptance
+                if track and req.id not in padded:  # padded drafts say nothing about the drafter's acceptance
                     observed.append(a)
                     slots.append(req.slot)
                     ids.append(req.id)
@@ -457,7 +458,7 @@ class Engine:
                 if self.tokenizer is not None and out.text is None:  # (a stop string's cut text is set)
                     out.text = decode_text(self.tokenizer, out.token_ids)
                 done.append(out)
-        if self.adaptive is not None:
+        if track and observed:
             self.adaptive.observe(k, observed, slots=np.array(slots, dtype=np.int64), ids=np.array(ids, dtype=np.int64))
         return done
 
