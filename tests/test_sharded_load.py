@@ -179,3 +179,6 @@ def test_the_mapped_reader_reads_what_safetensors_reads(tmp_path):
     _raw_safetensors(cut, {"w": ("F32", [4, 4], 0, 64)}, bytes(32))
     with pytest.raises(ValueError, match=r"'w' \(F32 \[4, 4\]\) claims bytes \[0, 64\) of the 32 data bytes"):
         MappedSafetensors(str(cut))
+    _raw_safetensors(cut, {"w": ("F4", [2], 0, 1)}, bytes(1))
+    with pytest.raises(ValueError, match=r"'w' has dtype 'F4', which this torch cannot hold \(known: \['BF16'"):
+        MappedSafetensors(str(cut))

@@ -1,9 +1,9 @@
 """Safetensors files read through a memory map, and their tensors copied to a device through pinned buffers.
 
 `MappedSafetensors(file)` parses the file's header and maps its bytes: `get_tensor(name)` and
-`get_slice(name)[index]` are zero-copy CPU views of the page cache (safetensors' own handle copies each read
-into fresh memory). The interface is safe_open's, so the sharded reader (models/parallel/sharded_read.py) and its
-tests' recording wrapper take either.
+`get_slice(name)[index]` are zero-copy CPU views of the page cache, as safetensors' own handle gives whole tensors.
+The interface is safe_open's, so the sharded reader (models/parallel/sharded_read.py) and its tests' recording
+wrapper take either.
 
 `DeviceLoader(device)` turns such views into device tensors with ONE host copy: each view (strided too: a
 row-parallel share) is copied by torch's threads into one of two pinned buffers, whose copy to the device runs
@@ -82,6 +82,10 @@ class MappedSafetensors:
 
     @staticmethod
     def _entry(name: str, entry: Any, data: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        kind = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(kind, str) and kind not in DTYPES:
+            known = sorted(DTYPES)
+            raise ValueError(f"tensor {name!r} has dtype {kind!r}, which this torch cannot hold (known: {known})")
         try:
             dtype, shape, (begin, end) = DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
