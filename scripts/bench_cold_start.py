@@ -26,6 +26,7 @@ user's would: `--target T --drafter D -k 4 --max-num-seqs 32 --num-prompts 32` (
 
 Usage: python scripts/bench_cold_start.py --variant base: [--variant w0::--compile-workers 0] [--warm]
        [--artifacts] [--repeats 2] [--args "--max-tokens 16"] [--timeline] [--pair acceptance]
+       python scripts/bench_cold_start.py --pair 8b --load   (only the weights' read onto the GPU, in-process)
 A variant is NAME:ENV=V,ENV=V:EXTRA CLI ARGS (either part may be empty).
 """
 
@@ -173,6 +174,52 @@ def save_8b(root: str) -> list[str]:
     return ["--target", path, "--dtype", "bfloat16", "--max-num-seqs", "8", "--num-prompts", "8"]
 
 
+def load_bench(path: str, runs: int = 3) -> None:
+    """--load: the target checkpoint at `path` (bf16) read onto the GPU in this process, each way timed `runs` times
+    after one untimed read (the page cache warm): safetensors' `load_file` then `.to("cuda")` per tensor (what a
+    plain loader does) against draftgraph's reader (`CausalLM.from_pretrained`: models/mapped_read.py), the whole
+    model and tensor-parallel rank 0's share at TP 2 (a share is read without a process group). Median seconds and
+    GB/s of the bytes placed on the device."""
+    import torch
+    from safetensors.torch import load_file
+
+    from draftgraph.models.causal_lm import CausalLM
+    from draftgraph.models.weights import weight_files
+    from draftgraph.ops.collectives.op import ParallelGroup
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--load reads onto a CUDA device; none is here")
+
+    def naive():
+        return {k: v.to("cuda") for f in weight_files(path) for k, v in load_file(f).items()}
+
+    def ours(tp):
+        return lambda: CausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", tp=tp)
+
+    ways = {
+        "safetensors load_file, then .to(cuda)": naive,
+        "draftgraph reader, whole model": ours(ParallelGroup.single()),
+        "draftgraph reader, TP 2 rank 0's share": ours(ParallelGroup(0, 2, "unused")),
+    }
+    print(f"\nreading {path} onto {torch.cuda.get_device_name()} (median of {runs} after one untimed read)")
+    print("way | seconds | GB on the device | GB/s\n---|---:|---:|---:")
+    for name, fn in ways.items():
+        times, nbytes = [], 0
+        for i in range(runs + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+            tensors = out.values() if isinstance(out, dict) else [*out.parameters(), *out.buffers()]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            del out, tensors
+            torch.cuda.empty_cache()
+        sec = statistics.median(times)
+        print(f"{name} | {sec:.3f} | {nbytes / 1e9:.2f} | {nbytes / sec / 1e9:.1f}", flush=True)
+
+
 # --profile: the command under cProfile; the CLI ends with os._exit after its exit handlers, so the stats are printed
 # by an exit handler registered first (handlers run last-in, first-out: this one after the CLI's own).
 PROFILED = """
@@ -213,6 +260,10 @@ def main() -> None:
         "Llama-3.1-8B's shape alone (plain decoding) from a checkpoint saved once (with --args '--tp 2' on 2 GPUs)",
     )  # fmt: skip
     ap.add_argument("--profile", default="", help="starts run under cProfile, printed: cold, warm and/or artifacts")
+    ap.add_argument(
+        "--load", action="store_true",
+        help="with --pair acceptance or 8b: only time reading the target checkpoint onto the GPU in this process",
+    )  # fmt: skip
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["base:"]]
     base_args = shlex.split(args.args)
@@ -234,6 +285,11 @@ def main() -> None:
             generate += flags
             args.build_args = " ".join([*flags[:4], args.build_args])
             print(f"the 8B-shaped checkpoint saved in {time.perf_counter() - t0:.1f} s (not a start)", flush=True)
+        if args.load:
+            if args.pair == "builtin":
+                raise SystemExit("--load reads a saved checkpoint: give --pair acceptance or --pair 8b")
+            load_bench(generate[generate.index("--target") + 1], max(3, args.repeats))
+            return
         bytecode = {}
         if args.bytecode == "installed":
             bytecode = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": os.path.join(root, "pycache")}
