@@ -388,12 +388,13 @@ def _freeze_imports() -> str:
     tests call in their process, does not."""
     import gc
 
+    global _FROZEN
     gc.freeze()
-    _FREEZE.append(gc.get_freeze_count())
+    _FROZEN = True
     return f"{gc.get_freeze_count()} objects frozen out of the collector's sight"
 
 
-_FREEZE: list[int] = []  # the freeze counts of `run`'s process (empty under `main`: nothing is frozen there)
+_FROZEN = False  # whether this is `run`'s process, its imports frozen (under `main` nothing is frozen)
 
 
 def _freeze_engine() -> str:
@@ -401,13 +402,13 @@ def _freeze_engine() -> str:
     caches) lives as long as the process too, so it is frozen like the imports; the automatic collections the steps'
     garbage triggers then walk only that garbage, not every object the engine holds (a full one takes tens of ms,
     a step's worth of time, wherever it falls). Returns what it froze ("" under `main`)."""
-    if not _FREEZE:
+    if not _FROZEN:
         return ""
     import gc
 
+    before = gc.get_freeze_count()
     gc.freeze()
-    _FREEZE.append(gc.get_freeze_count())
-    return f"{_FREEZE[-1] - _FREEZE[-2]} more objects frozen"
+    return f"{gc.get_freeze_count() - before} more objects frozen"
 
 
 def finish(rc: int, verbose: bool = False) -> NoReturn:

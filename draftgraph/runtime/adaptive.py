@@ -115,7 +115,7 @@ class AdaptiveK:
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
-        self._adds: dict[int, list[list[float]]] = {}  # K -> per drafts accepted, a request's counts' increments
+        self._adds: dict[int, np.ndarray] = {}  # K -> per drafts accepted, a request's counts' increments
         # The requests' own counts by slot (BatchLeft's and observe's `slots`): a row, and the id of its request (a
         # slot taken by another request starts from no counts)
         self._js: dict[int, np.ndarray] = {}  # K -> the draft positions 1..K (_moments)
@@ -275,8 +275,8 @@ class AdaptiveK:
         the controller's, by slot), or per request (tokens left, its counts list as `observe` keeps them)."""
         n = self.k_max
         if isinstance(left, BatchLeft):
-            r, rows = left.tokens, self._own(left.slots, left.ids)  # (first: it may grow the counts)
-            counts = self._counts[rows]
+            self._own(left.slots, left.ids)  # (first: it may grow the counts)
+            r, counts = left.tokens, self._counts[left.slots]
         else:
             r = np.fromiter((x for x, _ in left), dtype=np.float64, count=len(left))
             counts = np.array([c if c else self._no_counts for _, c in left], dtype=np.float64).reshape(
@@ -285,8 +285,8 @@ class AdaptiveK:
         rates = (counts[:, :n] + self.prior * np.asarray(self.rates)) / (counts[:, n:] + self.prior)
         return r, np.cumprod(rates, axis=1)
 
-    def _own(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """`slots`, their rows made to belong to `ids` (grown as needed; a row of another request starts at zero)."""
+    def _own(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """The rows of `slots` made to belong to `ids` (grown as needed; a row of another request starts at zero)."""
         if len(slots) and int(slots.max()) >= len(self._owner):
             grow = int(slots.max()) + 1 - len(self._owner)
             self._counts = np.concatenate([self._counts, np.zeros((grow, self._counts.shape[1]))])
@@ -295,7 +295,6 @@ class AdaptiveK:
         if stale.any():
             self._counts[slots[stale]] = 0.0
             self._owner[slots[stale]] = ids[stale]
-        return slots
 
     def steps_left(self, k: int, left: Left, ahead: int | None = None, table=None) -> tuple[np.ndarray, np.ndarray]:
         """Mean and standard deviation of the steps each request of `left` needs at K for its remaining tokens,
@@ -338,12 +337,12 @@ class AdaptiveK:
             return
         d, add = self.request_decay, self._increments(k)
         if slots is not None:
-            rows = self._own(slots, ids)  # (first: it may grow the counts)
-            a = np.minimum(np.asarray(accepted), k)
-            self._counts[rows] = self._counts[rows] * d + np.asarray(add)[a]
+            self._own(slots, ids)  # (first: it may grow the counts)
+            self._counts[slots] = self._counts[slots] * d + add[np.minimum(np.asarray(accepted), k)]
         elif counts is not None:  # one comprehension a request
             for a, c in zip(accepted, counts):
-                c[:] = [x * d + y for x, y in zip(c, add[min(a, k)])] if c else add[min(a, k)]
+                inc = add[min(a, k)].tolist()
+                c[:] = [x * d + y for x, y in zip(c, inc)] if c else inc
         at = [0] * (k + 1)  # requests by drafts accepted
         for a in accepted:
             at[min(a, k)] += 1
@@ -357,16 +356,16 @@ class AdaptiveK:
         for i in range(k, self.k_max):  # positions this K does not reach drift toward its last one's rate
             self.rates[i] += self.ema * (self.rates[k - 1] - self.rates[i])
 
-    def _increments(self, k: int) -> list[list[float]]:
-        """Per drafts accepted a (0..K) at K: what a request's counts gain, accepted positions 0..a - 1 and reached
-        positions 0..a, below K (the layout of `observe`'s counts: accepted per position, then reached)."""
+    def _increments(self, k: int) -> np.ndarray:
+        """Per drafts accepted a (0..K) at K, a row [K + 1, 2 K_max]: what a request's counts gain, accepted positions
+        0..a - 1 and reached positions 0..a, below K (the layout of `observe`'s counts: accepted, then reached)."""
         add = self._adds.get(k)
         if add is None:
             n = self.k_max
-            add = self._adds[k] = [
-                [float(i < min(a, k)) for i in range(n)] + [float(i < min(a + 1, k)) for i in range(n)]
-                for a in range(k + 1)
-            ]
+            add = self._adds[k] = np.array(
+                [[float(i < min(a, k)) for i in range(n)] + [float(i < min(a + 1, k)) for i in range(n)]
+                 for a in range(k + 1)]
+            )  # fmt: skip
         return add
 
     def stats(self) -> dict:

@@ -1,9 +1,9 @@
 """The speculative decoding engine: requests in, steps run, outputs and statistics out.
 
-About 660 lines: the public Engine API (add_request / step / generate / stream / abort / close / stats) in one class;
-the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar, prefix cache,
-adaptive speculation's controller); what stays here is the glue a step needs (which runner view runs it, the draft
-model's catch-up, the step-time calibration of overlapped steps)."""
+About 670 lines, one class not split: the public Engine API (add_request / step / generate / stream / abort /
+close / stats); the work behind each call lives in the modules it calls (scheduler, step runner, penalties, grammar,
+prefix cache, adaptive speculation's controller); what stays here is the glue a step needs (which runner view runs
+it, the draft model's catch-up, the step-time calibration of overlapped steps)."""
 
 from __future__ import annotations
 
