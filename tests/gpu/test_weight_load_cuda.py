@@ -12,7 +12,6 @@ from draftgraph.models.mapped_read import DeviceLoader, MappedSafetensors
 from draftgraph.ops.collectives.op import ParallelGroup
 from tests.helpers import tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True, mlp_bias=True)
 
 
