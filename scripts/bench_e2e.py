@@ -222,6 +222,9 @@ def adaptive_bench(target, drafter, args, device) -> None:
         f"K={k} acc 0": (drafter, k, "fixed", zero),
         f"K={half} acc 0": (drafter, half, "fixed", zero[:half]),
     }
+    margins = [float(x) for x in args.finish_margins.split(",") if x]
+    for m in margins:  # the controller's switch margin in finish mode (runtime/adaptive.py finish_margin), A/B
+        variants[f"adaptive fm={m:g}"] = (drafter, k, "adaptive", ())
     if args.skip:
         variants = {name: v for name, v in variants.items() if name not in args.skip.split(",")}
     g = torch.Generator().manual_seed(0)
@@ -242,12 +245,14 @@ def adaptive_bench(target, drafter, args, device) -> None:
             extra["full_capture_sizes"] = tuple(batches)
         t0 = time.perf_counter()
         engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra, compile_workers=0))
+        if " fm=" in name:
+            engines[name].adaptive.finish_margin = float(name.split(" fm=")[1])
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}", flush=True)
     # As the CLI once its engine is built (cli/commands.py _freeze_engine): what the engines hold moved out of the
     # collector's sight, so a full collection in one variant's timed run does not walk every engine's graphs
     gc.collect()
     gc.freeze()
-    res, hist, runs = {}, {}, {}
+    res, hist, runs, per_run = {}, {}, {}, {}
     for b in batches:  # the variants in turn within each run (round robin, rotated), medians over the runs
         times = runs[b] = {name: [] for name in engines}
         names = list(engines)
@@ -262,6 +267,12 @@ def adaptive_bench(target, drafter, args, device) -> None:
                 sync(device)
                 if run:
                     times[name].append(time.perf_counter() - t0)
+                    if getattr(eng, "adaptive", None) is not None:  # each run's K per step and tokens a verify step
+                        s = eng.stats()
+                        acc = s["accepted_tokens"] / max(s["verify_steps"], 1)
+                        per_run.setdefault((name, b), []).append(
+                            f"{times[name][-1] * 1e3:.1f} ms {dict(s['speculation']['histogram'])} acc {acc:.2f}"
+                        )
         for name, eng in engines.items():
             res[name, b] = b * n / statistics.median(times[name])
             s = eng.stats()
@@ -289,6 +300,11 @@ def adaptive_bench(target, drafter, args, device) -> None:
                 print(f"      controller at B={b}, mean cached {ctx:.0f}: {text}; acceptance rates "
                       f"{[round(a, 3) for a in ctl.rates]}; start-up at {pb} rows: {startup or 'none'}; steady "
                       f"offset {st.offset.get(pb, 0.0) * 1e3:+.3f} ms", flush=True)  # fmt: skip
+                print(
+                    f"      runs in order (time, K per step, accepted drafts a verify step): "
+                    f"{'; '.join(per_run.get((name, b), []))}",
+                    flush=True,
+                )
     for label, suffix in (("the pair's drafter (real acceptance)", ""), ("every draft rejected (acc 0)", " acc 0")):
         fixed = [f for f in (f"K={half}{suffix}", f"K={k}{suffix}") if f in variants]
         if f"adaptive{suffix}" not in variants:
@@ -297,17 +313,20 @@ def adaptive_bench(target, drafter, args, device) -> None:
         hdr = (f"{'B':>4} | {'plain':>8} " + " ".join(f"{f:>12}" for f in fixed) + f" {'adaptive':>9} | "
                f"{'vs plain':>8} {'vs best':>7} | {'paired':>15} | adaptive K per step")  # fmt: skip
         print(hdr + "\n" + "-" * len(hdr))
+        ours = [f"adaptive{suffix}"] + ([f"adaptive fm={m:g}" for m in margins] if not suffix else [])
         for b in batches:
-            p, a, fx = res["plain", b], res[f"adaptive{suffix}", b], [res[f, b] for f in fixed]
-            # paired: within each run (the variants back to back), plain's time / adaptive's and the fastest fixed
-            # variant's / adaptive's; the median of those ratios (drift between runs cancels within a pair)
-            t = runs[b]
-            mine = t[f"adaptive{suffix}"]
-            vs_plain = statistics.median(x / y for x, y in zip(t["plain"], mine))
-            vs_best = statistics.median(min(r) / y for r, y in zip(zip(*(t[f] for f in ["plain", *fixed])), mine))
-            print(f"{b:>4} | {p:>8.1f} " + " ".join(f"{x:>12.1f}" for x in fx) + f" {a:>9.1f} | {a / p:>8.3f} "
-                  f"{a / max([p, *fx]):>7.3f} | {vs_plain:>6.3f} {vs_best:>7.3f} | "
-                  f"{hist[f'adaptive{suffix}', b]}")  # fmt: skip
+            for mine_name in ours:  # the default controller, then any --finish-margins variant (named after B)
+                p, a, fx = res["plain", b], res[mine_name, b], [res[f, b] for f in fixed]
+                # paired: within each run (the variants back to back), plain's time / adaptive's and the fastest
+                # fixed variant's / adaptive's; the median of those ratios (drift between runs cancels in a pair)
+                t = runs[b]
+                mine = t[mine_name]
+                vs_plain = statistics.median(x / y for x, y in zip(t["plain"], mine))
+                vs_best = statistics.median(min(r) / y for r, y in zip(zip(*(t[f] for f in ["plain", *fixed])), mine))
+                tag = "" if mine_name == ours[0] else f" ({mine_name})"
+                print(f"{b:>4} | {p:>8.1f} " + " ".join(f"{x:>12.1f}" for x in fx) + f" {a:>9.1f} | {a / p:>8.3f} "
+                      f"{a / max([p, *fx]):>7.3f} | {vs_plain:>6.3f} {vs_best:>7.3f} | "
+                      f"{hist[mine_name, b]}{tag}")  # fmt: skip
         print(
             "paired: the medians over the runs of (plain's time / adaptive's) and (the fastest of plain and fixed K "
             "in that run / adaptive's), each run's variants back to back"
@@ -398,6 +417,9 @@ def parse_args():
     )
     ap.add_argument("--adaptive", action="store_true", help="(e) only: adaptive speculation against plain, fixed K")
     ap.add_argument("--skip", default="", help="(e): variants left out, comma-separated (e.g. 'K=2 acc 0')")
+    ap.add_argument(
+        "--finish-margins", default="", help="(e): more adaptive variants, each with this switch margin (e.g. 0.03,0.1)"
+    )
     args = ap.parse_args()
     tiny = args.tiny
     default_batches = "1,8,32,64,128" if args.adaptive else "1,8,32"
