@@ -190,6 +190,61 @@ def test_the_artifact_cache_loads_what_the_last_start_with_the_same_flags_compil
     assert started == []
 
 
+def test_a_cold_gpu_start_has_a_process_of_its_own_write_the_builtin_checkpoint(tmp_path, monkeypatch):
+    """artifact_cache.prestart_builtin: a GPU `generate` of the built-in pair that finds no compiled code to load
+    starts, before its imports, a process that writes the pair's checkpoint under this process's cache root;
+    builtin_checkpoint waits for it and reads what it wrote (this process cannot build the pair here), the same
+    weights as the pair built in memory. Not with --target, a CPU device, or compiled code to load."""
+    from draftgraph.cli import artifact_cache
+    from draftgraph.models import builtin
+    from draftgraph.models.causal_lm import CausalLM
+
+    monkeypatch.setattr(artifact_cache, "ENABLED", True)  # (conftest turns it off for every other test)
+    monkeypatch.setattr(artifact_cache, "cache_root", lambda: str(tmp_path / "cache"))
+    parser, _ = _parsers()
+    gpu = parser.parse_args(["generate", "--device", "cuda"])
+    assert not artifact_cache.prestart_builtin(parser.parse_args(["generate", "--device", "cpu"]))
+    assert not artifact_cache.prestart_builtin(parser.parse_args(["generate", "--device", "cuda", "--target", "x"]))
+    assert artifact_cache.prestart_builtin(gpu)
+    build = builtin.builtin_hf_target
+
+    def not_here(spec, *args, **kwargs):
+        raise AssertionError("the writer process builds the pair, not this one")
+
+    monkeypatch.setattr(builtin, "builtin_hf_target", not_here)
+    path = artifact_cache.builtin_checkpoint(builtin.BuiltinSpec())
+    assert os.path.dirname(path) == str(tmp_path / "cache") and artifact_cache._writer is None
+    cached = CausalLM.from_pretrained(path)
+    monkeypatch.setattr(builtin, "builtin_hf_target", build)
+    built = builtin.builtin_pair(builtin.BuiltinSpec())[0]
+    assert cached.cfg == built.cfg and cached.state_dict().keys() == built.state_dict().keys()
+    assert all(torch.equal(v, built.state_dict()[k]) for k, v in cached.state_dict().items())
+    # compiled code to load for these flags: a warm start, no writer
+    os.makedirs(artifact_cache.entry_dir(gpu))
+    open(os.path.join(artifact_cache.entry_dir(gpu), "manifest.json"), "w").close()
+    assert not artifact_cache.prestart_builtin(gpu)
+
+
+def test_a_failed_builtin_writer_is_named_and_the_start_writes_the_checkpoint_itself(tmp_path, monkeypatch, caplog):
+    """artifact_cache._await_writer: a writer process that failed is logged with its exit status and the end of its
+    stderr; builtin_checkpoint then writes the checkpoint in this process."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from draftgraph.cli import artifact_cache
+    from draftgraph.models.builtin import BuiltinSpec
+
+    err = tempfile.TemporaryFile()  # noqa: SIM115 - _await_writer closes it
+    fail = "import sys; sys.stderr.write('disk full'); sys.exit(3)"
+    proc = subprocess.Popen([sys.executable, "-c", fail], stderr=err)
+    monkeypatch.setattr(artifact_cache, "_writer", (proc, err))
+    with caplog.at_level("WARNING", logger="draftgraph"):
+        path = artifact_cache.builtin_checkpoint(BuiltinSpec(), str(tmp_path))
+    assert "writer process failed (3): disk full" in caplog.text
+    assert os.path.isfile(os.path.join(path, "config.json")) and artifact_cache._writer is None
+
+
 def test_the_artifact_cache_at_two_ranks_keeps_each_ranks_code(tmp_path, monkeypatch, capsys):
     """With --tp 2 each rank draftgraph started writes its compiled code into the entry's rank-R/ after the job
     (workers/worker.py `write_artifacts`), and the next start with the same flags loads it there: no trace on any

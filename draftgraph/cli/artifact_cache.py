@@ -22,7 +22,10 @@ transformers (seconds).
 - The built-in pair (`builtin_checkpoint`): the first start builds the transformers model (seeded) and writes it
   with save_pretrained into `builtin-<key>/` (key: the spec, torch's and transformers' versions); every start,
   that one too, reads the target from there, so cold and warm starts build the same model (same weights, same
-  config: their compiled code matches). `draftgraph build` of the built-in pair writes the same checkpoint inside
+  config: their compiled code matches). A GPU start that finds no compiled code to load (`prestart_builtin`,
+  before its own imports) has a process of its own import transformers and write the checkpoint beside those
+  imports (seconds: transformers' import and model build), and waits for it only where it needs the checkpoint
+  and finds none yet. `draftgraph build` of the built-in pair writes the same checkpoint inside
   its artifact directory (`BUILTIN_IN_ARTIFACTS`, listed in the manifest), which `generate --artifacts` reads first.
 """
 
@@ -153,21 +156,77 @@ def builtin_in_artifacts(args, spec) -> str | None:
     return path if written == repr(spec) and os.path.isfile(os.path.join(path, "config.json")) else None
 
 
-def builtin_checkpoint(spec) -> str:
-    """The checkpoint directory of the built-in target for `spec`, written now when it is not there yet."""
+def builtin_checkpoint(spec, root: str | None = None) -> str:
+    """The checkpoint directory of the built-in target for `spec` under `root` (default: cache_root()), written now
+    when it is not there yet (after waiting for the writer `prestart_builtin` started, if any)."""
     from importlib.metadata import version
 
     import torch
 
+    root = root or cache_root()
     versions = {"torch": torch.__version__, "transformers": version("transformers")}  # their RNG and init: the weights
     text = json.dumps({"spec": repr(spec), **versions, **_code()}, sort_keys=True)
-    path = os.path.join(cache_root(), "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
+    path = os.path.join(root, "builtin-" + hashlib.sha256(text.encode()).hexdigest()[:20])
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        _await_writer()  # (then it is there, unless the writer failed or wrote another spec's)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     from draftgraph.models.builtin import builtin_hf_target
 
-    os.makedirs(cache_root(), exist_ok=True)
+    os.makedirs(root, exist_ok=True)
     return _write_checkpoint(path, lambda tmp: builtin_hf_target(spec).save_pretrained(tmp))
+
+
+_writer: tuple | None = None  # (the process prestart_builtin started, its stderr file)
+
+
+def prestart_builtin(args) -> bool:
+    """Before this process imports torch: where the command runs the built-in pair from the start-up cache and finds
+    no compiled code to load (a cold start, or new flags), start a process that writes the pair's checkpoint
+    (`builtin_checkpoint`, under this process's cache root) while this one imports; `builtin_checkpoint` waits for
+    it where the checkpoint is not there yet. Where it is there, the process finds it and ends. Returns whether one
+    was started. On a GPU host only (its cores): on a 2-core CPU machine the second process's imports of torch and
+    transformers (3 s) cost more than building the pair in this process once torch is in (1.2 s)."""
+    global _writer
+    if getattr(args, "target", None) or not builtin_enabled(args) or not eligible(args) or lookup(args) is not None:
+        return False
+    if args.device == "cpu" or (args.device == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return False
+    import subprocess
+    import sys
+
+    err = tempfile.TemporaryFile()  # noqa: SIM115 - closed by _await_writer
+    cmd = [sys.executable, "-m", "draftgraph.cli.artifact_cache", "--write-builtin", str(args.seed), cache_root()]
+    _writer = (subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err), err)
+    return True
+
+
+def _await_writer(timeout: float = 300.0) -> None:
+    """Wait for the writer `prestart_builtin` started (once); its failure is logged (the caller writes instead)."""
+    global _writer
+    if _writer is None:
+        return
+    proc, err = _writer
+    _writer = None
+    try:
+        rc = proc.wait(timeout)
+    except Exception:  # noqa: BLE001 - (a timeout: the caller writes the checkpoint itself)
+        proc.kill()
+        rc = f"killed after {timeout:.0f} s"
+    if rc != 0:
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-5:]
+        log.warning("the built-in pair's writer process failed (%s): %s", rc, " | ".join(tail))
+    err.close()
+
+
+def _write_builtin_main(argv: list[str]) -> int:
+    """`python -m draftgraph.cli.artifact_cache --write-builtin SEED ROOT`: the process prestart_builtin starts."""
+    from draftgraph.cli.flags import builtin_spec  # (the spec the command's start reads: one place decides it)
+
+    seed, root = argv
+    builtin_checkpoint(builtin_spec(argparse.Namespace(seed=int(seed))), root)
+    return 0
 
 
 def _write_checkpoint(path: str, write) -> str:
@@ -253,3 +312,11 @@ def store(args, engine) -> str | None:
         return None
     log.info("compiled code cached for the next start with these flags: %s", final)
     return final
+
+
+if __name__ == "__main__":  # the writer process of prestart_builtin
+    import sys
+
+    if sys.argv[1:2] != ["--write-builtin"] or len(sys.argv) != 4:
+        raise SystemExit("usage: python -m draftgraph.cli.artifact_cache --write-builtin SEED CACHE_ROOT")
+    raise SystemExit(_write_builtin_main(sys.argv[2:]))

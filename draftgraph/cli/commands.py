@@ -348,6 +348,7 @@ def _command(args, after_imports=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     pool = _prestart_workers(args)
     _prestart_ranks(args)
+    artifact_cache.prestart_builtin(args)  # (a cold start: the built-in pair's checkpoint written beside the imports)
     from draftgraph.artifacts.store import ArtifactError
     from draftgraph.workers.ranked import WorkerError
 
