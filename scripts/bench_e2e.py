@@ -57,6 +57,7 @@ from draftgraph.models.builtin import (
     acceptance_pair,
     successor_target,
 )
+from draftgraph.runtime.adaptive import AdaptiveK
 from scripts.bench_piecewise import copy_bandwidth, layer_bytes, target_layer_bytes
 
 
@@ -222,9 +223,12 @@ def adaptive_bench(target, drafter, args, device) -> None:
         f"K={k} acc 0": (drafter, k, "fixed", zero),
         f"K={half} acc 0": (drafter, half, "fixed", zero[:half]),
     }
-    margins = [float(x) for x in args.finish_margins.split(",") if x]
-    for m in margins:  # the controller's switch margin in finish mode (runtime/adaptive.py finish_margin), A/B
-        variants[f"adaptive fm={m:g}"] = (drafter, k, "adaptive", ())
+    tweaks = [x for x in args.controller.split(",") if x]
+    for t in tweaks:  # the controller with one setting changed (runtime/adaptive.py AdaptiveK), A/B in the same runs
+        name, sep, value = t.partition("=")
+        if not sep or not hasattr(AdaptiveK((0, 1), lambda *a: None), name):
+            raise SystemExit(f"--controller {t!r}: expected NAME=VALUE, NAME an AdaptiveK setting (e.g. recheck=1)")
+        variants[f"adaptive {t}"] = (drafter, k, "adaptive", ())
     if args.skip:
         variants = {name: v for name, v in variants.items() if name not in args.skip.split(",")}
     g = torch.Generator().manual_seed(0)
@@ -245,8 +249,9 @@ def adaptive_bench(target, drafter, args, device) -> None:
             extra["full_capture_sizes"] = tuple(batches)
         t0 = time.perf_counter()
         engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra, compile_workers=0))
-        if " fm=" in name:
-            engines[name].adaptive.finish_margin = float(name.split(" fm=")[1])
+        if name.startswith("adaptive ") and "=" in name:  # a --controller variant
+            setting, value = name.removeprefix("adaptive ").split("=")
+            setattr(engines[name].adaptive, setting, type(getattr(engines[name].adaptive, setting))(float(value)))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}", flush=True)
     # As the CLI once its engine is built (cli/commands.py _freeze_engine): what the engines hold moved out of the
     # collector's sight, so a full collection in one variant's timed run does not walk every engine's graphs
@@ -313,7 +318,7 @@ def adaptive_bench(target, drafter, args, device) -> None:
         hdr = (f"{'B':>4} | {'plain':>8} " + " ".join(f"{f:>12}" for f in fixed) + f" {'adaptive':>9} | "
                f"{'vs plain':>8} {'vs best':>7} | {'paired':>15} | adaptive K per step")  # fmt: skip
         print(hdr + "\n" + "-" * len(hdr))
-        ours = [f"adaptive{suffix}"] + ([f"adaptive fm={m:g}" for m in margins] if not suffix else [])
+        ours = [f"adaptive{suffix}"] + ([f"adaptive {t}" for t in tweaks] if not suffix else [])
         for b in batches:
             for mine_name in ours:  # the default controller, then any --finish-margins variant (named after B)
                 p, a, fx = res["plain", b], res[mine_name, b], [res[f, b] for f in fixed]
@@ -418,7 +423,7 @@ def parse_args():
     ap.add_argument("--adaptive", action="store_true", help="(e) only: adaptive speculation against plain, fixed K")
     ap.add_argument("--skip", default="", help="(e): variants left out, comma-separated (e.g. 'K=2 acc 0')")
     ap.add_argument(
-        "--finish-margins", default="", help="(e): more adaptive variants, each with this switch margin (e.g. 0.03,0.1)"
+        "--controller", default="", help="(e): more adaptive variants, each with one AdaptiveK setting (recheck=1,...)"
     )
     args = ap.parse_args()
     tiny = args.tiny

@@ -167,6 +167,29 @@ def test_a_step_at_k0_builds_no_batch_left():
     assert ctl.choose(8, 0.0, lambda: built.append(1) or [(200, [])] * 8) in (2, 4) and built == [1]
 
 
+def test_the_finish_time_choice_is_held_away_from_the_batchs_end():
+    """AdaptiveK._finish_choice: the finish-time choice (most of the controller's host time a step) is computed
+    again every `recheck` steps of the same batch, at once for another batch size or step ahead, and at every step
+    once a request is within 4 steps at K_max of its end; a choice made there is not held into the next batch."""
+    times = {0: 1.0e-3, 2: 1.5e-3, 4: 2.0e-3}
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[k], sizes=(8, 16), recheck=4)
+    ctl.rates = [0.9] * 4
+    computed, best = [], ctl._best_to_finish
+    ctl._best_to_finish = lambda *a, **kw: computed.append(1) or best(*a, **kw)
+    far = [(200, [])] * 8
+    ks = [ctl.choose(8, 0.0, far, 4) for _ in range(9)]
+    assert len(computed) == 3 and len(set(ks)) == 1  # steps 1, 5, 9
+    ctl.choose(16, 0.0, [(200, [])] * 16, 4)  # another batch: at once
+    ctl.choose(16, 0.0, [(200, [])] * 16, 2)  # another step ahead: at once
+    assert len(computed) == 5
+    near = [(200, [])] * 7 + [(20, [])]  # one request 20 tokens from its end (4 steps at K = 4)
+    for _ in range(3):
+        ctl.choose(8, 0.0, near, 4)
+    assert len(computed) == 8
+    ctl.choose(8, 0.0, far, 4)  # (the last choice was at a batch's end: not held)
+    assert len(computed) == 9
+
+
 def test_observe_counts_by_their_definition():
     """`observe` written for the host's time (one comprehension a request, rates from a count of requests by drafts
     accepted) equals its definition, bit for bit, over random steps at every K: a request's counts fade by the decay,
