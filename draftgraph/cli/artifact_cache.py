@@ -196,7 +196,8 @@ def prestart_builtin(args) -> bool:
     import sys
 
     err = tempfile.TemporaryFile()  # noqa: SIM115 - closed by _await_writer
-    cmd = [sys.executable, "-m", "draftgraph.cli.artifact_cache", "--write-builtin", str(args.seed), cache_root()]
+    main = "import sys; from draftgraph.cli.artifact_cache import write_builtin_main as m; sys.exit(m(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", main, str(args.seed), cache_root()]
     _writer = (subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err), err)
     return True
 
@@ -220,8 +221,8 @@ def _await_writer(timeout: float = 300.0) -> None:
     err.close()
 
 
-def _write_builtin_main(argv: list[str]) -> int:
-    """`python -m draftgraph.cli.artifact_cache --write-builtin SEED ROOT`: the process prestart_builtin starts."""
+def write_builtin_main(argv: list[str]) -> int:
+    """The process prestart_builtin starts (argv: the seed, the cache root)."""
     from draftgraph.cli.flags import builtin_spec  # (the spec the command's start reads: one place decides it)
 
     seed, root = argv
@@ -312,11 +313,3 @@ def store(args, engine) -> str | None:
         return None
     log.info("compiled code cached for the next start with these flags: %s", final)
     return final
-
-
-if __name__ == "__main__":  # the writer process of prestart_builtin
-    import sys
-
-    if sys.argv[1:2] != ["--write-builtin"] or len(sys.argv) != 4:
-        raise SystemExit("usage: python -m draftgraph.cli.artifact_cache --write-builtin SEED CACHE_ROOT")
-    raise SystemExit(_write_builtin_main(sys.argv[2:]))
