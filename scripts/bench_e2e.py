@@ -229,6 +229,9 @@ def adaptive_bench(target, drafter, args, device) -> None:
         if not sep or not hasattr(AdaptiveK((0, 1), lambda *a: None), name):
             raise SystemExit(f"--controller {t!r}: expected NAME=VALUE, NAME an AdaptiveK setting (e.g. recheck=1)")
         variants[f"adaptive {t}"] = (drafter, k, "adaptive", ())
+    if args.pin_k is not None:  # an adaptive engine (K_max = k) whose controller always answers one K: its engine
+        tweaks.append(f"pinned={args.pin_k}")  # against the fixed-K engine's, with no choice in between
+        variants[f"adaptive pinned={args.pin_k}"] = (drafter, k, "adaptive", ())
     if args.skip:
         variants = {name: v for name, v in variants.items() if name not in args.skip.split(",")}
     g = torch.Generator().manual_seed(0)
@@ -249,7 +252,12 @@ def adaptive_bench(target, drafter, args, device) -> None:
             extra["full_capture_sizes"] = tuple(batches)
         t0 = time.perf_counter()
         engines[name] = dg.compile_model(target, d, dg.CompileConfig(**base, **extra, compile_workers=0))
-        if name.startswith("adaptive ") and "=" in name:  # a --controller variant
+        if name.startswith("adaptive pinned="):
+            ctl, pin = engines[name].adaptive, int(name.split("=")[1])
+            if pin not in ctl.ks:
+                raise SystemExit(f"--pin-k {pin}: not one of the adaptive engine's K choices {ctl.ks}")
+            ctl.choose = lambda *a, ctl=ctl, pin=pin, **kw: (setattr(ctl, "current", pin), ctl._count(pin))[1]
+        elif name.startswith("adaptive ") and "=" in name:  # a --controller variant
             setting, value = name.removeprefix("adaptive ").split("=")
             setattr(engines[name].adaptive, setting, type(getattr(engines[name].adaptive, setting))(float(value)))
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s  {engines[name].warm_up_report}", flush=True)
@@ -320,7 +328,7 @@ def adaptive_bench(target, drafter, args, device) -> None:
         print(hdr + "\n" + "-" * len(hdr))
         ours = [f"adaptive{suffix}"] + ([f"adaptive {t}" for t in tweaks] if not suffix else [])
         for b in batches:
-            for mine_name in ours:  # the default controller, then any --finish-margins variant (named after B)
+            for mine_name in ours:  # the default controller, then any --controller / --pin-k variant (named)
                 p, a, fx = res["plain", b], res[mine_name, b], [res[f, b] for f in fixed]
                 # paired: within each run (the variants back to back), plain's time / adaptive's and the fastest
                 # fixed variant's / adaptive's; the median of those ratios (drift between runs cancels in a pair)
@@ -424,6 +432,9 @@ def parse_args():
     ap.add_argument("--skip", default="", help="(e): variants left out, comma-separated (e.g. 'K=2 acc 0')")
     ap.add_argument(
         "--controller", default="", help="(e): more adaptive variants, each with one AdaptiveK setting (recheck=1,...)"
+    )
+    ap.add_argument(
+        "--pin-k", type=int, default=None, help="(e): one more adaptive engine whose controller always picks this K"
     )
     args = ap.parse_args()
     tiny = args.tiny
