@@ -24,7 +24,9 @@ target's first 2 layers with its embedding, norm and head, accepts about 2.5 of 
     {0, ceil(K/2), K}) against plain decoding and each fixed K of those choices, at each batch of `--batches`
     (default 1, 8, 32, 64, 128), with the pair's drafter (real acceptance) and with the same drafter accepting
     nothing (synthetic_acceptance=(0,) * K: the same graphs, every draft rejected); tokens/s of generate(), adaptive
-    against plain and against the best of plain and the fixed K, and the K adaptive ran per step.
+    against plain and against the best of plain and the fixed K, and the K adaptive ran per step. To tell the
+    controller from the engine: `--controller NAME=VALUE,...` adds adaptive engines with one AdaptiveK setting
+    changed (e.g. recheck=1), `--pin-k K` an adaptive engine whose controller always picks K.
 Wall times: synchronize + perf_counter around whole generate() calls, medians of `--runs` after a warm-up.
 Correctness: leading greedy tokens equal between our plain and speculative runs and transformers' generate
 (asserted in float32, i.e. `--tiny`; bf16 may differ by rounding, so only counted there).
