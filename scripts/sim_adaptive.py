@@ -4,7 +4,9 @@ workload: B requests start together, `--new-tokens` each, greedy), against each 
 Greedy decoding is deterministic, so a request's acceptance at every step follows from one agreement sequence: m[j] =
 1 where the drafter's greedy token j (on the target's own text so far) equals the target's. A step at K from token L
 accepts the run of ones in m[L : L + K] (capped by the drafts the step before proposed: after a smaller K they are
-padded) and emits that + 1 tokens, at most the request's tokens left. The sequences come from a built-in pair run
+padded) and emits that + 1 tokens, at most the request's tokens left; the run is not cut at the request's end (the
+sequences run K_max tokens past it: the engine's verify accepts drafts there and the controller observes them, only
+the emitted tokens stop at max_tokens). The sequences come from a built-in pair run
 here with transformers (`--pair tiny`: TINY_ACCEPTANCE; `mid`: LLAMA_1B_ACCEPTANCE's structure at hidden 512, about
 82 % agreement like the 1B pair's), prompts of 128 random tokens.
 
@@ -111,8 +113,8 @@ def simulate(rows, n_new, fixed=None, ctl=None, finish=True, gap=0.3e-3):
         nxt = None if fixed is not None or near else ctl.choose(len(running), ctx(running), left(running), k)
         seen, seen_counts = [], []
         for i in running:
-            cap, a = min(k, drafts[i]), 0
-            while a < cap and done[i] + a < n_new and rows[i][done[i] + a]:
+            cap, a = min(k, drafts[i]), 0  # (as the engine's verify: acceptance not cut at the request's end,
+            while a < cap and done[i] + a < len(rows[i]) and rows[i][done[i] + a]:  # the tokens emitted are)
                 a += 1
             if drafts[i] >= k:  # (padded drafts are not observed)
                 seen.append(a)
@@ -151,7 +153,7 @@ def predict(rows, n_new, k, at=20):
         seen = []
         for i in running:
             a = 0
-            while a < k and done[i] + a < n_new and rows[i][done[i] + a]:
+            while a < k and done[i] + a < len(rows[i]) and rows[i][done[i] + a]:
                 a += 1
             seen.append(a)
             done[i] += min(a + 1, n_new - done[i])
@@ -174,10 +176,11 @@ def main():
     args = ap.parse_args()
     global TIMES
     TIMES = args.times
+    extra = 4  # K_max: drafts past a request's last token are verified against the model's continuation, as on a GPU
     m = (
-        [[0] * args.new_tokens for _ in range(args.prompts)]
+        [[0] * (args.new_tokens + extra) for _ in range(args.prompts)]
         if args.zero
-        else agreement(args.pair, args.prompts, args.new_tokens)
+        else agreement(args.pair, args.prompts, args.new_tokens + extra)
     )
     print(f"{args.pair} pair: {len(m)} requests, agreement {statistics.mean(map(statistics.mean, m)):.3f}")
     if args.predict:
