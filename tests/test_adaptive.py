@@ -194,8 +194,9 @@ def test_observe_counts_by_their_definition():
     """`observe` written for the host's time (one comprehension a request, rates from a count of requests by drafts
     accepted) equals its definition, bit for bit, over random steps at every K: a request's counts fade by the decay,
     then gain 1 at each position it reached (0..a, below K) and at each it accepted (0..a - 1); position i's rate
-    moves toward (requests accepting more than i) / (requests accepting at least i), stopping at the first position
-    none reached; the positions past K drift toward position K - 1's rate."""
+    moves toward (requests accepting more than i) / (requests accepting at least i), by `ema` x min(1, those
+    requests / full_weight_at), stopping at the first position none reached; the positions past K drift toward
+    position K - 1's rate."""
     import random
 
     rng = random.Random(7)
@@ -221,10 +222,33 @@ def test_observe_counts_by_their_definition():
             reached = sum(1 for a in accepted if a >= i)
             if not reached:
                 break
-            rates[i] += fast.ema * (sum(1 for a in accepted if a > i) / reached - rates[i])
+            weight = fast.ema * min(1.0, reached / fast.full_weight_at)
+            rates[i] += weight * (sum(1 for a in accepted if a > i) / reached - rates[i])
         for i in range(k, n):
             rates[i] += fast.ema * (rates[k - 1] - rates[i])
         assert fast.rates == rates and counts == counts_ref, step
+
+
+def test_a_step_of_few_requests_moves_the_rates_less():
+    """A step whose position was reached by fewer than `full_weight_at` requests moves that position's rate in
+    proportion: the last request of a batch rejecting its drafts step after step does not take K to 0 as a whole
+    batch rejecting them would; with full_weight_at=1 every step has the whole weight (the rule before it)."""
+    times = {0: 1.0e-3, 2: 1.5e-3, 4: 2.0e-3}
+    few, one = (AdaptiveK((0, 2, 4), lambda k, b, c: times[k], full_weight_at=f) for f in (4, 1))
+    for ctl in (few, one):
+        ctl.rates = [0.85] * 4
+        ctl.observe(4, [0])  # one request, its first draft rejected
+    assert few.rates[0] == 0.85 + 0.025 * (0.0 - 0.85) and one.rates[0] == 0.85 + 0.1 * (0.0 - 0.85)
+    for _ in range(12):  # a batch's last request in a stretch of rejections
+        for ctl in (few, one):
+            k = ctl.choose(1)
+            if k:
+                ctl.observe(k, [0])
+    assert one.current == 0 and few.current > 0 and few.rates[0] > 0.6
+    full = AdaptiveK((0, 2, 4), lambda *a: 1.0)
+    full.rates = [0.85] * 4
+    full.observe(4, [0] * 8)  # eight requests: the whole weight
+    assert full.rates[0] == 0.85 + 0.1 * (0.0 - 0.85)
 
 
 def test_controller_margin_and_unknown_times():

@@ -36,7 +36,11 @@ its time counts the tokens that step misses (at the H100's B = 8 the 1B pair's a
 among 101 at K = 2, at K = 2's acceptance, and ended 4 % behind fixed K = 2).
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
-that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected). A step at K observes only
+that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected); a step in which fewer than
+`full_weight_at` (4) requests reached a position moves its rate in proportion (a batch's last one or two requests,
+one 0 or 1 each, drove rate 0 to 0.22-0.29 and K to 0 at the tail of a simulated batch of the tiny pair, which the
+next batch then kept for 368 steps until a probe: scripts/sim_adaptive.py, B = 32 0.913 -> 1.000 of the best fixed
+K, B = 64 0.852 -> 1.000, the mid pair's within 0.002). A step at K observes only
 positions below K (the ones past it drift toward position K - 1's rate, so a K below K_max can climb back); at
 K = 0 nothing, so after a while at K = 0 two steps run at the smallest K > 0 to measure again (a probe: the first
 proposes the drafts the second verifies: a request whose drafts were padded, after a step at a smaller K, is not
@@ -99,6 +103,7 @@ class AdaptiveK:
         request_decay: float = 0.97,  # a request's own counts fade by this per step (its text changes)
         finish_margin: float = 0.01,  # a new K must finish the batch sooner by this fraction (and the overlap lost)
         recheck: int = 4,  # the finish-time choice is held for this many steps of the same batch, away from its end
+        full_weight_at: int = 4,  # requests reaching a draft position for a step's whole `ema` weight there
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -115,7 +120,7 @@ class AdaptiveK:
         self.histogram: Counter = Counter()  # K chosen -> steps
         self.sizes = tuple(sorted(sizes))
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
-        self.recheck = recheck
+        self.recheck, self.full_weight_at = recheck, full_weight_at
         self._held: tuple | None = None  # ((batch size, ahead), steps it may still be held, K): `_finish_choice`
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
@@ -373,7 +378,8 @@ class AdaptiveK:
             if not reached:
                 break
             got = reached - at[i]  # ... at least i + 1
-            self.rates[i] += self.ema * (got / reached - self.rates[i])
+            w = self.ema * min(1.0, reached / self.full_weight_at)  # (one request's 0 or 1 moves it less)
+            self.rates[i] += w * (got / reached - self.rates[i])
             reached = got
         for i in range(k, self.k_max):  # positions this K does not reach drift toward its last one's rate
             self.rates[i] += self.ema * (self.rates[k - 1] - self.rates[i])
