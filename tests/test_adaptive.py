@@ -349,6 +349,13 @@ def test_a_switch_up_counts_its_padded_first_step():
     assert ctl.choose(8, 0.0, near) == 4  # K = 4's own drafts: no padded step
     ctl.current = 2
     assert ctl.choose(8, 0.0, [(400, []) for _ in range(8)]) == 4  # far from the end: worth one padded step
+    # where the step would be relaunched (`ahead`), a switch also gives up `switch_steps` of the current K's steps
+    far = [(400, []) for _ in range(8)]
+    saving = ctl.finish_time(2, far, 0.0, 2) - ctl.finish_time(4, far, 0.0, 2) - times[4] * (e4 - e2) / e4
+    ctl.current, ctl.switch_steps = 2, 0.9 * saving / times[2]
+    assert ctl.choose(8, 0.0, far, 2) == 4
+    ctl.current, ctl.switch_steps, ctl._held = 2, 1.1 * saving / times[2], None
+    assert ctl.choose(8, 0.0, far, 2) == 2
 
 
 def test_config_errors():

@@ -29,7 +29,7 @@ earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing
 docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
 (`ahead`), and near a request's end the engine chooses after the read. A switch must save `finish_margin` (1 %) of
 the time left, and where the choice is made for a step that would be relaunched (`ahead`), also one step's time (the
-overlap the switch gives up, at most a step). Away from the batch's end the finish-time choice is held for `recheck`
+overlap the switch gives up, at most a step; `switch_steps` of them: a setting to measure against). Away from the batch's end the finish-time choice is held for `recheck`
 steps of the same batch (computing it is most of the controller's host time: about 100 us a step at 128 requests on
 a CPU core, against 25 us held). A K above the last step's first verifies that step's drafts, padded:
 its time counts the tokens that step misses (at the H100's B = 8 the 1B pair's adaptive run had 6 such K = 4 steps
@@ -104,6 +104,7 @@ class AdaptiveK:
         finish_margin: float = 0.01,  # a new K must finish the batch sooner by this fraction (and the overlap lost)
         recheck: int = 4,  # the finish-time choice is held for this many steps of the same batch, away from its end
         full_weight_at: int = 4,  # requests reaching a draft position for a step's whole `ema` weight there
+        switch_steps: float = 1.0,  # what a switch of K gives up where a step is relaunched, in the current K's steps
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -120,7 +121,7 @@ class AdaptiveK:
         self.histogram: Counter = Counter()  # K chosen -> steps
         self.sizes = tuple(sorted(sizes))
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
-        self.recheck, self.full_weight_at = recheck, full_weight_at
+        self.recheck, self.full_weight_at, self.switch_steps = recheck, full_weight_at, switch_steps
         self._held: tuple | None = None  # ((batch size, ahead), steps it may still be held, K): `_finish_choice`
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
@@ -255,7 +256,7 @@ class AdaptiveK:
         best = min(times, key=lambda k: (times[k], -k))
         # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
         # step `ahead` runs), the overlap it gives up: at most one step
-        switch = self.step_time(cur, len(left), ctx) if ahead is not None else 0.0
+        switch = self.switch_steps * self.step_time(cur, len(left), ctx) if ahead is not None else 0.0
         return cur if times[cur] <= times[best] * (1 + self.finish_margin) + switch else best
 
     def finish_time(self, k: int, left: Left, ctx: float = 0.0, ahead: int | None = None, table=None) -> float | None:
