@@ -29,11 +29,12 @@ earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing
 docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
 (`ahead`), and near a request's end the engine chooses after the read. A switch must save `finish_margin` (1 %) of
 the time left, and where the choice is made for a step that would be relaunched (`ahead`), also one step's time (the
-overlap the switch gives up, at most a step; `switch_steps` of them: a setting to measure against). Away from the batch's end the finish-time choice is held for `recheck`
-steps of the same batch (computing it is most of the controller's host time: about 100 us a step at 128 requests on
-a CPU core, against 25 us held). A K above the last step's first verifies that step's drafts, padded:
-its time counts the tokens that step misses (at the H100's B = 8 the 1B pair's adaptive run had 6 such K = 4 steps
-among 101 at K = 2, at K = 2's acceptance, and ended 4 % behind fixed K = 2).
+overlap the switch gives up, at most a step; `switch_steps` of them: a setting to measure against). Away from the
+batch's end the finish-time choice is held for `recheck` steps of the same batch (computing it is most of the
+controller's host time: about 100 us a step at 128 requests on a CPU core, against 25 us held). A K above the last
+step's first verifies that step's drafts, padded: its time counts the tokens that step misses (at the H100's B = 8
+the 1B pair's adaptive run had 6 such K = 4 steps among 101 at K = 2, at K = 2's acceptance, and ended 4 % behind
+fixed K = 2).
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected); a step in which fewer than
