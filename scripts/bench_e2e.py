@@ -31,7 +31,7 @@ Wall times: synchronize + perf_counter around whole generate() calls, medians of
 Correctness: leading greedy tokens equal between our plain and speculative runs and transformers' generate
 (asserted in float32, i.e. `--tiny`; bf16 may differ by rounding, so only counted there).
 
-One file of about 510 lines, not split: its sections share the pair's build, the prompts, the timing helpers and one
+One file of about 560 lines, not split: its sections share the pair's build, the prompts, the timing helpers and one
 argument parser, and each is one flag of the same command (docs/performance.md names them so).
 
 Usage: python scripts/bench_e2e.py            (CUDA, the 1B pair)
