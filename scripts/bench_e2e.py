@@ -314,7 +314,8 @@ def adaptive_bench(target, drafter, args, device) -> None:
                                     for kk in ctl.ks if (kk, pb) in st.measured)  # fmt: skip
                 print(f"      controller at B={b}, mean cached {ctx:.0f}: {text}; acceptance rates "
                       f"{[round(a, 3) for a in ctl.rates]}; start-up at {pb} rows: {startup or 'none'}; steady "
-                      f"offset {st.offset.get(pb, 0.0) * 1e3:+.3f} ms", flush=True)  # fmt: skip
+                      f"offset {st.offset.get(pb, 0.0) * 1e3:+.3f} ms; a step not overlapped idles the device "
+                      f"{ctl.gap(b) * 1e3:.3f} ms", flush=True)  # fmt: skip
                 print(
                     f"      runs in order (time, K per step, accepted drafts a verify step): "
                     f"{'; '.join(per_run.get((name, b), []))}",

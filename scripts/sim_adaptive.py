@@ -108,6 +108,8 @@ def simulate(rows, n_new, fixed=None, ctl=None, finish=True, gap=0.3e-3):
     overlapped = False
     while running:
         t += step_time(k, len(running)) + (0.0 if overlapped else gap)
+        if ctl is not None and not overlapped:  # (the engine measures this idle time: runtime/engine.py note_gap)
+            ctl.note_gap(len(running), gap)
         hist[k] = hist.get(k, 0) + 1
         near = any(n_new - done[i] <= k + 1 for i in running)
         nxt = None if fixed is not None or near else ctl.choose(len(running), ctx(running), left(running), k)

@@ -109,7 +109,8 @@ def test_chosen_k_follows_acceptance(target, rates, most):
     hist = spec["histogram"]
     assert max(hist, key=hist.get) == most, hist
     if most == 0:  # acceptance ~0: down through K = 2 to K = 0, where late joiners' prompt steps run too (no drafter)
-        assert hist[2] >= 2 and hist[3] < 8 and spec["acceptance_rates"][0] < 0.5  # (from 0.7)
+        # (rate 0 down from 0.7: the batch's short requests finish sooner at K = 0 by the finish time once it falls)
+        assert hist[2] >= 2 and hist[3] < 8 and spec["acceptance_rates"][0] < 0.6
         assert spec["probes"] <= 1  # the first comes 32 steps at K = 0 later
     else:
         assert hist[0] == 0 and spec["acceptance_rates"][0] > 0.9
@@ -150,6 +151,8 @@ def test_last_step_runs_the_k_that_finishes_cheapest(target, mode, monkeypatch):
         assert (None, [3] * 4) in calls and (None, [3] * 8) not in calls  # (the first 8's last step: requests waited)
     else:
         assert (3, [7] * 4) in calls
+        # the steps not relaunched (the last of each batch, at a request's end) measured the device's idle time
+        assert ctl._gaps and all(0 < g < 1 for w in ctl._gaps.values() for g in w)
         mean, sd = ctl.steps_left(2, [(7, [])] * 4, ahead=3)
         assert mean.tolist() == [1.0] * 4 and sd.tolist() == [0.0] * 4
 

@@ -304,3 +304,38 @@ def test_a_switch_up_counts_its_padded_first_step():
     assert ctl.choose(8, 0.0, far, 2) == 4
     ctl.current, ctl.switch_steps, ctl._held = 2, 1.1 * saving / times[2], None
     assert ctl.choose(8, 0.0, far, 2) == 2
+
+
+def test_the_finish_time_counts_the_steps_not_overlapped():
+    """An H200's step times at batch 128 (the 1B pair, 2026-11-28) and the batch's rates there: K = 2 is 6 % better
+    than K = 0 per step (2.45 tokens in 3.85 ms against 1 in 1.67) and, counting the slowest requests alone, finishes
+    128 requests of 250 tokens 1.4 % sooner. But its requests end over about 19 steps, none of them overlapped, while
+    K = 0's end in one: once such a step is measured to idle the device 1 ms (`note_gap`), K = 0 finishes first and is
+    chosen, and held; while requests wait, tokens/s decides (K = 2). The gap is the median of a padded size's last
+    measurements, else the nearest size's."""
+    times = {128: {0: 1.667e-3, 2: 3.851e-3, 4: 6.030e-3}, 64: {0: 1.380e-3, 2: 2.636e-3, 4: 3.914e-3},
+             32: {0: 1.25e-3, 2: 2.05e-3, 4: 2.95e-3}, 8: {0: 1.145e-3, 2: 1.779e-3, 4: 2.388e-3}}  # fmt: skip
+    sizes = (8, 32, 64, 128)
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[next(s for s in sizes if s >= b)][k], sizes=sizes)
+    ctl.rates = [0.786, 0.844, 0.831, 0.831]
+    left = [(250, []) for _ in range(128)]
+    assert ctl.gap(128) == 0.0
+    assert ctl.finish_time(2, left) < ctl.finish_time(0, left) / 1.01
+    assert ctl.choose(128, 0.0, left) == 2
+    for seconds in (1e-3, 5e-3, 0.9e-3):  # (one stalled step moves the median by one sample)
+        ctl.note_gap(100, seconds)
+    assert ctl.gap(128) == 1e-3 and ctl.gap(1) == 1e-3  # (batch 100 pads to 128; 1: the nearest size measured)
+    mean, sd = ctl.steps_left(2, left)
+    spread = (mean + ctl._order_z(1, 128) * sd).max() - (mean + ctl._order_z(128, 128) * sd).min()
+    assert 15 < spread < 22  # the steps from the first request's end to the last's
+    without = AdaptiveK((0, 2, 4), ctl.step_time, sizes=sizes)
+    without.rates = ctl.rates
+    assert ctl.finish_time(0, left) == pytest.approx(without.finish_time(0, left) + 1e-3)  # one step not overlapped
+    assert ctl.finish_time(2, left) == pytest.approx(without.finish_time(2, left) + (spread + 1) * 1e-3)
+    assert ctl.finish_time(0, left) < ctl.finish_time(2, left) / 1.01
+    ctl._held = None
+    assert [ctl.choose(128, 0.0, left) for _ in range(3)] == [0, 0, 0] and ctl.current == 0
+    assert ctl._held is not None  # (K = 0 by the finish time is held like any other finish-time choice)
+    assert ctl.choose(128, 0.0, None) == 2  # requests wait: tokens/s
+    ctl.note_gap(8, 0.2e-3)
+    assert ctl.gap(1) == 0.2e-3 and ctl.gap(128) == 1e-3

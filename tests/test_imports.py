@@ -43,7 +43,7 @@ def test_an_engine_that_compiles_nothing_imports_no_compiler(tmp_path):
     """Mode NONE (the CPU default) traces and compiles nothing, so its process never imports Dynamo, Inductor or
     sympy (a second of a CPU start): a whole engine (target and drafter built from a checkpoint on the meta
     device) built and stepped in a fresh interpreter. The same engine in PIECEWISE mode does import Dynamo (the
-    check can fail)."""
+    check can fail; its pieces run eagerly: Inductor's compiles would add 30 s to no purpose here)."""
     from draftgraph.models.builtin import BuiltinSpec, builtin_hf_target
 
     builtin_hf_target(BuiltinSpec(num_layers=3)).save_pretrained(str(tmp_path))
@@ -54,7 +54,8 @@ import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.loader import truncated_draft_model
 target = CausalLM.from_pretrained(sys.argv[2])
-config = dg.CompileConfig(mode=sys.argv[1], device="cpu", max_num_seqs=2, max_num_batched_tokens=64, progress=False)
+config = dg.CompileConfig(mode=sys.argv[1], device="cpu", max_num_seqs=2, max_num_batched_tokens=64, progress=False,
+                          compile_backend="eager")
 engine = dg.compile_model(target, truncated_draft_model(target, 2), config)
 out = engine.generate([[1, 2, 3]], dg.SamplingParams(max_tokens=5, ignore_eos=True))
 assert len(out[0].token_ids) == 5

@@ -12,29 +12,34 @@ overlapped decoding at any K (`calibrate`, from runtime/engine.py); or, where no
 estimated from the bytes each K reads (the target's weights once, the drafter's once per draft), which is what a
 decode step is bound by.
 
-While no request waits to join (runtime/engine.py passes `left`), the batch ends with its last request, and K is
-chosen among the K > 0 for the least expected time to finish the batch instead (`finish_time`): request i with r_i
-tokens left needs n_i steps at K, about normal with mean r_i / e_i and variance r_i v_i / e_i^3 (a renewal process;
-e_i, v_i the mean and variance of the tokens one step emits for it, counting no draft past its r_i - 1), from its own
-acceptance counts (fading by `request_decay` a step) against a prior of `prior` observations at the batch's rates; the
-c-th request to finish last is taken at the c-th largest mean plus z(c, B) standard deviations (z: the expected order
-statistics of B standard normals), and while c requests are left a step costs step_time(K, c) (the padded size
-shrinks as requests finish). What tokens/s misses and this sees: a batch's slowest request decides when it ends, a
+While no request waits to join (runtime/engine.py passes `left`), the batch ends with its last request, and where
+tokens/s chose a K > 0, K is chosen again, K = 0 included, for the least expected time to finish the batch
+(`finish_time`): request i with r_i tokens left needs n_i steps at K, about normal with mean r_i / e_i and variance
+r_i v_i / e_i^3 (a renewal process; e_i, v_i the mean and variance of the tokens one step emits for it, counting no
+draft past its r_i - 1), from its own acceptance counts (fading by `request_decay` a step) against a prior of `prior`
+observations at the batch's rates; the c-th request to finish last is taken at the c-th largest mean plus z(c, B)
+standard deviations (z: the expected order statistics of B standard normals), and while c requests are left a step
+costs step_time(K, c) (the padded size shrinks as requests finish). Each step from the first request's end to the
+last's is not overlapped (runtime/engine.py relaunches no step in which a request may end) and costs the device's
+idle time between a read and the next launch more (`gap`: measured on such steps, `note_gap`); K = 0's requests of
+equal length end in one step. What tokens/s misses and this sees: a batch's slowest request decides when it ends, a
 larger K spreads the requests' finishing steps more (K = 4's tokens a step vary more, and differ more between
-requests), and drafts past a request's last token are wasted. With the H100's step times at B = 8 (1B pair) K = 4 is
-4.7 % better per step (3.43 tokens a step in 2.886 ms, against 2.49 in 2.193) but the batch at K = 4 ran 81 decode
-steps against its mean request's 74.6, at K = 2 105 against 102.8: K = 2 finished 3.5 % sooner. K = 0 remains the
-tokens/s choice (it observes nothing: only probes bring K back, so it is taken for steady-state reasons alone; an
-earlier tail term that also decided K = 0 against K > 0 ran B = 128 with nothing accepted at K = 2 throughout:
-docs/performance.md). A step launched before the one before it was read takes that step's expected tokens off first
-(`ahead`), and near a request's end the engine chooses after the read. A switch must save `finish_margin` (1 %) of
-the time left, and where the choice is made for a step that would be relaunched (`ahead`), also one step's time (the
-overlap the switch gives up, at most a step; `switch_steps` of them: a setting to measure against). Away from the
-batch's end the finish-time choice is held for `recheck` steps of the same batch (computing it is most of the
-controller's host time: about 100 us a step at 128 requests on a CPU core, against 25 us held). A K above the last
-step's first verifies that step's drafts, padded: its time counts the tokens that step misses (at the H100's B = 8
-the 1B pair's adaptive run had 6 such K = 4 steps among 101 at K = 2, at K = 2's acceptance, and ended 4 % behind
-fixed K = 2).
+requests) and so has more steps not overlapped, and drafts past a request's last token are wasted. With the H100's
+step times at B = 8 (1B pair) K = 4 is 4.7 % better per step (3.43 tokens a step in 2.886 ms, against 2.49 in 2.193)
+but the batch at K = 4 ran 81 decode steps against its mean request's 74.6, at K = 2 105 against 102.8: K = 2
+finished 3.5 % sooner. On an H200 at B = 128 K = 2 is 6 % better per step than K = 0 (2.45 tokens in 3.85 ms against
+1 in 1.67) and its batch 4 % slower (115 steps against its mean request's 102, 19 of them not overlapped). Where
+tokens/s chose K = 0, K = 0 stands (it observes nothing: only probes bring K back, so it is left for steady-state
+reasons alone; an earlier tail term, in tokens/s, that also decided K = 0 against K > 0 ran B = 128 with nothing
+accepted at K = 2 throughout: docs/performance.md). A step launched before the one before it was read takes that
+step's expected tokens off first (`ahead`), and near a request's end the engine chooses after the read. A switch must
+save `finish_margin` (1 %) of the time left, and where the choice is made for a step that would be relaunched
+(`ahead`), also one step's time (the overlap the switch gives up, at most a step; `switch_steps` of them: a setting
+to measure against). Away from the batch's end the finish-time choice is held for `recheck` steps of the same batch
+(computing it is most of the controller's host time: about 100 us a step at 128 requests on a CPU core, against 25 us
+held). A K above the last step's first verifies that step's drafts, padded: its time counts the tokens that step
+misses (at the H100's B = 8 the 1B pair's adaptive run had 6 such K = 4 steps among 101 at K = 2, at K = 2's
+acceptance, and ended 4 % behind fixed K = 2), and up from K = 0 a draft model's catch-up.
 
 The acceptance rates are exponential moving averages per draft position, fed by every verified step (a request
 that accepted a drafts observed positions 0..a as accepted, accepted, ..., rejected); a step in which fewer than
@@ -106,6 +111,7 @@ class AdaptiveK:
         recheck: int = 4,  # the finish-time choice is held for this many steps of the same batch, away from its end
         full_weight_at: int = 4,  # requests reaching a draft position for a step's whole `ema` weight there
         switch_steps: float = 1.0,  # what a switch of K gives up where a step is relaunched, in the current K's steps
+        gap_window: int = 15,  # the device's idle times between a read and the next launch kept per padded size
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -124,6 +130,9 @@ class AdaptiveK:
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
         self.recheck, self.full_weight_at, self.switch_steps = recheck, full_weight_at, switch_steps
         self._held: tuple | None = None  # ((batch size, ahead), steps it may still be held, K): `_finish_choice`
+        self.gap_window = gap_window
+        self._gaps: dict[int, deque] = {}  # padded size -> the last idle times of steps not overlapped (`note_gap`)
+        self._gap: dict[int, float] = {}  # padded size -> their median
         self._z: dict[tuple[int, int], float] = {}  # (c, b) -> the expected c-th largest of b standard normals
         self._cut: dict[int, tuple] = {}  # b -> `_cuts(b)`
         self._no_counts = [0.0] * (2 * self.k_max)  # a request not observed yet: the batch's rates alone
@@ -164,10 +173,12 @@ class AdaptiveK:
         k = self._best(batch, ctx)
         if k and callable(left):
             left = left()
-        if k and left is not None:  # (K = 0 stays tokens/s's choice: it observes nothing, so probes must bring K back)
+        finish = bool(k) and left is not None
+        if finish:  # (tokens/s's K = 0 stands: it observes nothing, so only probes bring K back from it)
             k = self._finish_choice(left, ctx, ahead)
         if k == 0:
-            self._held = None  # (back above K = 0, the finish-time choice is made afresh)
+            if not finish:
+                self._held = None  # (back above K = 0, the finish-time choice is made afresh)
             self.steps_at_zero += 1
             if self.steps_at_zero > self._probe_interval(batch, ctx):  # then two steps at the smallest K > 0
                 self.steps_at_zero = 0
@@ -207,6 +218,28 @@ class AdaptiveK:
             prev = self.catch_up_per_token
             self.catch_up_per_token = per if prev is None else prev + 0.5 * (per - prev)
 
+    def note_gap(self, batch: int, seconds: float) -> None:
+        """A step of `batch` requests that was not overlapped: the device idled `seconds` between the read of the step
+        before it and its launch (runtime/engine.py: the host's bookkeeping, scheduling, this choice and the launch,
+        which an overlapped step hides under the step before). The median of the padded size's last `gap_window` is
+        what `finish_time` charges each step it expects not to overlap."""
+        b = self._padded(batch)
+        window = self._gaps.setdefault(b, deque(maxlen=self.gap_window))
+        window.append(seconds)
+        self._gap[b] = statistics.median(window)
+
+    def gap(self, batch: int) -> float:
+        """Seconds a step of `batch` requests that is not overlapped idles the device (`note_gap`: its padded size's, or
+        the nearest one measured; 0 before any)."""
+        if not self._gap:
+            return 0.0
+        b = self._padded(batch)
+        got = self._gap.get(b)
+        return got if got is not None else self._gap[min(self._gap, key=lambda s: (abs(s - b), s))]
+
+    def _padded(self, batch: int) -> int:
+        return next((s for s in self.sizes if s >= batch), batch)
+
     def _count(self, k: int) -> int:
         self.histogram[k] += 1
         return k
@@ -236,24 +269,27 @@ class AdaptiveK:
         return k
 
     def _best_to_finish(self, left: Left, ctx: float, ahead: int | None = None) -> int:
-        """Among the K > 0, the one of the least expected time to finish the batch's requests (`finish_time`)."""
+        """The K of the least expected time to finish the batch's requests (`finish_time`), K = 0 included (a batch
+        at K > 0 ends with its slowest request, and its steps near the requests' ends are not overlapped)."""
         r, p = self._table(left)
         if ahead is not None:  # the step launched and not read: its expected tokens off, once for every K
             r = r - self._moments(ahead, r, p)[0]
-        times = {k: self.finish_time(k, left, ctx, None, (r, p)) for k in self.ks if k}
+        times = {k: self.finish_time(k, left, ctx, None, (r, p)) for k in self.ks}
         if any(t is None for t in times.values()):
             return self.k_max
-        if self.current not in times:  # (up from K = 0)
-            return min(times, key=lambda k: (times[k], -k))
         cur = self.current
         # A K above the current one verifies, at its first step, the current K's drafts padded (runtime/step.py
         # fit_drafts): that step emits the current K's tokens at the new K's time; the tokens it misses cost about
-        # (e_K - e_cur) / e_K of a step at K more.
+        # (e_K - e_cur) / e_K of a step at K more. Up from K = 0, a draft model also catches up on what it skipped
+        # (as `probe_cost` counts it: the batch's cached tokens, or before any catch-up was timed, a step at K).
         e_cur = self.expected_tokens(cur)
         for k in times:
             if k > cur:
-                e = self.expected_tokens(k)
-                times[k] += self.step_time(k, len(left), ctx) * (e - e_cur) / e
+                e, t = self.expected_tokens(k), self.step_time(k, len(left), ctx)
+                times[k] += t * (e - e_cur) / e
+                if cur == 0:
+                    per = self.catch_up_per_token
+                    times[k] += t if per is None else per * len(left) * ctx
         best = min(times, key=lambda k: (times[k], -k))
         # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
         # step `ahead` runs), the overlap it gives up: at most one step
@@ -276,10 +312,17 @@ class AdaptiveK:
         mean, sd = self.steps_left(k, left, ahead, table)
         i = np.argsort(-mean, kind="stable")[rows]  # the c-th longest request for each c of `cuts`
         # the sum by parts: n_c x (step_time(K, c) - step_time(K, c - 1)), nonzero at c = 1 and past each padded size
+        ns = np.maximum(mean[i] + z * sd[i], 0.0).tolist()
         total, prev = 0.0, 0.0
-        for n, t in zip(np.maximum(mean[i] + z * sd[i], 0.0).tolist(), times):
+        for n, t in zip(ns, times):
             total += n * (t - prev)
             prev = t
+        gap = self.gap(b)
+        if gap and b:
+            # steps not overlapped: one where any request may end (it is within K + 1 tokens of its end: about
+            # (K + 1) / e steps of each), from the first request's end to the last's
+            first = float(np.min(mean + self._order_z(b, b) * sd))
+            total += gap * min(ns[0] - first + 1.0, b * (k + 1) / self.expected_tokens(k))
         return total
 
     def _cuts(self, b: int) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:

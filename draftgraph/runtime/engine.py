@@ -121,6 +121,8 @@ class Engine:
         self.adaptive = AdaptiveK(ks, self.step_times, sizes=self.step_times.sizes) if len(ks) > 1 else None
         self._next_k: int | None = None  # an adaptive choice made for a step not relaunched (overlap_steps)
         self._chain: tuple[Launched, float] | None = None  # the step relaunched at the last read, and the read's time
+        self._idle_since: float | None = None  # a read that relaunched nothing: the device idles from then (note_gap)
+        self._caught_up = False  # the step's runner caught a draft model up (its time is not a step's gap)
         # Prefix caching (runtime/prefix_cache.py): None when off, asked or where it cannot run (logged). A hybrid
         # model's cached prefixes also need state snapshots at their ends (runtime/state_snapshots.py).
         self.snapshots, off = make_snapshots(self.runner, self.states, rc)
@@ -266,6 +268,7 @@ class Engine:
             done = self._step_overlapped()
             if self._pending is not None:  # the next step is queued: this call's step
                 return done
+        idle, self._idle_since = self._idle_since, None  # (set by the read just made, if it relaunched nothing)
         batch = self.scheduler.schedule()
         self._stats["preemptions"] += batch.num_preempted
         if self.lockstep is not None:  # one step shape with the other ranks; a dummy step when only they have work
@@ -282,7 +285,12 @@ class Engine:
         defer = defer and not any(r.grammar is not None for r in batch.decodes)
         runner = self._runner_for(batch)
         result = runner.run(batch, defer=defer)
-        self._stats["seconds"] += time.perf_counter() - t0
+        now = time.perf_counter()
+        if idle is not None and isinstance(result, Launched) and not self._caught_up and self.step_times.measured:
+            # the step before was read and nothing queued after it: the device idled until this launch (in seconds,
+            # as the measured step times; the estimate without graphs is in bytes)
+            self.adaptive.note_gap(len(batch.decodes), now - idle)
+        self._stats["seconds"] += now - t0
         self._stats["steps"] += 1
         self._stats["speculation_histogram"][runner.k] += 1
         if isinstance(result, Launched):  # read at the next call, once the step after it is queued
@@ -327,9 +335,11 @@ class Engine:
         runner = self.runners[k]
         # (a prefill's first chunk lags where its cached blocks lack the draft model's KV: runtime/scheduler.py)
         reqs = batch.decodes + [c.req for c in chunks]
+        self._caught_up = False
         if k:
             t0 = time.perf_counter()
             fed = runner.catch_up(reqs)
+            self._caught_up = bool(fed)
             if fed:  # timed (the device has nothing else queued here: no step is pending) for the probes' cost
                 runner.synchronize()
                 self.adaptive.note_catch_up(fed, time.perf_counter() - t0)
@@ -360,6 +370,7 @@ class Engine:
                 runner.k, len(launched.decodes), now - self._chain[1], mean_cached(launched.decodes)
             )
         self._chain = (nxt, now) if nxt is not None else None
+        self._idle_since = now if nxt is None and self.adaptive is not None else None
         if nxt is not None:
             self._stats["steps"] += 1
             self._stats["overlapped_steps"] += 1
