@@ -11,6 +11,15 @@ Prints per (shape, rows): the floor, cuBLAS, the config `choose_config` picks, a
 (its name: block_n x block_k / warps / stages). `--sweep` prints every config's time.
 Usage: python scripts/bench_gemv.py [--set 1b|8b|8b_tp2] [--rows 1,2,4,5,8,16] [--sweep] [--replays 100]
        python scripts/bench_gemv.py --fused   (one row's fused prologues against their separate kernels)
+       python scripts/bench_gemv.py --pdl --set 8b_tp2   (a decode step's one-row kernels with and without
+                                                           programmatic dependent launch)
+
+`--pdl`: the one-row kernels of `--layers` layers of the set's model in one CUDA graph, each layer as a decode step
+runs them (the norm in qkv, o, the norm in gate_up, the activation in down: 4 launches a layer, every layer its own
+weights, so nothing is in L2), captured once as launched today and once with programmatic dependent launch (Hopper:
+each kernel launched with launch_pdl starts while the one before ends, waits for it in `pdl_wait` before any
+load, and releases the next after its last load: ops/linear/triton_gemv.py). Medians of --replays replays of each
+graph, alternated; the weights' floor beside them. Outputs equal between the two (checked).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +70,14 @@ def main():
     parser.add_argument("--fused", action="store_true",
                         help="instead: one row's fused prologues (the pre-norm in qkv / gate_up, the SwiGLU activation "
                         "in down) against their separate kernels, per column block")  # fmt: skip
+    parser.add_argument("--pdl", action="store_true", help="instead: a layer chain with and without programmatic "
+                        "dependent launch (module docstring)")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=32, help="--pdl: layers in the chain")
     args = parser.parse_args()
     if args.fused:
         return fused_prologues(args)
+    if args.pdl:
+        return pdl_chain(args)
     bw = copy_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device {torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}")
@@ -148,6 +163,69 @@ def _fused_times(nk: tuple[int, int], down: bool, args) -> tuple[float, list[flo
 
     times = [graph_us(functools.partial(fused, b=b), weights, args.replays) for b in FUSED_BLOCKS]
     return graph_us(separate, weights, args.replays), times
+
+
+def pdl_chain(args) -> None:
+    from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, silu_mul_gemv_triton
+
+    shapes, gen = SHAPE_SETS[args.set], torch.Generator(device="cuda").manual_seed(0)
+    hidden = shapes["qkv"][1]
+    layers = [{p: torch.randn(*shapes[p], device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+               for p in ("qkv", "o", "gate_up", "down")} for _ in range(args.layers)]  # fmt: skip
+    nbytes = sum(w.numel() * 2 for layer in layers for w in layer.values())
+    x = torch.randn(1, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    nw = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    o_in = torch.randn(1, shapes["o"][1], device="cuda", generator=gen, dtype=torch.bfloat16)
+    cfg = {p: choose_config(1, shapes[p][1], silu_mul=p == "down", norm=p in ("qkv", "gate_up")) for p in shapes}
+
+    def chain(pdl: int) -> torch.Tensor:
+        h, r = x, torch.zeros_like(x)
+        for w in layers:  # (a layer's real inputs where the shapes chain; o takes a fixed row: attention's stand-in)
+            r, _qkv = add_rms_norm_gemv_triton(h, r, nw, 1e-6, w["qkv"], None, cfg["qkv"], pdl=pdl)
+            h = gemv_triton(o_in, w["o"], None, cfg["o"], pdl=pdl)
+            r, gu = add_rms_norm_gemv_triton(h, r, nw, 1e-6, w["gate_up"], None, cfg["gate_up"], pdl=pdl)
+            h = silu_mul_gemv_triton(gu, w["down"], None, cfg["down"], pdl=pdl)
+        return h
+
+    levels = (0, 1, 2, 3)
+    want = chain(0)
+    for level in levels[1:]:
+        got = chain(level)
+        torch.cuda.synchronize()
+        if not torch.equal(want, got):
+            raise AssertionError(f"PDL {level} changed the chain's output: max difference {(want - got).abs().max()}")
+    graphs = {}
+    for level in levels:
+        chain(level)
+        torch.cuda.synchronize()
+        graphs[level] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[level]):
+            chain(level)
+    times = {level: [] for level in levels}
+    for _ in range(5):
+        for g in graphs.values():
+            g.replay()
+    for _ in range(args.replays):
+        for level, g in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times[level].append(start.elapsed_time(end) * 1e3)
+    bw = copy_bandwidth()
+    floor = nbytes / bw * 1e6
+    med = {level: statistics.median(t) for level, t in times.items()}
+    launches = 4 * args.layers
+    print(
+        f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}; set "
+        f"{args.set}, {args.layers} layers, {launches} one-row launches, {nbytes / 1e9:.2f} GB of weights; floor "
+        f"(weights / copy bandwidth {bw / 1e9:.0f} GB/s) {floor:.1f} us; medians of {args.replays} replays each"
+    )
+    names = {0: "as launched today", 1: "PDL: wait first", 2: "PDL: first weight chunk, then wait",
+             3: "PDL: release at once, first weight chunk, then wait"}  # fmt: skip
+    for level, t in med.items():
+        print(f"  {names[level]:>52}: {t:8.1f} us ({t / floor:.3f}x floor), {(med[0] - t) / launches:+.2f} us a launch")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -37,6 +38,7 @@ import time
 import torch
 
 import draftgraph as dg
+import draftgraph.ops.linear.op as linear_op
 from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
 from draftgraph.ops.choices import OpChoices
 from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, eagle3_8b, hf_8b, measure, steady_profile
@@ -215,11 +217,27 @@ def sweep(device, json_path: str = "", only: str = "", reps: int = 20, calls: in
             json.dump(rows, f, indent=1)
 
 
+DEFAULT_RULE = linear_op.GEMV_RULE
+
+
+def variant_rule(variant: str) -> tuple[str, linear_op.GemvRule]:
+    """A variant of --all-reduce: the CompileConfig.all_reduce value (or "fused"), and the GEMV rule its engine runs
+    under: the default, or with `/pdlN` the one-row kernels' programmatic-dependent-launch level N (e.g. "auto/pdl0":
+    off, for an A/B against the default in one run)."""
+    base, _, extra = variant.partition("/")
+    if not extra:
+        return base, DEFAULT_RULE
+    if not (extra.startswith("pdl") and extra[3:].isdigit()):
+        raise SystemExit(f"--all-reduce variant {variant!r}: VALUE or VALUE/pdlN (N: 0-3), e.g. auto/pdl0")
+    return base, dataclasses.replace(DEFAULT_RULE, pdl=int(extra[3:]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="8b", choices=("8b", "1b", "tiny"))
     ap.add_argument("--cases", default="plain,spec", help="plain and/or spec (the model's drafter), in this order")
-    ap.add_argument("--all-reduce", default="nccl,auto", help="at TP > 1: the CompileConfig.all_reduce values compared")
+    ap.add_argument("--all-reduce", default="nccl,auto", help="the CompileConfig.all_reduce values compared (at TP > 1;"
+                    " TP 1: nccl), each optionally /pdlN: the one-row GEMVs' PDL level (variant_rule)")  # fmt: skip
     ap.add_argument("--sizes", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
@@ -261,7 +279,8 @@ def main():
     rows = []
     vocab = model_shape(key)["vocab_size"]
     profile_sizes = {int(b) for b in args.profile.split(",") if b}
-    variants = args.all_reduce.split(",") if world > 1 else ["nccl"]
+    variants = args.all_reduce.split(",") if world > 1 else [v for v in args.all_reduce.split(",") if "nccl" in v]
+    variants = variants or ["nccl"]
     if args.fuse_all_reduce and world > 1 and "fused" not in variants:
         variants.append("fused")
     shared = dg.shared_compile_workers() if cuda else contextlib.nullcontext()
@@ -270,7 +289,9 @@ def main():
             for ar in variants:
                 t1 = time.perf_counter()
                 max_tokens = (args.warm + args.steps + 40) * 5 + 16
-                eng, k = make_engine(key, case, world, ar, sizes, args.context, max_tokens, device, mode, models)
+                base, rule = variant_rule(ar)
+                linear_op.GEMV_RULE = rule  # (read as kernels launch and graphs capture: this engine's own)
+                eng, k = make_engine(key, case, world, base, sizes, args.context, max_tokens, device, mode, models)
                 inner = inner_engine(eng)  # a launched rank's own Engine: the ranks step together
                 say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")
                 for b in sizes:
@@ -286,6 +307,7 @@ def main():
                 stats = inner.stats()
                 say(f"  fallbacks {stats['fallbacks']}; dispatch {dict(list(stats['dispatch'].items())[:6])}")
                 eng.close()
+                linear_op.GEMV_RULE = DEFAULT_RULE
     if len(variants) > 1:
         for case in args.cases.split(","):
             for b in sizes:

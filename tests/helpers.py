@@ -162,10 +162,10 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict) -> list[str]:
 
 class Sm90Compile:
     """One kernel's result from `compile_many_for_sm90`: `stages()` returns the stages compiled, or fails the
-    calling test with the compiler's message (each test fails for its own kernel only)."""
+    calling test with the compiler's message (each test fails for its own kernel only); `ptx`, the PTX."""
 
-    def __init__(self, name: str, stages: list[str] | None, error: str | None):
-        self.name, self._stages, self.error = name, stages, error
+    def __init__(self, name: str, stages: list[str] | None, error: str | None, ptx: str = ""):
+        self.name, self._stages, self.error, self.ptx = name, stages, error, ptx
 
     def stages(self) -> list[str]:
         if self.error is not None:
@@ -210,7 +210,7 @@ for module, name, signature, constexprs in json.loads(sys.argv[1]):
         kernel = getattr(importlib.import_module(module), name)
         sig = {arg: signature.get(arg, "constexpr") for arg in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
-        results.append({"stages": sorted(compiled.asm)})
+        results.append({"stages": sorted(compiled.asm), "ptx": compiled.asm.get("ptx", "")})
     except Exception:
         results.append({"error": traceback.format_exc()})
 print(json.dumps(results))
@@ -225,7 +225,7 @@ print(json.dumps(results))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if isinstance(got, dict):
         pytest.skip(f"cannot compile {', '.join(names)} for sm_90 here: {got['skip']}")
-    return [Sm90Compile(name, r.get("stages"), r.get("error")) for name, r in zip(names, got)]
+    return [Sm90Compile(name, r.get("stages"), r.get("error"), r.get("ptx", "")) for name, r in zip(names, got)]
 
 
 def join_forked(procs, seconds: float, what: str) -> None:

@@ -101,20 +101,23 @@ def sm90():
     from draftgraph.ops.linear.triton_gemv import _norm_gemv_kernel, _silu_mul_kernel
 
     common = {"x": "*bf16", "w": "*bf16", "b": "*bf16", "y": "*bf16", "N": "i32", "K": "i32", "swn": "i64"}
-    gemv = {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": False, "ACCURATE": True}
+    gemv = {"HAS_BIAS": True, "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": False, "ACCURATE": True, "PDL": 0}
     jobs = {"gemv": (_gemv_kernel, common, gemv)}
     for bias in (False, True):
         constexprs = {"HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "DOT_F32": False,
                       "PRECISION": "tf32" if not bias else "ieee"}  # fmt: skip
         jobs[f"dot bias={bias}"] = (_dot_kernel, {**common, "M": "i32", "sxm": "i64", "sym": "i64"}, constexprs)
-    silu_gemv = {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 1024, "SILU_MUL": True, "ACCURATE": True}
+    silu_gemv = {"HAS_BIAS": False, "BLOCK_N": 2, "BLOCK_K": 1024, "SILU_MUL": True, "ACCURATE": True, "PDL": 0}
     jobs["silu gemv"] = (_gemv_kernel, common, silu_gemv)
     silu_sig = {"x": "*bf16", "y": "*bf16", "M": "i32", "INTER": "i32", "sxm": "i64"}
     jobs["silu_mul"] = (_silu_mul_kernel, silu_sig, {"BLOCK": 1024, "ACCURATE": True})
     norm_sig = {n: "*bf16" for n in ("x", "r", "nw", "w", "b", "s_out", "y")}
     norm_sig.update({"N": "i32", "K": "i32", "swn": "i64", "eps": "fp32"})
-    norm = {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 1024, "ROW": 2048, "ACCURATE": True}
+    norm = {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 1024, "ROW": 2048, "ACCURATE": True, "PDL": 0}
     jobs["norm gemv"] = (_norm_gemv_kernel, norm_sig, norm)
+    for level in (1, 2, 3):
+        jobs[f"gemv pdl {level}"] = (_gemv_kernel, common, {**silu_gemv, "PDL": level})
+        jobs[f"norm gemv pdl {level}"] = (_norm_gemv_kernel, norm_sig, {**norm, "PDL": level})
     return dict(zip(jobs, compile_many_for_sm90(list(jobs.values()))))
 
 
@@ -213,3 +216,40 @@ def test_add_rms_norm_linear_is_the_add_the_norm_then_the_product(dtype, bias):
 
 def test_norm_gemv_compiles_for_a_hopper_gpu(sm90):
     assert "cubin" in sm90["norm gemv"].stages()
+
+
+def test_one_row_kernels_compile_with_programmatic_dependent_launch(sm90):
+    """pdl levels (scripts/bench_gemv.py --pdl, triton_gemv.py pdl_prologue): the one-row kernels wait for the kernel
+    before them (griddepcontrol.wait) before any load (1), or after loading a first chunk of weight only (2, 3), and
+    release the next (griddepcontrol.launch_dependents) after their last load (1, 2) or first (3); as launched today,
+    neither. Off CUDA, pdl is refused with the reason (the interpreter has no such launch)."""
+    for kernel in ("gemv", "norm gemv"):
+        assert "griddepcontrol" not in sm90[kernel].ptx
+        for level in (1, 2, 3):
+            assert "cubin" in sm90[f"{kernel} pdl {level}"].stages()
+            ptx = sm90[f"{kernel} pdl {level}"].ptx
+            wait, release, load = (ptx.index(f) for f in ("griddepcontrol.wait", "launch_dependents", "ld.global"))
+            assert (wait < load) == (level == 1)  # (2, 3: a weight load first)
+            assert (release < wait) == (level == 3)
+    x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"pdl=4: 0 \(off\), 1, 2 or 3"):
+        gemv_triton(x, w, None, choose_config(1, 16), pdl=4)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pdl=1: programmatic dependent launch needs a CUDA GPU"):
+            gemv_triton(x, w, None, choose_config(1, 16), pdl=1)
+
+
+def test_the_rule_launches_one_row_kernels_with_pdl_where_the_gpu_has_it(monkeypatch):
+    """GemvRule.pdl (3 by default: bench_gemv.py --pdl's best) applies on compute capability 9.0 and up, with a
+    Triton that has griddepcontrol; elsewhere 0. A level the kernels do not have is refused, naming the levels."""
+    from draftgraph.ops.linear import op
+
+    with pytest.raises(ValueError, match=r"GemvRule.pdl=5: 0 \(off\), 1, 2 or 3"):
+        GemvRule(pdl=5)
+    assert GemvRule().pdl == 3 and GemvRule(pdl=0).pdl_for(torch.device("cuda", 0)) == 0
+    for capability, supported, want in (((9, 0), True, 3), ((8, 9), True, 0), ((10, 0), False, 0)):
+        op._has_pdl.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        monkeypatch.setattr("draftgraph.ops.linear.triton_gemv.pdl_supported", lambda s=supported: s)
+        assert GemvRule().pdl_for(torch.device("cuda", 0)) == want
+    op._has_pdl.cache_clear()

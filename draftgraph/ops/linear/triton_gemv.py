@@ -26,6 +26,11 @@ from draftgraph.ops.backends import triton_dot_settings, triton_interpreting
 from draftgraph.ops.launch import launch
 from draftgraph.ops.linear.op import check_norm_linear
 
+try:  # Hopper's programmatic dependent launch (griddepcontrol): Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: `pdl` stays off
+    gdc_launch_dependents = gdc_wait = None
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -98,24 +103,37 @@ def _silu_mul_kernel(x, y, M, INTER, sxm, BLOCK: tl.constexpr, ACCURATE: tl.cons
 
 @triton.jit
 def row_gemv(x, w, N, K, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-             ACCURATE: tl.constexpr):  # fmt: skip
+             ACCURATE: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
     """This program's BLOCK_N columns of one row's product: (cols, col_ok, their float32 sums), the products summed
     elementwise in float32 over K's chunks and reduced once. SILU_MUL: the row is silu(x[:K]) * x[K:2K] (a
-    SwiGLU's gate and up halves), made as it is loaded. `_gemv_kernel`'s body, and fused.py's writer's."""
+    SwiGLU's gate and up halves), made as it is loaded. PDL: programmatic dependent launch (`pdl_prologue`). Also
+    `_gemv_kernel`'s body, and fused.py's writer's."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w + cols.to(tl.int64)[:, None] * swn
-    for k0 in range(0, K, BLOCK_K):
+    pdl_prologue(PDL)
+    start = 0
+    if PDL >= 2:  # the first chunk of weight loaded before the wait, its product after
+        wt = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        pdl_wait(PDL)
+        acc = _row_chunk(acc, wt, x, K, ks, ks < K, SILU_MUL, ACCURATE)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        xv = tl.load(x + kk, mask=k_ok, other=0.0)
-        if SILU_MUL:
-            xv = _silu_mul(xv, tl.load(x + K + kk, mask=k_ok, other=0.0), ACCURATE)
-        acc += wt.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc = _row_chunk(acc, wt, x, K, kk, k_ok, SILU_MUL, ACCURATE)
     return cols, col_ok, tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _row_chunk(acc, wt, x, K, kk, k_ok, SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):
+    xv = tl.load(x + kk, mask=k_ok, other=0.0)
+    if SILU_MUL:
+        xv = _silu_mul(xv, tl.load(x + K + kk, mask=k_ok, other=0.0), ACCURATE)
+    return acc + wt.to(tl.float32) * xv.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -142,45 +160,94 @@ def normed_dot(acc, sk, rstd, nw, w_rows, kk, k_ok, col_ok):
     """acc plus one K chunk of the normalised row against this program's weight rows: sk, the summed row's chunk
     (x's dtype), normalised with ops/norm's roundings (the normalised chunk and its product with the norm weight
     each rounded to that dtype)."""
+    wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return normed_dot_w(acc, sk, rstd, nw, wt, kk, k_ok)
+
+
+@triton.jit
+def normed_dot_w(acc, sk, rstd, nw, wt, kk, k_ok):
+    """`normed_dot` on a chunk of weight already loaded (`wt`, [BLOCK_N, BLOCK_K])."""
     dt = sk.dtype
     nk = (sk.to(tl.float32) * rstd).to(dt)
     nk = (tl.load(nw + kk, mask=k_ok, other=0.0).to(tl.float32) * nk.to(tl.float32)).to(dt)
-    wt = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
     return acc + wt.to(tl.float32) * nk.to(tl.float32)[None, :]
 
 
 @triton.jit
 def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
-    """One row (`row_gemv`), + bias, rounded once."""
-    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE)
+                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+    """One row (`row_gemv`), + bias, rounded once. PDL: programmatic dependent launch's level (`pdl_prologue`)."""
+    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, PDL)
+    pdl_release(PDL)
     store_columns(out, b, y, cols, col_ok, HAS_BIAS)
 
 
 @triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """A one-row kernel's start under programmatic dependent launch (Hopper; the kernel launched with launch_pdl
+    may start before the kernel before it in the stream has ended): 0, off; 1, it waits for that kernel's end and
+    memory (griddepcontrol.wait) here, before any load or store; 2, the caller loads its first chunk of weight (no
+    kernel's output) and then waits (`pdl_wait`), so that load overlaps the kernel before's end; 3, as 2, and the
+    next kernel may start at once (here, not after the last load: `pdl_release`)."""
+    if PDL == 3:
+        gdc_launch_dependents()
+    if PDL == 1:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The wait of `pdl_prologue` level 2 and 3, after the first chunk of weight was loaded."""
+    if PDL >= 2:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Lets the next kernel (if launched with launch_pdl) start its programs once every program here passed this
+    point (PDL 1, 2; 3 released at the start); called after a program's last load, the next kernel waits in its
+    prologue for this kernel's end all the same."""
+    if PDL == 1 or PDL == 2:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, ROW: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
+                      BLOCK_K: tl.constexpr, ROW: tl.constexpr, ACCURATE: tl.constexpr,
+                      PDL: tl.constexpr = 0):  # fmt: skip
     """One row of rms_norm(x + r) @ w.T (+ b), and s = x + r (written by program 0): every program sums the
     row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
     made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
-    each rounded to x's dtype)."""
+    each rounded to x's dtype). PDL: as `_gemv_kernel`'s (`pdl_prologue`)."""
     dt = x.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w + cols.to(tl.int64)[:, None] * swn
+    pdl_prologue(PDL)
+    if PDL >= 2:  # the first chunk of weight before the wait
+        w0 = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        pdl_wait(PDL)
     whole = tl.arange(0, ROW)
     in_row = whole < K
     sv = (tl.load(x + whole, mask=in_row, other=0.0).to(tl.float32)
           + tl.load(r + whole, mask=in_row, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
     rstd = norm_rstd(sv, s_out, whole, in_row, K, eps, ACCURATE)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_rows = w + cols.to(tl.int64)[:, None] * swn
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if PDL >= 2:
+        k_ok = ks < K
+        sk = (tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+              + tl.load(r + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
+        acc = normed_dot_w(acc, sk, rstd, nw, w0, ks, k_ok)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         sk = (tl.load(x + kk, mask=k_ok, other=0.0).to(tl.float32)
               + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
         acc = normed_dot(acc, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
+    pdl_release(PDL)
     store_columns(tl.sum(acc, axis=1), b, y, cols, col_ok, HAS_BIAS)
 
 
@@ -192,8 +259,10 @@ def add_rms_norm_gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: GemvConfig,
+    pdl: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: (s, y) with s = x + residual [1, K] and y = rms_norm(s) @ weight.T (+ bias) [1, N], one launch."""
+    """One row: (s, y) with s = x + residual [1, K] and y = rms_norm(s) @ weight.T (+ bias) [1, N], one launch
+    (`pdl`: the programmatic-dependent-launch level, `pdl_prologue`; 0 off)."""
     check_norm_linear("add_rms_norm_gemv_triton", x, residual, norm_weight, weight, rows="1")
     k, n = x.shape[-1], weight.shape[0]
     x, residual, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual, weight))
@@ -204,8 +273,26 @@ def add_rms_norm_gemv_triton(
             x, residual, norm_weight, weight, bias if bias is not None else weight, s, y, n, k, weight.stride(0), eps,
             HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             ROW=triton.next_power_of_2(k), ACCURATE=not triton_interpreting(), num_warps=config.num_warps,
+            **pdl_args(pdl),
         )  # fmt: skip
     return s, y
+
+
+def pdl_supported() -> bool:
+    """Whether this Triton launches with programmatic dependent launch (griddepcontrol; not under the interpreter)."""
+    return gdc_wait is not None and not triton_interpreting()
+
+
+def pdl_args(pdl: int) -> dict:
+    """A one-row kernel's launch arguments for programmatic dependent launch at level `pdl` (`pdl_prologue`; none
+    when 0)."""
+    if pdl not in (0, 1, 2, 3):
+        raise ValueError(f"pdl={pdl!r}: 0 (off), 1, 2 or 3 (ops/linear/triton_gemv.py pdl_prologue)")
+    if not pdl:
+        return {}
+    if not pdl_supported():
+        raise ValueError(f"pdl={pdl}: programmatic dependent launch needs a CUDA GPU and Triton 3.4 or later")
+    return {"PDL": int(pdl), "launch_pdl": True}
 
 
 def m_block(rows: int) -> int:
@@ -213,9 +300,11 @@ def m_block(rows: int) -> int:
     return triton.next_power_of_2(max(rows, 1))
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, pdl: int = 0
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype (one row: any float dtype; 2-16 rows:
-    bfloat16 or float16)."""
+    bfloat16 or float16). `pdl` (one row): the programmatic-dependent-launch level (`pdl_prologue`; 0 off)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.stride(-1) != 1:
@@ -238,7 +327,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
             x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SILU_MUL=False, ACCURATE=not triton_interpreting(),
-            num_warps=config.num_warps,
+            num_warps=config.num_warps, **pdl_args(pdl),
         )  # fmt: skip
     return y
 
@@ -259,9 +348,10 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_gemv_triton(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, pdl: int = 0
 ) -> torch.Tensor:
-    """One row: (silu(gate) * up) @ weight.T (+ bias) with gate_up [1, 2I] and weight [N, I], in one launch."""
+    """One row: (silu(gate) * up) @ weight.T (+ bias) with gate_up [1, 2I] and weight [N, I], in one launch
+    (`pdl`: as gemv_triton's)."""
     m, i2 = gate_up.shape
     n, k = weight.shape
     if m != 1 or i2 != 2 * k:
@@ -275,7 +365,7 @@ def silu_mul_gemv_triton(
         launch(_gemv_kernel, (triton.cdiv(n, config.block_n),))(
             gate_up, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SILU_MUL=True,
-            ACCURATE=not triton_interpreting(), num_warps=config.num_warps,
+            ACCURATE=not triton_interpreting(), num_warps=config.num_warps, **pdl_args(pdl),
         )  # fmt: skip
     return y
 

@@ -1,0 +1,42 @@
+"""GPU tier: the one-row GEMVs launched with programmatic dependent launch (ops/linear/op.py GemvRule.pdl, on
+compute capability 9.0 and up): a bf16 Llama engine (FULL_AND_PIECEWISE, its step graphs captured with the
+launches' programmatic edges) gives the same greedy tokens as the same engine with PDL off, request by request, at
+batch 1 (every projection a one-row GEMV, PDL on each) and in a ragged batch; and the kernels did launch with it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import draftgraph as dg
+import draftgraph.ops.linear.op as linear_op
+from draftgraph.models.causal_lm import CausalLM
+from draftgraph.ops.linear import triton_gemv
+from tests.helpers import tiny_hf_model
+from tests.test_engine import ragged
+
+pytestmark = pytest.mark.gpu
+
+
+def test_pdl_engine_equals_the_engine_without(monkeypatch):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch: compute capability 9.0 and up (Hopper)")
+    hf = tiny_hf_model("llama", vocab_size=96, hidden_size=256, intermediate_size=512)
+    target = CausalLM.from_hf(hf, device="cuda", dtype=torch.bfloat16, attn_impl="triton")
+    launched = []
+    real = triton_gemv.pdl_args
+    monkeypatch.setattr(triton_gemv, "pdl_args", lambda pdl: launched.append(pdl) or real(pdl))
+    outs = {}
+    for level in (0, 3):
+        monkeypatch.setattr(linear_op, "GEMV_RULE", dataclasses.replace(linear_op.GemvRule(), pdl=level))
+        cfg = dg.CompileConfig(mode="FULL_AND_PIECEWISE", max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
+                               gpu_memory_utilization=0.0, progress=False, check_addresses=True)  # fmt: skip
+        eng = dg.compile_model(target, None, cfg)
+        one = eng.generate([[5, 6, 7]], dg.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        prompts, params, arrivals = ragged(8)
+        many = eng.generate(prompts, params, arrivals)
+        outs[level] = [o.token_ids for o in one + many]
+        assert not any(k.startswith("step/") for k in eng.stats()["fallbacks_by_key"])
+        eng.close()
+    assert outs[3] == outs[0]
+    assert 3 in launched and 0 in launched  # (each engine's one-row kernels at its level)
