@@ -56,7 +56,7 @@ def _gemv_lamport_kernel(x, w, y, rows, deltas, state, N, K, swn, RANK: tl.const
     [e % 3][RANK] (-0.0 as +0.0)."""
     e = tl.load(state, cache_modifier=".cg") + 1
     slot = e % 3
-    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE)
+    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, 0)  # (no PDL)
     out = out.to(y.dtype.element_ty)
     tl.store(y + cols, out, mask=col_ok)
     send_to_peers(rows, deltas, cols, tl.where(out == 0, tl.zeros_like(out), out), col_ok, slot, RANK, WORLD, ROW, UNIT)

@@ -103,7 +103,7 @@ def _silu_mul_kernel(x, y, M, INTER, sxm, BLOCK: tl.constexpr, ACCURATE: tl.cons
 
 @triton.jit
 def row_gemv(x, w, N, K, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
-             ACCURATE: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+             ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """This program's BLOCK_N columns of one row's product: (cols, col_ok, their float32 sums), the products summed
     elementwise in float32 over K's chunks and reduced once. SILU_MUL: the row is silu(x[:K]) * x[K:2K] (a
     SwiGLU's gate and up halves), made as it is loaded. PDL: programmatic dependent launch (`pdl_prologue`). Also
@@ -175,7 +175,7 @@ def normed_dot_w(acc, sk, rstd, nw, wt, kk, k_ok):
 
 @triton.jit
 def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr = 0):  # fmt: skip
+                 SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One row (`row_gemv`), + bias, rounded once. PDL: programmatic dependent launch's level (`pdl_prologue`)."""
     cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, PDL)
     pdl_release(PDL)
@@ -214,7 +214,7 @@ def pdl_release(PDL: tl.constexpr):
 @triton.jit
 def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, ROW: tl.constexpr, ACCURATE: tl.constexpr,
-                      PDL: tl.constexpr = 0):  # fmt: skip
+                      PDL: tl.constexpr):  # fmt: skip
     """One row of rms_norm(x + r) @ w.T (+ b), and s = x + r (written by program 0): every program sums the
     row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
     made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
@@ -284,12 +284,12 @@ def pdl_supported() -> bool:
 
 
 def pdl_args(pdl: int) -> dict:
-    """A one-row kernel's launch arguments for programmatic dependent launch at level `pdl` (`pdl_prologue`; none
-    when 0)."""
+    """A one-row kernel's launch arguments for programmatic dependent launch at level `pdl` (`pdl_prologue`; 0: off,
+    an ordinary launch)."""
     if pdl not in (0, 1, 2, 3):
         raise ValueError(f"pdl={pdl!r}: 0 (off), 1, 2 or 3 (ops/linear/triton_gemv.py pdl_prologue)")
     if not pdl:
-        return {}
+        return {"PDL": 0}
     if not pdl_supported():
         raise ValueError(f"pdl={pdl}: programmatic dependent launch needs a CUDA GPU and Triton 3.4 or later")
     return {"PDL": int(pdl), "launch_pdl": True}
