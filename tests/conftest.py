@@ -33,14 +33,15 @@ def pytest_ignore_collect(collection_path, config):
     return True
 
 
-# The heaviest files (a 2-core machine's `--durations`, 2026-11-27, with fork-server ranks), collected first: `-n 2
-# --dist loadfile` hands files out in collection order, so one that comes last runs alone while the other idles.
+# The heaviest files (a 2-core machine's `--durations=0`, 2026-11-28: their tests' times summed), collected first:
+# `-n 2 --dist loadfile` hands files out in collection order, so one that comes last runs alone while the other idles.
 HEAVY_FIRST = (
-    "test_goldens", "test_deepseek", "test_draft_loop", "test_artifacts", "test_serve", "test_piecewise",
-    "test_artifacts_trust", "test_compile_pool", "test_serve_parallel", "test_penalties", "test_inspection",
-    "test_sampling", "test_launched", "test_sampling_triton", "test_engine", "test_deepseek_v32",
-    "test_tensor_parallel", "test_tp_deepseek", "test_data_parallel", "test_kernel_variants_models", "test_linear_op",
-    "test_overlap", "test_kernel_variants", "test_attention", "test_expert_tensor_parallel",
+    "test_goldens", "test_draft_loop", "test_piecewise", "test_deepseek", "test_compile_pool", "test_artifacts",
+    "test_artifacts_trust", "test_deepseek_v32", "test_tp_deepseek", "test_data_parallel", "test_inspection",
+    "test_tensor_parallel", "test_overlap", "test_cli", "test_serve", "test_sampling", "test_adaptive",
+    "test_serve_parallel", "test_penalties", "test_fused_all_reduce", "test_launched", "test_prefix_cache",
+    "test_kernel_variants_models", "test_split_kv", "test_tp_qwen3_5", "test_imports", "test_sampling_triton",
+    "test_engine",
 )  # fmt: skip
 
 
