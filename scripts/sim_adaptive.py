@@ -93,7 +93,7 @@ def simulate(rows, n_new, fixed=None, ctl=None, finish=True, gap=0.3e-3):
     b = len(rows)
     counts = [[] for _ in range(b)]
     done = [1] * b  # the prefill emits token 0
-    k_pre = fixed if fixed is not None else (0 if ctl.current == 0 else ctl.k_max)
+    k_pre = fixed if fixed is not None else ctl.prompt_k()
     drafts = [k_pre] * b
     t, hist = 0.0, {}
     running = list(range(b))

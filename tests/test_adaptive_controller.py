@@ -38,7 +38,9 @@ def test_controller_follows_acceptance_and_probes_back():
     # switches (1) and, before any catch-up was timed, one step at K = 2 for it (1.5): 3.5 / 0.01 = 350 steps apart
     fresh = AdaptiveK((0, 2, 4), lambda k, b, c: 1.0 + 0.25 * k)
     assert fresh._probe_interval(8, 10.0) == 350
-    fresh.note_catch_up(100, 0.5)  # 5 ms a token: 8 requests x 10 cached tokens, 0.4 s -> (1 + 1 + 0.4) / 0.01
+    fresh.note_catch_up(100, 0.5)  # (below catch_up_min_tokens: its launches' time, not a rate; nothing moves)
+    assert fresh.catch_up_per_token is None and fresh._probe_interval(8, 10.0) == 350
+    fresh.note_catch_up(300, 1.5)  # 5 ms a token: 8 requests x 10 cached tokens, 0.4 s -> (1 + 1 + 0.4) / 0.01
     assert fresh._probe_interval(8, 10.0) == 240
 
 
@@ -339,3 +341,37 @@ def test_the_finish_time_counts_the_steps_not_overlapped():
     assert ctl.choose(128, 0.0, None) == 2  # requests wait: tokens/s
     ctl.note_gap(8, 0.2e-3)
     assert ctl.gap(1) == 0.2e-3 and ctl.gap(128) == 1e-3
+
+
+def test_a_batch_after_one_ended_at_k0_does_not_stay_there():
+    """The finish-time choice may end a batch at K = 0 (its last requests' last tokens). The next batch's prompts then
+    run K_max (their drafter's KV written) and the controller continues from it, and leaving a finish-time K = 0
+    counts the positions skipped since it began, not the batch's whole context: a draft model's catch-up of a few
+    tokens a request (whose time a small catch-up's launches would inflate) cannot keep K at 0 for a whole batch. A
+    K = 0 that tokens/s keeps (the drafter does not pay) still skips the drafter on prompts."""
+    times = {128: {0: 1.667e-3, 2: 3.851e-3, 4: 6.030e-3}, 64: {0: 1.380e-3, 2: 2.636e-3, 4: 3.914e-3},
+             8: {0: 1.145e-3, 2: 1.779e-3, 4: 2.388e-3}}  # fmt: skip
+    sizes = (8, 64, 128)
+    ctl = AdaptiveK((0, 2, 4), lambda k, b, c: times[next(s for s in sizes if s >= b)][k], sizes=sizes)
+    ctl.rates = [0.85, 0.8, 0.8, 0.8]
+    ctl.note_gap(64, 1e-3)
+    ctl.current = 2
+    assert ctl.choose(64, 200.0, [(1, [])] * 64) == 0  # one token left each: K = 0 finishes them as soon, cheaper
+    assert ctl.current == 0 and ctl._finish_zero
+    ctl.note_catch_up(64, 3e-3)  # a small catch-up: 47 us a token, not counted
+    ctl.note_catch_up(4096, 8e-3)  # a batch's prompts: 2 us a token
+    assert ctl.catch_up_per_token == pytest.approx(8e-3 / 4096)
+    assert ctl.prompt_k() == 4 and ctl.current == 4 and not ctl._finish_zero  # the next batch's prompts: K_max
+    assert ctl.choose(64, 144.0, [(255, [])] * 64) == 2  # and its decode steps speculate
+    # leaving a finish-time K = 0 counts what it skipped since it began (one step here), at even 47 us a token; a
+    # K = 0 of tokens/s's, the batch's whole context at that rate (0.43 s: more than K = 2 saves on 255 tokens)
+    ctl.catch_up_per_token = 47e-6
+    ctl.current, ctl._finish_zero, ctl.steps_at_zero, ctl._held = 0, True, 1, None
+    assert ctl.choose(64, 144.0, [(255, [])] * 64) == 2
+    ctl.current, ctl._finish_zero, ctl.steps_at_zero, ctl._held = 0, False, 1, None
+    assert ctl.choose(64, 144.0, [(255, [])] * 64) == 0
+    ctl.catch_up_per_token = 8e-3 / 4096
+    # tokens/s's K = 0 (acceptance gone) keeps the drafter off the prompts
+    ctl.rates = [0.0] * 4
+    assert ctl.choose(64, 144.0, [(255, [])] * 64) == 0 and not ctl._finish_zero
+    assert ctl.prompt_k() == 0 and ctl.current == 0

@@ -112,6 +112,7 @@ class AdaptiveK:
         full_weight_at: int = 4,  # requests reaching a draft position for a step's whole `ema` weight there
         switch_steps: float = 1.0,  # what a switch of K gives up where a step is relaunched, in the current K's steps
         gap_window: int = 15,  # the device's idle times between a read and the next launch kept per padded size
+        catch_up_min_tokens: int = 256,  # a draft model's catch-up counts toward its seconds a token from this size
     ):
         if not ks or list(ks) != sorted(set(ks)):
             raise ValueError(f"adaptive K choices {ks} must be distinct and ascending, e.g. (0, 2, 4)")
@@ -130,6 +131,8 @@ class AdaptiveK:
         self.prior, self.request_decay, self.finish_margin = prior, request_decay, finish_margin
         self.recheck, self.full_weight_at, self.switch_steps = recheck, full_weight_at, switch_steps
         self._held: tuple | None = None  # ((batch size, ahead), steps it may still be held, K): `_finish_choice`
+        self._finish_zero = False  # the current K = 0 was the finish-time choice (tokens/s wanted a K > 0)
+        self.catch_up_min_tokens = catch_up_min_tokens
         self.gap_window = gap_window
         self._gaps: dict[int, deque] = {}  # padded size -> the last idle times of steps not overlapped (`note_gap`)
         self._gap: dict[int, float] = {}  # padded size -> their median
@@ -176,6 +179,7 @@ class AdaptiveK:
         finish = bool(k) and left is not None
         if finish:  # (tokens/s's K = 0 stands: it observes nothing, so only probes bring K back from it)
             k = self._finish_choice(left, ctx, ahead)
+        self._finish_zero = finish and k == 0
         if k == 0:
             if not finish:
                 self._held = None  # (back above K = 0, the finish-time choice is made afresh)
@@ -191,6 +195,19 @@ class AdaptiveK:
             self.probe = self.min_probe
         self.current = k
         return self._count(k)
+
+    def prompt_k(self) -> int:
+        """K for a step with prompt chunks (runtime/engine.py): 0 while tokens/s has K at 0 (the drafter does not pay:
+        it skips the prompts and catches up if K returns), else K_max (the drafter writes their KV). A K = 0 that the
+        finish-time choice made (a batch's last steps) ends here: the new prompts' step runs K_max and the controller
+        continues from it, so a batch that follows one ended at K = 0 neither skips its drafter on its prompts nor
+        has to catch it up on them to leave K = 0 (an H200, 2026-11-28: two runs of nine at B = 64 stayed at K = 0 for
+        all 256 steps that way, 16 % slower)."""
+        if self.current == 0 and not self._finish_zero:
+            return 0
+        if self.current == 0:
+            self.current, self._finish_zero, self._held, self.steps_at_zero = self.k_max, False, None, 0
+        return self.k_max
 
     def probe_cost(self, batch: int, ctx: float = 0.0) -> float | None:
         """Seconds a probe adds to the steps at K = 0 it replaces: its two steps at the smallest K > 0, about one
@@ -212,8 +229,11 @@ class AdaptiveK:
         return max(self.probe, math.ceil(cost / (self.probe_budget * self.step_time(0, batch, ctx))))
 
     def note_catch_up(self, tokens: int, seconds: float) -> None:
-        """A draft model's catch-up fed `tokens` in `seconds` (runtime/engine.py times it, synchronised)."""
-        if tokens > 0:
+        """A draft model's catch-up fed `tokens` in `seconds` (runtime/engine.py times it, synchronised). Only one of
+        `catch_up_min_tokens` or more moves the seconds a token: a small one's time is its launches' (64 tokens in
+        a few ms read 30-50 us a token, and a batch's whole prompts caught up at that rate would seem to cost more
+        than K = 0 loses)."""
+        if tokens >= max(self.catch_up_min_tokens, 1):
             per = seconds / tokens
             prev = self.catch_up_per_token
             self.catch_up_per_token = per if prev is None else prev + 0.5 * (per - prev)
@@ -287,9 +307,10 @@ class AdaptiveK:
             if k > cur:
                 e, t = self.expected_tokens(k), self.step_time(k, len(left), ctx)
                 times[k] += t * (e - e_cur) / e
-                if cur == 0:
+                if cur == 0:  # the positions skipped: since the finish-time K = 0 began, or (tokens/s's) at most all
                     per = self.catch_up_per_token
-                    times[k] += t if per is None else per * len(left) * ctx
+                    lag = self.steps_at_zero if self._finish_zero else ctx
+                    times[k] += t if per is None else per * len(left) * lag
         best = min(times, key=lambda k: (times[k], -k))
         # a switch must save `finish_margin` of the time left, and where the step would have been relaunched (a
         # step `ahead` runs), the overlap it gives up: at most one step

@@ -322,14 +322,15 @@ class Engine:
     def _runner_for(self, batch: ScheduledBatch) -> StepRunner:
         """The runner of this step's K: the configured one, or with adaptive speculation the controller's choice for
         a pure decode batch; a batch with prompt chunks runs the largest K (its drafter writes their KV), or K = 0
-        while the controller is there (the drafter skipped: it catches up on them later). The decodes' drafts are
+        while tokens/s keeps the controller there (the drafter skipped: it catches up on them later;
+        AdaptiveK.prompt_k). The decodes' drafts are
         fitted to it, and a draft model's KV caught up on the positions steps at K = 0 skipped."""
         if self.adaptive is None:
             return self.runner
         k, self._next_k = self._next_k, None
         chunks = batch.prefills
         if chunks or not batch.decodes:
-            k = 0 if self.adaptive.current == 0 and 0 in self.runners else self.k
+            k = self.adaptive.prompt_k() if 0 in self.runners else self.k
         elif k is None:
             k = self.adaptive.choose(len(batch.decodes), mean_cached(batch.decodes), lambda: self._left(batch.decodes))
         runner = self.runners[k]
