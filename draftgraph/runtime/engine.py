@@ -323,8 +323,8 @@ class Engine:
         """The runner of this step's K: the configured one, or with adaptive speculation the controller's choice for
         a pure decode batch; a batch with prompt chunks runs the largest K (its drafter writes their KV), or K = 0
         while tokens/s keeps the controller there (the drafter skipped: it catches up on them later;
-        AdaptiveK.prompt_k). The decodes' drafts are
-        fitted to it, and a draft model's KV caught up on the positions steps at K = 0 skipped."""
+        AdaptiveK.prompt_k). The decodes' drafts are fitted to it, and a draft model's KV caught up on the positions
+        steps at K = 0 skipped."""
         if self.adaptive is None:
             return self.runner
         k, self._next_k = self._next_k, None
