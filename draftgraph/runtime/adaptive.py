@@ -53,7 +53,9 @@ proposes the drafts the second verifies: a request whose drafts were padded, aft
 observed; runtime/engine.py). Probes back off exponentially while they do not pay (`probe` steps, doubled after each
 probe up to `max_probe`), and are at least as far apart as keeps their cost within `probe_budget` of the time spent
 at K = 0: two steps at K > 0 instead of K = 0, the switches, and a draft model's catch-up on the positions K = 0
-skipped (the batch's cached tokens, at the seconds per token the last catch-ups took: `note_catch_up`).
+skipped (the batch's cached tokens, at the seconds per token the last catch-ups of `catch_up_min_tokens` or more
+took: `note_catch_up`). Prompts run K = 0 (the drafter skipped) only while tokens/s keeps K there; a K = 0 the
+finish-time choice made ends with its batch (`prompt_k`).
 
 Lossless by construction: a step's K depends only on acceptance and lengths already read back to the host (steps up
 to s - 1, or s - 2 with overlapped steps), never on the drafts the step verifies. The switch margin keeps K from
