@@ -1,16 +1,17 @@
-"""Adaptive speculation's controller alone (runtime/adaptive.py AdaptiveK, StepTimes), no engine: the expected-tokens
-formula, K_max under high acceptance, K = 0 once acceptance falls to ~0 with two-step probes at a doubling,
-cost-bounded interval; the per-request counts by slot against their definition; the rates' weight by the requests
-observed; the switch margin and unknown times; the step-time table's calibration; the finish-time choice (the
-slowest requests, the tokens left, a switch up's padded first step, held away from a batch's end). The engines with
-adaptive speculation on are tests/test_adaptive.py's."""
+"""Adaptive speculation's controller alone (runtime/adaptive.py AdaptiveK, runtime/step_times.py StepTimes), no
+engine: the expected-tokens formula, K_max under high acceptance, K = 0 once acceptance falls to ~0 with two-step
+probes at a doubling, cost-bounded interval; the per-request counts by slot against their definition; the rates'
+weight by the requests observed; the switch margin and unknown times; the step-time table's calibration; the
+finish-time choice (the slowest requests, the tokens left, a switch up's padded first step, held away from a batch's
+end). The engines with adaptive speculation on are tests/test_adaptive.py's."""
 
 import itertools
 import random
 
 import pytest
 
-from draftgraph.runtime.adaptive import AdaptiveK, StepTimes
+from draftgraph.runtime.adaptive import AdaptiveK
+from draftgraph.runtime.step_times import StepTimes
 
 
 def test_controller_follows_acceptance_and_probes_back():

@@ -25,7 +25,7 @@ from draftgraph.compiler.config import ResolvedConfig
 from draftgraph.compiler.cuda_graphs import StepShapes
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.models.drafters.base import Drafter
-from draftgraph.runtime.adaptive import AdaptiveK, BatchLeft, StepTimes
+from draftgraph.runtime.adaptive import AdaptiveK, BatchLeft
 from draftgraph.runtime.dispatcher import Dispatcher
 from draftgraph.runtime.kv_cache import BlockAllocator
 from draftgraph.runtime.lockstep import Lockstep, LockstepDispatcher
@@ -36,6 +36,7 @@ from draftgraph.runtime.scheduler import ScheduledBatch, Scheduler
 from draftgraph.runtime.state_cache import attach_state_caches
 from draftgraph.runtime.state_snapshots import make_snapshots
 from draftgraph.runtime.step import RunnerShape, StepRunner
+from draftgraph.runtime.step_times import StepTimes
 from draftgraph.runtime.step_writes import StepWrites
 from draftgraph.runtime.streaming import StreamDelta, stream_requests
 from draftgraph.runtime.text import HOW_TO_GIVE, StopStrings, decode_text, encode_prompt
