@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import statistics
 import time
@@ -38,7 +37,7 @@ import time
 import torch
 
 import draftgraph as dg
-import draftgraph.ops.linear.op as linear_op
+import draftgraph.ops.launch as launching
 from draftgraph.models.builtin import LLAMA_1B_ACCEPTANCE, builtin_hf_target
 from draftgraph.ops.choices import OpChoices
 from scripts.bench_8b import LLAMA_3_1_8B, TINY, VLLM_CI_K3, conditional, eagle3_8b, hf_8b, measure, steady_profile
@@ -113,8 +112,9 @@ def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20,
     return us / max(summary.steps, 1)
 
 
-def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models):
-    """`all_reduce` a CompileConfig.all_reduce value, or "fused": "auto" with OpChoices.fuse_all_reduce on."""
+def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models, inductor=None):
+    """`all_reduce` a CompileConfig.all_reduce value, or "fused": "auto" with OpChoices.fuse_all_reduce on;
+    `inductor`: CompileConfig.inductor_options (None: the defaults)."""
     target, drafter = models
     fused = all_reduce == "fused"
     spec = case == "spec"
@@ -136,6 +136,7 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
         tensor_parallel_size=tp,
         all_reduce="auto" if fused else all_reduce,
         ops=OpChoices(fuse_all_reduce=True) if fused else None,
+        inductor_options=inductor or None,
     )
     return dg.compile_model(target, drafter if spec else None, cfg), k
 
@@ -217,19 +218,24 @@ def sweep(device, json_path: str = "", only: str = "", reps: int = 20, calls: in
             json.dump(rows, f, indent=1)
 
 
-DEFAULT_RULE = linear_op.GEMV_RULE
+DEFAULT_RULE = launching.PDL_RULE
 
 
-def variant_rule(variant: str) -> tuple[str, linear_op.GemvRule]:
-    """A variant of --all-reduce: the CompileConfig.all_reduce value (or "fused"), and the GEMV rule its engine runs
-    under: the default, or with `/pdlN` the one-row kernels' programmatic-dependent-launch level N (e.g. "auto/pdl0":
-    off, for an A/B against the default in one run)."""
-    base, _, extra = variant.partition("/")
-    if not extra:
-        return base, DEFAULT_RULE
-    if not (extra.startswith("pdl") and extra[3:].isdigit()):
-        raise SystemExit(f"--all-reduce variant {variant!r}: VALUE or VALUE/pdlN (N: 0-3), e.g. auto/pdl0")
-    return base, dataclasses.replace(DEFAULT_RULE, pdl=int(extra[3:]))
+def variant_rule(variant: str) -> tuple[str, launching.PdlRule, tuple]:
+    """A variant of --all-reduce: the CompileConfig.all_reduce value (or "fused"), the programmatic-dependent-launch
+    rule its engine's kernels launch under (ops/launch.py): the default, or with `/pdlN` level N (e.g. "auto/pdl0":
+    off, for an A/B against the default in one run), and its Inductor options: with `/ipdl` Inductor's own kernels
+    launch with PDL too (torch._inductor.config.triton.enable_pdl); e.g. "auto/pdl3/ipdl"."""
+    base, *extras = variant.split("/")
+    rule, inductor = DEFAULT_RULE, ()
+    for extra in extras:
+        if extra == "ipdl":
+            inductor = (("triton.enable_pdl", True),)
+        elif extra.startswith("pdl") and extra[3:].isdigit():
+            rule = launching.PdlRule(level=int(extra[3:]))
+        else:
+            raise SystemExit(f"--all-reduce variant {variant!r}: VALUE[/pdlN][/ipdl] (N: 0-3), e.g. auto/pdl0")
+    return base, rule, inductor
 
 
 def main():
@@ -237,7 +243,8 @@ def main():
     ap.add_argument("--model", default="8b", choices=("8b", "1b", "tiny"))
     ap.add_argument("--cases", default="plain,spec", help="plain and/or spec (the model's drafter), in this order")
     ap.add_argument("--all-reduce", default="nccl,auto", help="the CompileConfig.all_reduce values compared (at TP > 1;"
-                    " TP 1: nccl), each optionally /pdlN: the one-row GEMVs' PDL level (variant_rule)")  # fmt: skip
+                    " TP 1: nccl), each optionally /pdlN (the kernels' PDL level) and /ipdl (Inductor's too): "
+                    "variant_rule")  # fmt: skip
     ap.add_argument("--sizes", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
@@ -289,9 +296,11 @@ def main():
             for ar in variants:
                 t1 = time.perf_counter()
                 max_tokens = (args.warm + args.steps + 40) * 5 + 16
-                base, rule = variant_rule(ar)
-                linear_op.GEMV_RULE = rule  # (read as kernels launch and graphs capture: this engine's own)
-                eng, k = make_engine(key, case, world, base, sizes, args.context, max_tokens, device, mode, models)
+                base, rule, inductor = variant_rule(ar)
+                launching.PDL_RULE = rule  # (read as kernels launch and graphs capture: this engine's own)
+                eng, k = make_engine(
+                    key, case, world, base, sizes, args.context, max_tokens, device, mode, models, inductor
+                )
                 inner = inner_engine(eng)  # a launched rank's own Engine: the ranks step together
                 say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")
                 for b in sizes:
@@ -307,7 +316,7 @@ def main():
                 stats = inner.stats()
                 say(f"  fallbacks {stats['fallbacks']}; dispatch {dict(list(stats['dispatch'].items())[:6])}")
                 eng.close()
-                linear_op.GEMV_RULE = DEFAULT_RULE
+                launching.PDL_RULE = DEFAULT_RULE
     if len(variants) > 1:
         for case in args.cases.split(","):
             for b in sizes:

@@ -173,6 +173,19 @@ class Sm90Compile:
         return self._stages
 
 
+def assert_pdl_order(ptx: str, level: int, weight_first: bool = False) -> None:
+    """A kernel's sm_90 PTX at programmatic-dependent-launch `level` (ops/triton_pdl.py): no griddepcontrol at 0;
+    else the wait (griddepcontrol.wait) before the first global load, unless `weight_first` (a GEMV at level 2
+    or 3: a load of weight before it), and the release (griddepcontrol.launch_dependents) before the wait at
+    level 3 only."""
+    if not level:
+        assert "griddepcontrol" not in ptx
+        return
+    wait, release, load = (ptx.index(f) for f in ("griddepcontrol.wait", "launch_dependents", "ld.global"))
+    assert (wait < load) == (not weight_first or level == 1)
+    assert (release < wait) == (level == 3)
+
+
 def compile_many_for_sm90(jobs: list[tuple]) -> list[Sm90Compile]:
     """`compile_for_sm90` for several (kernel, signature, constexprs) in one fresh Python (a module-scoped
     fixture compiles a file's kernels once; each test checks its own). Skips the caller where sm_90 cannot be

@@ -13,7 +13,7 @@ from draftgraph.models.linear import Linear, head_logits, project
 from draftgraph.ops.launch import compiling_ahead
 from draftgraph.ops.linear.op import GemvRule
 from draftgraph.ops.linear.triton_gemv import GemvConfig, _dot_kernel, _gemv_kernel, choose_config, gemv_triton
-from tests.helpers import compile_many_for_sm90
+from tests.helpers import assert_pdl_order, compile_many_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -224,13 +224,10 @@ def test_one_row_kernels_compile_with_programmatic_dependent_launch(sm90):
     release the next (griddepcontrol.launch_dependents) after their last load (1, 2) or first (3); as launched today,
     neither. Off CUDA, pdl is refused with the reason (the interpreter has no such launch)."""
     for kernel in ("gemv", "norm gemv"):
-        assert "griddepcontrol" not in sm90[kernel].ptx
+        assert_pdl_order(sm90[kernel].ptx, 0)
         for level in (1, 2, 3):
             assert "cubin" in sm90[f"{kernel} pdl {level}"].stages()
-            ptx = sm90[f"{kernel} pdl {level}"].ptx
-            wait, release, load = (ptx.index(f) for f in ("griddepcontrol.wait", "launch_dependents", "ld.global"))
-            assert (wait < load) == (level == 1)  # (2, 3: a weight load first)
-            assert (release < wait) == (level == 3)
+            assert_pdl_order(sm90[f"{kernel} pdl {level}"].ptx, level, weight_first=True)
     x, w = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"pdl=4: 0 \(off\), 1, 2 or 3"):
         gemv_triton(x, w, None, choose_config(1, 16), pdl=4)
@@ -239,17 +236,21 @@ def test_one_row_kernels_compile_with_programmatic_dependent_launch(sm90):
             gemv_triton(x, w, None, choose_config(1, 16), pdl=1)
 
 
-def test_the_rule_launches_one_row_kernels_with_pdl_where_the_gpu_has_it(monkeypatch):
-    """GemvRule.pdl (3 by default: bench_gemv.py --pdl's best) applies on compute capability 9.0 and up, with a
-    Triton that has griddepcontrol; elsewhere 0. A level the kernels do not have is refused, naming the levels."""
-    from draftgraph.ops.linear import op
+def test_the_rule_launches_kernels_with_pdl_where_the_gpu_has_it(monkeypatch):
+    """ops/launch.py's PdlRule (level 3 by default: bench_gemv.py --pdl's best) applies on compute capability 9.0
+    and up, with a Triton that has griddepcontrol; elsewhere, and on the CPU, 0. A level the kernels do not have is
+    refused, naming the levels."""
+    from draftgraph.ops import launch
 
-    with pytest.raises(ValueError, match=r"GemvRule.pdl=5: 0 \(off\), 1, 2 or 3"):
-        GemvRule(pdl=5)
-    assert GemvRule().pdl == 3 and GemvRule(pdl=0).pdl_for(torch.device("cuda", 0)) == 0
+    with pytest.raises(ValueError, match=r"PdlRule.level=5: 0 \(off\), 1, 2 or 3"):
+        launch.PdlRule(level=5)
+    assert launch.PDL_RULE.level == 3 and launch.pdl_level(torch.device("cpu")) == 0
+    monkeypatch.setattr(launch, "PDL_RULE", launch.PdlRule(level=0))
+    assert launch.pdl_level(torch.device("cuda", 0)) == 0
+    monkeypatch.setattr(launch, "PDL_RULE", launch.PdlRule())
     for capability, supported, want in (((9, 0), True, 3), ((8, 9), True, 0), ((10, 0), False, 0)):
-        op._has_pdl.cache_clear()
+        launch._has_pdl.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
-        monkeypatch.setattr("draftgraph.ops.linear.triton_gemv.pdl_supported", lambda s=supported: s)
-        assert GemvRule().pdl_for(torch.device("cuda", 0)) == want
-    op._has_pdl.cache_clear()
+        monkeypatch.setattr("draftgraph.ops.triton_pdl.pdl_supported", lambda s=supported: s)
+        assert launch.pdl_level(torch.device("cuda", 0)) == want
+    launch._has_pdl.cache_clear()

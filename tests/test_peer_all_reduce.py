@@ -24,7 +24,7 @@ from draftgraph.ops.collectives.peer import (
     unregister_peer,
 )
 from draftgraph.ops.collectives.push import PushAllReduce, PushLayout, prepare
-from tests.helpers import compile_many_for_sm90, join_forked
+from tests.helpers import assert_pdl_order, compile_many_for_sm90, join_forked
 
 KIB = 1024
 JOIN_S = 300
@@ -307,13 +307,17 @@ def sm90():
     from draftgraph.ops.collectives.fused import ARM, _all_reduce_norm_gemv_kernel, _gemv_lamport_kernel
     from draftgraph.ops.collectives.push import _lamport_all_reduce, _push_all_reduce
 
-    common = {"RANK": 1, "WORLD": 2, "ROW": 4096, "UNIT": 64, "BLOCK": 1024}
+    common = {"RANK": 1, "WORLD": 2, "ROW": 4096, "UNIT": 64, "BLOCK": 1024, "PDL": 0}
     jobs = {}
     for dt, t in (("fp32", "*fp32"), ("bf16", "*bf16"), ("fp16", "*fp16")):
         sig = {"x_ptr": t, "out_ptr": t, "data_ptr": t, "deltas_ptr": "*i64", "state_ptr": "*i64", "n": "i32",
                "chunk": "i32"}  # fmt: skip
         jobs[f"lamport {dt}"] = (_lamport_all_reduce, sig, {**common, "WIDE": dt == "fp32"})
         jobs[f"push {dt}"] = (_push_all_reduce, {**sig, "flags_ptr": "*i64"}, common)
+        if dt == "bf16":  # programmatic dependent launch (ops/triton_pdl.py)
+            for level in (1, 3):
+                jobs[f"lamport pdl {level}"] = (_lamport_all_reduce, sig, {**common, "WIDE": False, "PDL": level})
+                jobs[f"push pdl {level}"] = (_push_all_reduce, {**sig, "flags_ptr": "*i64"}, {**common, "PDL": level})
         send = {"x": t, "w": t, "y": t, "rows": t, "deltas": "*i64", "state": "*i64", "N": "i32", "K": "i32",
                 "swn": "i64"}  # fmt: skip
         jobs[f"send {dt}"] = (_gemv_lamport_kernel, send, {"RANK": 0, "WORLD": 2, "ROW": 4096, "UNIT": 64,
@@ -331,3 +335,13 @@ def sm90():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_kernels_compile_for_a_hopper_gpu_in_every_width(sm90, kernel, dtype):
     assert "cubin" in sm90[f"{kernel} {dtype}"].stages()
+
+
+def test_push_kernels_wait_for_the_kernel_before_under_pdl(sm90):
+    """With programmatic dependent launch (ops/triton_pdl.py) the push and lamport kernels read their epoch, input
+    and rows only after griddepcontrol.wait: the kernel before may still be running when they start."""
+    for kernel in ("lamport", "push"):
+        assert_pdl_order(sm90[f"{kernel} bf16"].ptx, 0)
+        for level in (1, 3):
+            assert "cubin" in sm90[f"{kernel} pdl {level}"].stages()
+            assert_pdl_order(sm90[f"{kernel} pdl {level}"].ptx, level)

@@ -12,7 +12,7 @@ import torch
 from draftgraph.models.rope import apply_rope
 from draftgraph.ops.rope.op import kernel_takes, rope_qkv, rotate_half
 from draftgraph.ops.rope.triton_rope import _rope_qkv_kernel, rope_qkv_triton
-from tests.helpers import compile_many_for_sm90
+from tests.helpers import assert_pdl_order, compile_many_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,13 +56,16 @@ def test_no_tokens_and_the_head_sizes_taken():
 
 
 def test_kernel_compiles_for_a_hopper_gpu():
-    """Both variants: k and v into outputs (the default) and into the paged caches at the slots."""
+    """Both variants: k and v into outputs (the default) and into the paged caches at the slots; with programmatic
+    dependent launch (ops/triton_pdl.py) the kernel waits before its first load at every level."""
     sig = {n: "*bf16" for n in ("q", "k", "v", "q_out", "k_dst", "v_dst")}
     sig.update({"cos": "*fp32", "sin": "*fp32", "HQ": "i32"})
     sig.update({n: "i64" for n in ("sqt", "sqh", "skt", "skh", "svt", "svh", "sct", "sst", "kv_row")})
-    jobs = [(_rope_qkv_kernel, {**sig, "slots": "*i64"}, {"HALF": 64, "TO_CACHE": c}) for c in (False, True)]
-    for got in compile_many_for_sm90(jobs):  # both variants in one process (its start costs the most)
+    variants = [(False, 0), (True, 0), (True, 1), (True, 3)]
+    jobs = [(_rope_qkv_kernel, {**sig, "slots": "*i64"}, {"HALF": 64, "TO_CACHE": c, "PDL": p}) for c, p in variants]
+    for (_, level), got in zip(variants, compile_many_for_sm90(jobs)):  # one process (its start costs the most)
         assert "cubin" in got.stages()
+        assert_pdl_order(got.ptx, level)
 
 
 def test_bad_shapes_name_the_fix():

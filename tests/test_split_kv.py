@@ -140,8 +140,11 @@ def test_split_kv_replays_in_a_cuda_graph_with_new_lengths():
 
 
 def test_split_kernels_compile_for_a_hopper_gpu():
-    """Both kernels through Triton's sm_90 backend on this machine (no GPU needed; tests/helpers.py)."""
-    from tests.helpers import compile_many_for_sm90
+    """Both kernels, and the unsplit one (triton_attention.py), through Triton's sm_90 backend on this machine (no
+    GPU needed; tests/helpers.py); with programmatic dependent launch (ops/triton_pdl.py) each waits before its
+    first load."""
+    from draftgraph.ops.attention.triton_attention import _paged_attention_kernel
+    from tests.helpers import assert_pdl_order, compile_many_for_sm90
 
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32",
            "l_ptr": "*fp32", "block_tables_ptr": "*i32", "token_req_ptr": "*i32", "token_kv_len_ptr": "*i32",
@@ -149,10 +152,18 @@ def test_split_kernels_compile_for_a_hopper_gpu():
     sig.update({n: "i64" for n in ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt")})
     constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "D_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
                   "PRECISION": "tf32", "DOT_F32": False}  # fmt: skip
-    split = (sk._split_kv_kernel, sig, constexprs)
     merge_sig = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "out_ptr": "*bf16",
                  "token_kv_len_ptr": "*i32", "stride_ot": "i64", "stride_oh": "i64", "window": "i32",
                  "NUM_SPLITS": "i32", "num_heads": "i32"}  # fmt: skip
-    merge = (sk._merge_kernel, merge_sig, {"HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "BLOCK_N": 64})
-    for got in compile_many_for_sm90([split, merge]):  # one process for both (its start costs the most)
+    merge = {"HEAD_DIM": 128, "D_PAD": 128, "S_PAD": 16, "BLOCK_N": 64}
+    unsplit_sig = {k: v for k, v in sig.items() if k not in ("acc_ptr", "m_ptr", "l_ptr", "NUM_SPLITS", "num_heads")}
+    unsplit_sig.update({"out_ptr": "*bf16", "stride_ot": "i64", "stride_oh": "i64"})
+    jobs, levels = [], []
+    for level in (0, 3):
+        jobs += [(sk._split_kv_kernel, sig, {**constexprs, "PDL": level}),
+                 (sk._merge_kernel, merge_sig, {**merge, "PDL": level}),
+                 (_paged_attention_kernel, unsplit_sig, {**constexprs, "PDL": level})]  # fmt: skip
+        levels += [level] * 3
+    for level, got in zip(levels, compile_many_for_sm90(jobs)):  # one process for all (its start costs the most)
         assert "cubin" in got.stages()
+        assert_pdl_order(got.ptx, level)

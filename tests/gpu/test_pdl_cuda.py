@@ -1,17 +1,18 @@
-"""GPU tier: the one-row GEMVs launched with programmatic dependent launch (ops/linear/op.py GemvRule.pdl, on
-compute capability 9.0 and up): a bf16 Llama engine (FULL_AND_PIECEWISE, its step graphs captured with the
-launches' programmatic edges) gives the same greedy tokens as the same engine with PDL off, request by request, at
-batch 1 (every projection a one-row GEMV, PDL on each) and in a ragged batch; and the kernels did launch with it."""
-
-import dataclasses
+"""GPU tier: kernels launched with programmatic dependent launch (ops/launch.py PdlRule, on compute capability 9.0
+and up: the one-row GEMVs, RoPE, split-KV attention and its merge): a bf16 Llama engine (FULL_AND_PIECEWISE, its
+step graphs captured with the launches' programmatic edges) gives the same greedy tokens as the same engine with PDL
+off, request by request, at batch 1 (every projection a one-row GEMV, PDL on each) and in a ragged batch; and the
+kernels did launch with it."""
 
 import pytest
 import torch
 
 import draftgraph as dg
-import draftgraph.ops.linear.op as linear_op
 from draftgraph.models.causal_lm import CausalLM
+from draftgraph.ops import launch
+from draftgraph.ops.attention import triton_split_kv
 from draftgraph.ops.linear import triton_gemv
+from draftgraph.ops.rope import triton_rope
 from tests.helpers import tiny_hf_model
 from tests.test_engine import ragged
 
@@ -23,12 +24,15 @@ def test_pdl_engine_equals_the_engine_without(monkeypatch):
         pytest.skip("programmatic dependent launch: compute capability 9.0 and up (Hopper)")
     hf = tiny_hf_model("llama", vocab_size=96, hidden_size=256, intermediate_size=512)
     target = CausalLM.from_hf(hf, device="cuda", dtype=torch.bfloat16, attn_impl="triton")
-    launched = []
-    real = triton_gemv.pdl_args
-    monkeypatch.setattr(triton_gemv, "pdl_args", lambda pdl: launched.append(pdl) or real(pdl))
+    launched = {}
+    for module in (triton_gemv, triton_rope, triton_split_kv):
+        real = module.pdl_args
+        name = module.__name__.rsplit(".", 1)[1]
+        record = lambda pdl, r=real, n=name: launched.setdefault(n, set()).add(pdl) or r(pdl)  # noqa: E731
+        monkeypatch.setattr(module, "pdl_args", record)
     outs = {}
     for level in (0, 3):
-        monkeypatch.setattr(linear_op, "GEMV_RULE", dataclasses.replace(linear_op.GemvRule(), pdl=level))
+        monkeypatch.setattr(launch, "PDL_RULE", launch.PdlRule(level=level))
         cfg = dg.CompileConfig(mode="FULL_AND_PIECEWISE", max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
                                gpu_memory_utilization=0.0, progress=False, check_addresses=True)  # fmt: skip
         eng = dg.compile_model(target, None, cfg)
@@ -39,4 +43,5 @@ def test_pdl_engine_equals_the_engine_without(monkeypatch):
         assert not any(k.startswith("step/") for k in eng.stats()["fallbacks_by_key"])
         eng.close()
     assert outs[3] == outs[0]
-    assert 3 in launched and 0 in launched  # (each engine's one-row kernels at its level)
+    # (each engine's kernels at its level: the one-row GEMVs, RoPE, split-KV attention)
+    assert launched == {"triton_gemv": {0, 3}, "triton_rope": {0, 3}, "triton_split_kv": {0, 3}}

@@ -23,7 +23,8 @@ import triton.language as tl
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q
 from draftgraph.ops.attention.triton_split_kv import attend_split_kv, choose_num_splits
 from draftgraph.ops.backends import device_sm_count, triton_dot_settings
-from draftgraph.ops.launch import launch
+from draftgraph.ops.launch import launch, pdl_level
+from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
 
 
 @triton.jit
@@ -78,9 +79,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch's level (ops/triton_pdl.py)
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
+    pdl_start(PDL)
     kv_len = tl.load(token_kv_len_ptr + t)
     req = tl.load(token_req_ptr + t).to(tl.int64)
 
@@ -97,6 +100,7 @@ def _paged_attention_kernel(
         q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, lo, kv_len, start,
         stride_cb, stride_cs, stride_ch, stride_bt, scale, HEAD_DIM, D_PAD, PAGE, BLOCK_N, PRECISION, DOT_F32,
     )  # fmt: skip
+    pdl_release(PDL)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # kv_len == 0 (padding) -> zeros
     tl.store(
@@ -187,5 +191,6 @@ def attend_triton(
         PRECISION=precision,
         DOT_F32=dot_f32,
         num_warps=4,
+        **pdl_args(pdl_level(q.device)),
     )
     return out

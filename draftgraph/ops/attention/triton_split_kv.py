@@ -24,7 +24,8 @@ import triton.language as tl
 
 from draftgraph.ops.attention.triton_common import attend_key_range, load_group_q, merge_split_partials
 from draftgraph.ops.backends import triton_dot_settings
-from draftgraph.ops.launch import launch
+from draftgraph.ops.launch import launch, pdl_level
+from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,12 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch's level (ops/triton_pdl.py)
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_start(PDL)
     kv_len = tl.load(token_kv_len_ptr + t)
     start, c0, c1, _ = _chunk_bounds(kv_len, window, split, NUM_SPLITS, BLOCK_N)
     if c0 < c1:  # empty chunks (short tokens, padding rows) write nothing: the merge skips them
@@ -141,6 +144,7 @@ def _split_kv_kernel(
         tl.store(m_ptr + idx, m_i, mask=g_mask)
         tl.store(l_ptr + idx, l_i, mask=g_mask)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None] & (d < HEAD_DIM)[None, :])
+    pdl_release(PDL)
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
@@ -159,13 +163,16 @@ def _merge_kernel(
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
+    pdl_start(PDL)
     kv_len = tl.load(token_kv_len_ptr + t)
     _, _, _, used = _chunk_bounds(kv_len, window, 0, NUM_SPLITS, BLOCK_N)
     base = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
     out = merge_split_partials(acc_ptr, m_ptr, l_ptr, base, used, HEAD_DIM, S_PAD, D_PAD)  # padding rows -> zeros
+    pdl_release(PDL)
     d = tl.arange(0, D_PAD)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -192,6 +199,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if d_pad >= 256 else 64
     dot_f32, precision = triton_dot_settings(q.dtype)
+    pdl = pdl_args(pdl_level(q.device))
     launch(_split_kv_kernel, (num_tokens, num_kv_heads, num_splits))(
         q,
         k_cache,
@@ -221,6 +229,7 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
         PRECISION=precision,
         DOT_F32=dot_f32,
         num_warps=4,
+        **pdl,
     )
     launch(_merge_kernel, (num_tokens, num_heads))(
         acc,
@@ -238,5 +247,6 @@ def attend_split_kv(q, k_cache, v_cache, block_tables, token_req, token_kv_len, 
         S_PAD=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_N=block_n,
         num_warps=1,
+        **pdl,
     )
     return out

@@ -41,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from draftgraph.ops.launch import pdl_level
+from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
+
 PUSH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PUSH_KINDS = ("push", "lamport")
 ALIGN = 256  # bytes: the region's start and each data row (vector stores, and torch's own region below it)
@@ -164,8 +167,10 @@ def _push_all_reduce(
     ROW: tl.constexpr,  # elements in one data row (layout.max_bytes / itemsize)
     UNIT: tl.constexpr,  # elements in 256 bytes
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch's level (ops/triton_pdl.py): waits before any load
 ):
     pid = tl.program_id(0)
+    pdl_start(PDL)
     e = tl.load(state_ptr, cache_modifier=".cg") + 1
     slot = e % 2
     start = pid * chunk
@@ -199,6 +204,7 @@ def _push_all_reduce(
                 row = (slot * WORLD + src) * ROW
                 acc += tl.load(data_ptr + row + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(x_ptr.dtype.element_ty), mask=mask)
+    pdl_release(PDL)
     end_call(state_ptr, e)  # 5.
 
 
@@ -239,8 +245,10 @@ def _lamport_all_reduce(
     UNIT: tl.constexpr,  # elements in 256 bytes
     BLOCK: tl.constexpr,
     WIDE: tl.constexpr,  # 4-byte elements (else 2-byte)
+    PDL: tl.constexpr,  # programmatic dependent launch's level (ops/triton_pdl.py): waits before any load
 ):
     pid = tl.program_id(0)
+    pdl_start(PDL)
     e = tl.load(state_ptr, cache_modifier=".cg") + 1
     slot = e % 2
     start = pid * chunk
@@ -270,6 +278,7 @@ def _lamport_all_reduce(
                 acc += v.to(tl.float32)
                 tl.store(ptrs, sentinel, mask=mask)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
+    pdl_release(PDL)
     end_call(state_ptr, e)  # 3.
 
 
@@ -318,7 +327,8 @@ class PushAllReduce:
         size = x.element_size()
         programs, chunk, block = self.layout.grid(x.numel() * size, size, bytes_per_program)
         common = dict(RANK=self.rank, WORLD=self.layout.world_size, ROW=self.layout.row_bytes // size,
-                      UNIT=ALIGN // size, BLOCK=block, num_warps=8 if block * size >= 8192 else 4)  # fmt: skip
+                      UNIT=ALIGN // size, BLOCK=block, num_warps=8 if block * size >= 8192 else 4,
+                      **pdl_args(pdl_level(x.device)))  # fmt: skip
         if kind == "push":
             _push_all_reduce[(programs,)](
                 x, out, self.data.view(x.dtype), self.flags, self.deltas, self.state, x.numel(), chunk, **common

@@ -15,13 +15,12 @@ Registering the op is this module's one import-time action; Triton loads on the 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from draftgraph.ops.launch import ahead_now
+from draftgraph.ops.launch import ahead_now, pdl_level
 from draftgraph.ops.registry import custom_op
 
 
@@ -30,27 +29,15 @@ class GemvRule:
     """When the op runs the Triton kernels: one row always; 2 to `max_rows` rows when the weight has at least
     `multi_row_min_n` rows (an LM head: at 2-16 rows the tensor-core kernel beat cuBLAS only there, by 3-7 %;
     cuBLAS won for the 2k-16k-row projections; bench_gemv.py on an H100); weights in `dtypes`. One-row kernels
-    launch with programmatic dependent launch at level `pdl` on GPUs that have it (compute capability 9.0 and up:
-    triton_gemv.py `pdl_prologue`; 0: off): level 3 measured best, 0.9-1.0 us a launch saved on an H200 over 32
-    layers of the 1B and 8B shapes and the 8B's TP 2 share (`scripts/bench_gemv.py --pdl`, 2026-11-28)."""
+    launch with programmatic dependent launch at ops/launch.py's `PDL_RULE` level."""
 
     max_rows: int = 16
     multi_row_min_n: int = 32768
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    pdl: int = 3
 
     def __post_init__(self):
         if not 0 <= self.max_rows <= 16:
             raise ValueError(f"GemvRule.max_rows={self.max_rows}: 0 (never) to 16 (the kernels' row tile)")
-        if self.pdl not in (0, 1, 2, 3):
-            raise ValueError(f"GemvRule.pdl={self.pdl!r}: 0 (off), 1, 2 or 3 (ops/linear/triton_gemv.py pdl_prologue)")
-
-    def pdl_for(self, device: torch.device) -> int:
-        """The programmatic-dependent-launch level of one-row kernels on `device`: `pdl` where it has the launch
-        (CUDA, compute capability 9.0 or more, a Triton with griddepcontrol), else 0."""
-        if not self.pdl or device.type != "cuda":
-            return 0
-        return self.pdl if _has_pdl(device.index if device.index is not None else torch.cuda.current_device()) else 0
 
     def takes(self, rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
         if rows > 1 and weight.shape[0] < self.multi_row_min_n:
@@ -59,13 +46,6 @@ class GemvRule:
 
 
 GEMV_RULE = GemvRule()
-
-
-@functools.cache
-def _has_pdl(index: int) -> bool:
-    from draftgraph.ops.linear.triton_gemv import pdl_supported
-
-    return torch.cuda.get_device_capability(index) >= (9, 0) and pdl_supported()
 
 
 def check_linear(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -90,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return F.linear(x, weight, bias)
     from draftgraph.ops.linear.triton_gemv import choose_config, gemv_triton
 
-    pdl = GEMV_RULE.pdl_for(x.device)  # (one row only: gemv_triton)
+    pdl = pdl_level(x.device)  # (one row only: gemv_triton)
     if ahead_now():  # compile each kernel a captured size may launch: one row's, and 2-16 rows' (one variant)
         for stand_in in (1, 2):
             if GEMV_RULE.takes(stand_in, x, weight):
@@ -120,7 +100,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         return F.linear(F.silu(gate) * up, weight, bias)
     from draftgraph.ops.linear.triton_gemv import choose_config, silu_mul_gemv_triton, silu_mul_triton
 
-    pdl = GEMV_RULE.pdl_for(gate_up.device)
+    pdl = pdl_level(gate_up.device)
 
     n = weight.shape[0]
     if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
@@ -167,7 +147,7 @@ def add_rms_norm_linear(
     from draftgraph.ops.linear.triton_gemv import add_rms_norm_gemv_triton, choose_config
     from draftgraph.ops.norm.triton_rms_norm import rms_norm_triton
 
-    n, pdl = weight.shape[0], GEMV_RULE.pdl_for(x.device)
+    n, pdl = weight.shape[0], pdl_level(x.device)
     if ahead_now():  # both paths' kernels: a trace leaves the row count symbolic
         one = x.new_zeros((1, k))
         if GEMV_RULE.takes(1, x, weight):

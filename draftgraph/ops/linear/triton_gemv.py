@@ -25,11 +25,7 @@ from draftgraph.ops import triton_math
 from draftgraph.ops.backends import triton_dot_settings, triton_interpreting
 from draftgraph.ops.launch import launch
 from draftgraph.ops.linear.op import check_norm_linear
-
-try:  # Hopper's programmatic dependent launch (griddepcontrol): Triton 3.4 and later
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - an older Triton: `pdl` stays off
-    gdc_launch_dependents = gdc_wait = None
+from draftgraph.ops.triton_pdl import pdl_args, pdl_prologue, pdl_release, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -106,8 +102,8 @@ def row_gemv(x, w, N, K, swn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU
              ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """This program's BLOCK_N columns of one row's product: (cols, col_ok, their float32 sums), the products summed
     elementwise in float32 over K's chunks and reduced once. SILU_MUL: the row is silu(x[:K]) * x[K:2K] (a
-    SwiGLU's gate and up halves), made as it is loaded. PDL: programmatic dependent launch (`pdl_prologue`). Also
-    `_gemv_kernel`'s body, and fused.py's writer's."""
+    SwiGLU's gate and up halves), made as it is loaded. PDL: programmatic dependent launch's level
+    (ops/triton_pdl.py). Also `_gemv_kernel`'s body, and fused.py's writer's."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = weight rows
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -176,39 +172,10 @@ def normed_dot_w(acc, sk, rstd, nw, wt, kk, k_ok):
 @triton.jit
 def _gemv_kernel(x, w, b, y, N, K, swn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One row (`row_gemv`), + bias, rounded once. PDL: programmatic dependent launch's level (`pdl_prologue`)."""
+    """One row (`row_gemv`), + bias, rounded once. PDL: programmatic dependent launch's level (ops/triton_pdl.py)."""
     cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, PDL)
     pdl_release(PDL)
     store_columns(out, b, y, cols, col_ok, HAS_BIAS)
-
-
-@triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """A one-row kernel's start under programmatic dependent launch (Hopper; the kernel launched with launch_pdl
-    may start before the kernel before it in the stream has ended): 0, off; 1, it waits for that kernel's end and
-    memory (griddepcontrol.wait) here, before any load or store; 2, the caller loads its first chunk of weight (no
-    kernel's output) and then waits (`pdl_wait`), so that load overlaps the kernel before's end; 3, as 2, and the
-    next kernel may start at once (here, not after the last load: `pdl_release`)."""
-    if PDL == 3:
-        gdc_launch_dependents()
-    if PDL == 1:
-        gdc_wait()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """The wait of `pdl_prologue` level 2 and 3, after the first chunk of weight was loaded."""
-    if PDL >= 2:
-        gdc_wait()
-
-
-@triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """Lets the next kernel (if launched with launch_pdl) start its programs once every program here passed this
-    point (PDL 1, 2; 3 released at the start); called after a program's last load, the next kernel waits in its
-    prologue for this kernel's end all the same."""
-    if PDL == 1 or PDL == 2:
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -218,7 +185,7 @@ def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.con
     """One row of rms_norm(x + r) @ w.T (+ b), and s = x + r (written by program 0): every program sums the
     row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
     made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
-    each rounded to x's dtype). PDL: as `_gemv_kernel`'s (`pdl_prologue`)."""
+    each rounded to x's dtype). PDL: as `_gemv_kernel`'s (ops/triton_pdl.py)."""
     dt = x.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -262,7 +229,7 @@ def add_rms_norm_gemv_triton(
     pdl: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (s, y) with s = x + residual [1, K] and y = rms_norm(s) @ weight.T (+ bias) [1, N], one launch
-    (`pdl`: the programmatic-dependent-launch level, `pdl_prologue`; 0 off)."""
+    (`pdl`: the programmatic-dependent-launch level, ops/triton_pdl.py; 0 off)."""
     check_norm_linear("add_rms_norm_gemv_triton", x, residual, norm_weight, weight, rows="1")
     k, n = x.shape[-1], weight.shape[0]
     x, residual, weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual, weight))
@@ -278,23 +245,6 @@ def add_rms_norm_gemv_triton(
     return s, y
 
 
-def pdl_supported() -> bool:
-    """Whether this Triton launches with programmatic dependent launch (griddepcontrol; not under the interpreter)."""
-    return gdc_wait is not None and not triton_interpreting()
-
-
-def pdl_args(pdl: int) -> dict:
-    """A one-row kernel's launch arguments for programmatic dependent launch at level `pdl` (`pdl_prologue`; 0: off,
-    an ordinary launch)."""
-    if pdl not in (0, 1, 2, 3):
-        raise ValueError(f"pdl={pdl!r}: 0 (off), 1, 2 or 3 (ops/linear/triton_gemv.py pdl_prologue)")
-    if not pdl:
-        return {"PDL": 0}
-    if not pdl_supported():
-        raise ValueError(f"pdl={pdl}: programmatic dependent launch needs a CUDA GPU and Triton 3.4 or later")
-    return {"PDL": int(pdl), "launch_pdl": True}
-
-
 def m_block(rows: int) -> int:
     """The kernel's row tile: the row count rounded up to a power of two (one variant per tile, not per count)."""
     return triton.next_power_of_2(max(rows, 1))
@@ -304,7 +254,7 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, pdl: int = 0
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias [N]) -> [M, N] in x's dtype (one row: any float dtype; 2-16 rows:
-    bfloat16 or float16). `pdl` (one row): the programmatic-dependent-launch level (`pdl_prologue`; 0 off)."""
+    bfloat16 or float16). `pdl` (one row): the programmatic-dependent-launch level (ops/triton_pdl.py; 0 off)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.stride(-1) != 1:

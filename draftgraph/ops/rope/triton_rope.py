@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from draftgraph.ops.launch import launch
+from draftgraph.ops.launch import launch, pdl_level
 from draftgraph.ops.rope.op import kernel_takes
+from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
 
 
 @triton.jit
@@ -37,13 +38,15 @@ def _copy(src, dst, d, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_qkv_kernel(q, k, v, cos, sin, q_out, k_dst, v_dst, slots, sqt, sqh, skt, skh, svt, svh, sct, sst, kv_row,
-                     HQ, HALF: tl.constexpr, TO_CACHE: tl.constexpr):  # fmt: skip
+                     HQ, HALF: tl.constexpr, TO_CACHE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (t, h): query head h of token t rotated into q_out for h < HQ; else KV head h - HQ's key rotated and
     value copied into row t of k_dst / v_dst ([T, Hkv, D] outputs), or with TO_CACHE into the paged caches at the
-    token's slot (slot < 0: a padding row, skipped). `kv_row`: elements from one row (token or slot) to the next."""
+    token's slot (slot < 0: a padding row, skipped). `kv_row`: elements from one row (token or slot) to the next.
+    PDL: programmatic dependent launch's level (ops/triton_pdl.py)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
+    pdl_start(PDL)
     c = tl.load(cos + t * sct + d).to(tl.float32)
     s = tl.load(sin + t * sst + d).to(tl.float32)
     if h < HQ:
@@ -58,6 +61,7 @@ def _rope_qkv_kernel(q, k, v, cos, sin, q_out, k_dst, v_dst, slots, sqt, sqh, sk
             at = row * kv_row + g * (2 * HALF)
             _rotate(k + t * skt + g * skh, k_dst + at, c, s, d, HALF)
             _copy(v + t * svt + g * svh, v_dst + at, d, HALF)
+    pdl_release(PDL)
 
 
 def _launch(name, q, k, v, cos, sin, k_dst, v_dst, slots, kv_row, to_cache) -> torch.Tensor:
@@ -71,7 +75,7 @@ def _launch(name, q, k, v, cos, sin, k_dst, v_dst, slots, kv_row, to_cache) -> t
         launch(_rope_qkv_kernel, (t, hq + k.shape[1]))(
             q, k, v, cos, sin, q_out, k_dst, v_dst, slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), kv_row, hq, HALF=d // 2, TO_CACHE=to_cache,
-            num_warps=1,
+            num_warps=1, **pdl_args(pdl_level(q.device)),
         )  # fmt: skip
     return q_out
 
