@@ -1,9 +1,10 @@
 """The one-row all-reduce fused into the GEMVs around it (ops/collectives/fused.py) under the Triton interpreter: two
 forked processes as two ranks over one shared CPU buffer (as tests/test_peer_all_reduce.py runs the push kernels).
-Each rank makes the same calls in the same order: a fused pair (the row-parallel GEMV that sends, the norm GEMV that
-sums), then the same sum by the standalone lamport or push kernel and add_rms_norm's GEMV on it (the reference, and
-the standalone kernels interleaved with the fused pair's slots and epoch), over mixed widths, dtypes, tilings, -0.0
-partials, the whole sequence twice (a replay). The fused pair's outputs equal the reference bit for bit on every
+Each rank makes the same calls in the same order: a fused pair (the row-parallel GEMV that sends, then the norm GEMV
+that sums, or on every other call the reader kernel and the plain norm GEMV: FusedRule.reader), then the same sum by
+the standalone lamport or push kernel and add_rms_norm's GEMV on it (the reference, and the standalone kernels
+interleaved with the fused pair's slots and epoch), over mixed widths, dtypes, tilings, -0.0 partials, the whole
+sequence twice (a replay). The fused pair's outputs equal the reference bit for bit on every
 call; the layout's fused region; the ops' fakes and their one-process fallback. The kernels on a GPU and the model
 wiring are not run here (tests/gpu/ and scripts/bench_tp.py --fuse-all-reduce)."""
 
@@ -56,7 +57,7 @@ def _inputs():
 
 
 def _rank(rank, whole, span, layout, calls, results, bad):
-    from draftgraph.ops.collectives.fused import all_reduce_norm_gemv_triton, gemv_send_triton
+    from draftgraph.ops.collectives.fused import all_reduce_norm_gemv_triton, gemv_send_triton, lamport_read_triton
     from draftgraph.ops.linear.triton_gemv import (
         GemvConfig,
         add_rms_norm_gemv_triton,
@@ -74,7 +75,11 @@ def _rank(rank, whole, span, layout, calls, results, bad):
         send_cfg = small if tiled else choose_config(1, k, silu_mul=silu)
         norm_cfg = small if tiled else choose_config(1, h, norm=True)
         y = gemv_send_triton(x, w, push, send_cfg, silu_mul=silu)
-        s, out = all_reduce_norm_gemv_triton(y, r, nw, EPS, w2, b, push, norm_cfg)
+        if i % 2:  # FusedRule.reader "kernel": the reader kernel (small blocks: several programs), then the norm GEMV
+            summed_fused = lamport_read_triton(y, push, block=16 if tiled else 1024)
+            s, out = add_rms_norm_gemv_triton(summed_fused, r, nw, EPS, w2, b, norm_cfg)
+        else:  # "gemv": inside the norm GEMV
+            s, out = all_reduce_norm_gemv_triton(y, r, nw, EPS, w2, b, push, norm_cfg)
         # the reference: the plain GEMV, a standalone all-reduce (lamport, push: their own slots), add_rms_norm's GEMV
         y_ref = silu_mul_gemv_triton(x, w, None, send_cfg) if silu else gemv_triton(x, w, None, send_cfg)
         summed = push.all_reduce(y_ref.contiguous(), ("lamport", "push")[i % 3 == 2])
@@ -117,18 +122,13 @@ def test_fused_pair_equals_lamport_then_norm_gemv_two_forked_ranks():
             assert torch.equal(results[rank, i, 1, :h].to(dt), want), (i, rank)
         if dt == torch.float16 and not CALLS[i % len(CALLS)][4]:  # the sender's -0.0 columns (sent as +0.0)
             assert bool((torch.signbit(results[i % 2, i, 0, :h:5]) & (results[i % 2, i, 0, :h:5] == 0)).all()), i
-    last = CALLS[(len(calls) - 1) % len(CALLS)]
-    assert results[:, -1, 0, :4].tolist() == [[len(calls), 0, last[0], int(last[3].itemsize == 4)]] * 2
-    # every fused row re-armed except the last call's (re-armed by the next call's reader)
-    last_slot = len(calls) % 3
-    for rank in range(2):
+    # the last call's reader was the kernel (odd): it re-armed its own rows and left none to the next reader
+    assert len(calls) % 2 == 0
+    assert results[:, -1, 0, :4].tolist() == [[len(calls), 0, 0, 0]] * 2
+    for rank in range(2):  # every fused row re-armed
         share = whole[rank * span : rank * span + layout.end]
-        peer = 1 - rank
         for size, bits in ((2, torch.int16), (4, torch.int32)):
             rows = share[layout.fused_at(size) : layout.fused_at(size) + layout.fused_rows_bytes].view(bits)
-            rows = rows.view(3, 2, layout.fused_bytes // size).clone()
-            if size == last[3].itemsize:
-                rows[last_slot, peer, : last[0]] = torch.iinfo(bits).min
             assert bool((rows == torch.iinfo(bits).min).all()), (rank, size)
 
 

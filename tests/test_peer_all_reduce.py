@@ -304,7 +304,12 @@ def sm90():
     """The push, lamport and fused kernels compiled for sm_90 in every element width they take, in one fresh
     process: the interpreter above runs code Triton's compiler refuses (it generated the 2-byte sentinel compare
     for float32 rows once, behind an early return in a constexpr if: TP engines in float32 did not start)."""
-    from draftgraph.ops.collectives.fused import ARM, _all_reduce_norm_gemv_kernel, _gemv_lamport_kernel
+    from draftgraph.ops.collectives.fused import (
+        ARM,
+        _all_reduce_norm_gemv_kernel,
+        _gemv_lamport_kernel,
+        _lamport_read_kernel,
+    )
     from draftgraph.ops.collectives.push import _lamport_all_reduce, _push_all_reduce
 
     common = {"RANK": 1, "WORLD": 2, "ROW": 4096, "UNIT": 64, "BLOCK": 1024, "PDL": 0}
@@ -320,18 +325,23 @@ def sm90():
                 jobs[f"push pdl {level}"] = (_push_all_reduce, {**sig, "flags_ptr": "*i64"}, {**common, "PDL": level})
         send = {"x": t, "w": t, "y": t, "rows": t, "deltas": "*i64", "state": "*i64", "N": "i32", "K": "i32",
                 "swn": "i64"}  # fmt: skip
-        jobs[f"send {dt}"] = (_gemv_lamport_kernel, send, {"RANK": 0, "WORLD": 2, "ROW": 4096, "UNIT": 64,
-                                                          "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": dt == "bf16",
-                                                          "ACCURATE": True})  # fmt: skip
+        jobs[f"send {dt}"] = (_gemv_lamport_kernel, send, {
+            "RANK": 0, "WORLD": 2, "ROW": 4096, "UNIT": 64, "BLOCK_N": 4, "BLOCK_K": 1024, "SILU_MUL": dt == "bf16",
+            "ACCURATE": True, "PDL": 3 if dt == "bf16" else 0})  # fmt: skip
         read = {**{n: t for n in ("x", "r", "nw", "w", "b", "s_out", "y", "rows")}, "rows2": "*i16", "rows4": "*i32",
                 "state": "*i64", "N": "i32", "K": "i32", "swn": "i64", "eps": "fp32"}  # fmt: skip
         jobs[f"read {dt}"] = (_all_reduce_norm_gemv_kernel, read, {
             "RANK": 1, "WORLD": 2, "ROW": 4096, "ROW2": 8192, "ROW4": 4096, "HAS_BIAS": dt == "fp16", "BLOCK_N": 8,
             "BLOCK_K": 1024, "WHOLE": 4096, "WIDE": dt == "fp32", "ARM_BLOCK": ARM, "ACCURATE": True})  # fmt: skip
+        reader = {"x": t, "out": t, "rows": t, "rows2": "*i16", "rows4": "*i32", "state": "*i64", "n": "i32",
+                  "chunk": "i32"}  # fmt: skip
+        jobs[f"reader {dt}"] = (_lamport_read_kernel, reader, {
+            "RANK": 1, "WORLD": 2, "ROW": 4096, "ROW2": 8192, "ROW4": 4096, "BLOCK": 1024, "WIDE": dt == "fp32",
+            "ARM_BLOCK": ARM, "PDL": 3 if dt == "bf16" else 0})  # fmt: skip
     return dict(zip(jobs, compile_many_for_sm90(list(jobs.values()))))
 
 
-@pytest.mark.parametrize("kernel", ["lamport", "push", "send", "read"])
+@pytest.mark.parametrize("kernel", ["lamport", "push", "send", "read", "reader"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_kernels_compile_for_a_hopper_gpu_in_every_width(sm90, kernel, dtype):
     assert "cubin" in sm90[f"{kernel} {dtype}"].stages()
@@ -340,6 +350,9 @@ def test_kernels_compile_for_a_hopper_gpu_in_every_width(sm90, kernel, dtype):
 def test_push_kernels_wait_for_the_kernel_before_under_pdl(sm90):
     """With programmatic dependent launch (ops/triton_pdl.py) the push and lamport kernels read their epoch, input
     and rows only after griddepcontrol.wait: the kernel before may still be running when they start."""
+    assert_pdl_order(sm90["reader fp32"].ptx, 0)
+    assert_pdl_order(sm90["reader bf16"].ptx, 3)  # (fused.py's reader kernel; its writer, the GEMV: test_linear_op)
+    assert_pdl_order(sm90["send bf16"].ptx, 3, weight_first=True)
     for kernel in ("lamport", "push"):
         assert_pdl_order(sm90[f"{kernel} bf16"].ptx, 0)
         for level in (1, 3):

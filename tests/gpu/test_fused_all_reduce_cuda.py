@@ -3,8 +3,10 @@ OpChoices.fuse_all_reduce) through its ops, `draftgraph::linear_send` then `draf
 equals the unfused ops (linear, the all_reduce op by the lamport kernel, add_rms_norm_linear) bit for bit: eagerly
 and inside one captured CUDA graph replayed many times with fresh data, the fused pairs interleaved with standalone
 all-reduces over the same symmetric buffer, at the 8B's width (bfloat16, hidden 4096) and others, the down
-projection's silu_mul form too; two rows take the unfused path inside the same ops. One process per GPU over NCCL;
-the ranks' verdicts come back as files. Skipped below two GPUs and where peer memory is refused."""
+projection's silu_mul form too; two rows take the unfused path inside the same ops. The reader is the reader kernel
+(FusedRule.reader "kernel", the default), or alternates between it and the in-GEMV reader from pair to pair
+("mixed": each leaves the other its rows to re-arm). One process per GPU over NCCL; the ranks' verdicts come back as
+files. Skipped below two GPUs and where peer memory is refused."""
 
 import datetime
 import json
@@ -31,8 +33,8 @@ EAGER_ROUNDS = 5
 JOIN_S = 180  # a bound on a hang (a lost row), not a speed check
 
 
-def _rank(rank: int, init_file: str, out_dir: str) -> None:
-    import draftgraph.ops.collectives.fused  # noqa: F401  (registers the ops)
+def _rank(rank: int, init_file: str, out_dir: str, readers: str) -> None:
+    import draftgraph.ops.collectives.fused as fused_ops  # (registers the ops)
     from draftgraph.ops.collectives.op import register_group
     from draftgraph.ops.collectives.peer import AllReduceRule, PeerAllReduce, register_peer
     from draftgraph.ops.linear.triton_gemv import (
@@ -72,7 +74,9 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
 
         def fused():
             outs = []
-            for c in cases:
+            for i, c in enumerate(cases):
+                reader = "gemv" if readers == "mixed" and i % 2 else "kernel"
+                fused_ops.FUSED_RULE = fused_ops.FusedRule(reader=reader)  # (read as the op runs or is captured)
                 y = ops.linear_send(c["x"], c["w"], name, c["silu"])
                 outs += list(ops.all_reduce_add_rms_norm_linear(y, c["r"], c["nw"], 1e-5, c["w2"], None, name))
                 outs.append(ops.all_reduce(c["r"], name))  # a standalone all-reduce between the pairs
@@ -130,8 +134,9 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_fused_all_reduce_ops_equal_the_unfused_eager_and_replayed(tmp_path):
-    ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
+@pytest.mark.parametrize("readers", ["kernel", "mixed"])
+def test_fused_all_reduce_ops_equal_the_unfused_eager_and_replayed(tmp_path, readers):
+    ctx = mp.start_processes(_rank, (str(tmp_path / "init"), str(tmp_path), readers), nprocs=2, join=False,
                              start_method="spawn")  # fmt: skip
     join_spawned(ctx, JOIN_S, "a lost row (hang)")
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

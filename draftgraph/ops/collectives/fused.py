@@ -32,6 +32,8 @@ must be followed by its reader before another fused writer of the group runs (th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -40,23 +42,43 @@ from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.collectives import op as _collectives  # noqa: F401  (the all_reduce op, the fallback's)
 from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait, send_to_peers
-from draftgraph.ops.launch import launch
+from draftgraph.ops.launch import launch, pdl_level
 from draftgraph.ops.linear.op import check_linear, check_norm_linear
 from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, norm_rstd, normed_dot, row_gemv, store_columns
 from draftgraph.ops.registry import custom_op
+from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
 
 ARM = 256  # elements a reader program re-arms at once
+
+
+@dataclass(frozen=True)
+class FusedRule:
+    """Where the fused pair's reader sums the row: "kernel", a small kernel of its own (`_lamport_read_kernel`: a
+    program per 1024 elements) whose sum the ordinary add + RMSNorm + GEMV then reads (under PDL the GEMV's first
+    weight chunk loads while it runs); "gemv", inside the norm GEMV (`_all_reduce_norm_gemv_kernel`: one launch
+    fewer, but each of its programs polls and sums the whole row: 34 against 21.5 + 4.2 us a call unfused at the
+    8B's TP 2 shapes on 2 x H200, docs/performance.md)."""
+
+    reader: str = "kernel"
+
+    def __post_init__(self):
+        if self.reader not in ("kernel", "gemv"):
+            raise ValueError(f"FusedRule.reader={self.reader!r}: 'kernel' or 'gemv' (ops/collectives/fused.py)")
+
+
+FUSED_RULE = FusedRule()
 
 
 @triton.jit
 def _gemv_lamport_kernel(x, w, y, rows, deltas, state, N, K, swn, RANK: tl.constexpr, WORLD: tl.constexpr,
                          ROW: tl.constexpr, UNIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr):  # fmt: skip
+                         SILU_MUL: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """`_gemv_kernel` (one row, no bias) whose epilogue also stores its columns into every peer's fused row
-    [e % 3][RANK] (-0.0 as +0.0)."""
+    [e % 3][RANK] (-0.0 as +0.0). PDL: as `_gemv_kernel`'s (ops/triton_pdl.py; the epoch is read after the wait)."""
+    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, PDL)
+    pdl_release(PDL)
     e = tl.load(state, cache_modifier=".cg") + 1
     slot = e % 3
-    cols, col_ok, out = row_gemv(x, w, N, K, swn, BLOCK_N, BLOCK_K, SILU_MUL, ACCURATE, 0)  # (no PDL)
     out = out.to(y.dtype.element_ty)
     tl.store(y + cols, out, mask=col_ok)
     send_to_peers(rows, deltas, cols, tl.where(out == 0, tl.zeros_like(out), out), col_ok, slot, RANK, WORLD, ROW, UNIT)
@@ -82,6 +104,64 @@ def _rank_sum(x, rows, slot, idx, ok, acc, RANK: tl.constexpr, WORLD: tl.constex
 
 
 @triton.jit
+def _rearm_previous(rows2, rows4, state, e, pid, RANK: tl.constexpr, WORLD: tl.constexpr, ROW2: tl.constexpr,
+                    ROW4: tl.constexpr, ARM_BLOCK: tl.constexpr):  # fmt: skip
+    """The sentinel back into the rows of call e - 1 (slot (e - 1) % 3) that an in-GEMV reader left (their length and
+    width in state[2:4]; 0: none), spread over this kernel's programs (`pid` of them)."""
+    prev_n = tl.load(state + 2, cache_modifier=".cg")
+    prev_wide = tl.load(state + 3, cache_modifier=".cg")
+    prev = (e + 2) % 3
+    step = tl.num_programs(0) * ARM_BLOCK
+    for k0 in range(pid * ARM_BLOCK, prev_n, step):
+        offs = k0 + tl.arange(0, ARM_BLOCK)
+        m = offs < prev_n
+        for src in tl.static_range(WORLD):
+            if src != RANK:
+                if prev_wide != 0:
+                    tl.store(rows4 + (prev * WORLD + src) * ROW4 + offs,
+                             tl.full([ARM_BLOCK], -2147483648, tl.int32), mask=m)  # fmt: skip
+                else:
+                    tl.store(rows2 + (prev * WORLD + src) * ROW2 + offs,
+                             tl.full([ARM_BLOCK], -32768, tl.int16), mask=m)  # fmt: skip
+
+
+@triton.jit
+def _lamport_read_kernel(x, out, rows, rows2, rows4, state, n, chunk, RANK: tl.constexpr, WORLD: tl.constexpr,
+                         ROW: tl.constexpr, ROW2: tl.constexpr, ROW4: tl.constexpr, BLOCK: tl.constexpr,
+                         WIDE: tl.constexpr, ARM_BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """The reader on its own (FusedRule.reader "kernel"): program pid sums elements [pid * chunk, + chunk) of the
+    row over the ranks in rank order (this rank's partial x, the peers' from their fused rows of slot e % 3, polled),
+    stores the sum and re-arms what it read (each element is read by one program only), and the rows an in-GEMV
+    reader of the call before left; the last program ends the call (epoch e, no rows left for the next in-GEMV
+    reader to re-arm). PDL: waits before any load."""
+    pid = tl.program_id(0)
+    pdl_start(PDL)
+    e = tl.load(state, cache_modifier=".cg") + 1
+    slot = e % 3
+    dtype = x.dtype.element_ty
+    if WIDE:
+        sentinel = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)  # -0.0
+    else:
+        sentinel = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    for off in range(pid * chunk, pid * chunk + chunk, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        ok = offs < n
+        acc = _rank_sum(x, rows, slot, offs, ok, tl.zeros([BLOCK], dtype=tl.float32), RANK, WORLD, ROW, WIDE, True)
+        tl.store(out + offs, acc.to(dtype), mask=ok)
+        for src in tl.static_range(WORLD):
+            if src != RANK:
+                tl.store(rows + (slot * WORLD + src) * ROW + offs, sentinel, mask=ok)
+    _rearm_previous(rows2, rows4, state, e, pid, RANK, WORLD, ROW2, ROW4, ARM_BLOCK)
+    pdl_release(PDL)
+    arrived = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.store(state + 1, 0)
+        tl.store(state + 2, 0)
+        tl.store(state + 3, 0)
+        tl.store(state, e)
+
+
+@triton.jit
 def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, state, N, K, swn, eps,
                                  RANK: tl.constexpr, WORLD: tl.constexpr, ROW: tl.constexpr, ROW2: tl.constexpr,
                                  ROW4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -93,10 +173,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
     pid = tl.program_id(0)
     dt = x.dtype.element_ty
     e = tl.load(state, cache_modifier=".cg") + 1
-    prev_n = tl.load(state + 2, cache_modifier=".cg")
-    prev_wide = tl.load(state + 3, cache_modifier=".cg")
     slot = e % 3
-    prev = (e + 2) % 3
     whole = tl.arange(0, WHOLE)
     in_row = whole < K
     # 1. wait for the peers' rows, sum in rank order (the lamport kernel's bits), the residual, the norm's rstd
@@ -117,18 +194,7 @@ def _all_reduce_norm_gemv_kernel(x, r, nw, w, b, s_out, y, rows, rows2, rows4, s
         out = normed_dot(out, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
     store_columns(tl.sum(out, axis=1), b, y, cols, col_ok, HAS_BIAS)
     # 3. re-arm the previous call's rows (its reader has ended), spread over this call's programs
-    step = tl.num_programs(0) * ARM_BLOCK
-    for k0 in range(pid * ARM_BLOCK, prev_n, step):
-        offs = k0 + tl.arange(0, ARM_BLOCK)
-        m = offs < prev_n
-        for src in tl.static_range(WORLD):
-            if src != RANK:
-                if prev_wide != 0:
-                    tl.store(rows4 + (prev * WORLD + src) * ROW4 + offs,
-                             tl.full([ARM_BLOCK], -2147483648, tl.int32), mask=m)  # fmt: skip
-                else:
-                    tl.store(rows2 + (prev * WORLD + src) * ROW2 + offs,
-                             tl.full([ARM_BLOCK], -32768, tl.int16), mask=m)  # fmt: skip
+    _rearm_previous(rows2, rows4, state, e, pid, RANK, WORLD, ROW2, ROW4, ARM_BLOCK)
     # 4. the last program here ends the call: the next call reads epoch e, this call's length and width
     arrived = tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
@@ -150,10 +216,16 @@ def fused_fits(push: PushAllReduce | None, x: torch.Tensor) -> bool:
 
 
 def gemv_send_triton(
-    x: torch.Tensor, weight: torch.Tensor, push: PushAllReduce, config: GemvConfig, silu_mul: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    push: PushAllReduce,
+    config: GemvConfig,
+    silu_mul: bool = False,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """One row: y = x @ weight.T [1, N] (silu_mul: (silu(x[:K]) * x[K:]) @ weight.T), this rank's partial, also
-    stored into every peer's fused row of this call's slot for `all_reduce_norm_gemv_triton` to sum."""
+    stored into every peer's fused row of this call's slot for `all_reduce_norm_gemv_triton` or `lamport_read_triton`
+    to sum (`pdl`: the programmatic-dependent-launch level, ops/triton_pdl.py)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if silu_mul else k) or x.dtype != weight.dtype:
         raise ValueError(
@@ -170,9 +242,27 @@ def gemv_send_triton(
         x, weight, y, push.fused[size].view(x.dtype), push.deltas, push.fused_state, n, k, weight.stride(0),
         RANK=push.rank, WORLD=push.layout.world_size, ROW=push.layout.fused_bytes // size, UNIT=ALIGN // size,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SILU_MUL=silu_mul, ACCURATE=not triton_interpreting(),
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl_args(pdl),
     )  # fmt: skip
     return y
+
+
+def lamport_read_triton(x: torch.Tensor, push: PushAllReduce, pdl: int = 0, block: int = 1024) -> torch.Tensor:
+    """One row: the sum over the ranks of x (this rank's partial, the writer's y) [1, K], the peers' partials from
+    the fused rows of this call's slot (`_lamport_read_kernel`; a program per `block` elements)."""
+    if x.dim() != 2 or x.shape[0] != 1 or not fused_fits(push, x):
+        raise ValueError(f"lamport_read_triton: one row [1, K] fitting the fused region ({push.layout.fused_bytes} "
+                         f"bytes), got {tuple(x.shape)} {x.dtype}")  # fmt: skip
+    x = x.contiguous()
+    k, size = x.shape[1], x.element_size()
+    out = torch.empty_like(x)
+    programs, fb = triton.cdiv(k, block), push.layout.fused_bytes
+    launch(_lamport_read_kernel, (programs,))(
+        x, out, push.fused[size].view(x.dtype), push.fused[2].view(torch.int16), push.fused[4].view(torch.int32),
+        push.fused_state, k, block, RANK=push.rank, WORLD=push.layout.world_size, ROW=fb // size, ROW2=fb // 2,
+        ROW4=fb // 4, BLOCK=block, WIDE=size == 4, ARM_BLOCK=ARM, num_warps=4, **pdl_args(pdl),
+    )  # fmt: skip
+    return out
 
 
 def all_reduce_norm_gemv_triton(
@@ -239,7 +329,7 @@ def linear_send(x: torch.Tensor, weight: torch.Tensor, group_name: str, silu_mul
         return torch.ops.draftgraph.linear(x, weight, None)
     flat = x.reshape(1, x.shape[-1])
     config = choose_config(1, weight.shape[1], silu_mul=silu_mul)
-    return gemv_send_triton(flat, weight, push, config, silu_mul).view(out_shape)
+    return gemv_send_triton(flat, weight, push, config, silu_mul, pdl_level(x.device)).view(out_shape)
 
 
 @linear_send.register_fake
@@ -266,6 +356,9 @@ def all_reduce_add_rms_norm_linear(
         summed = torch.ops.draftgraph.all_reduce(x, group_name)
         return torch.ops.draftgraph.add_rms_norm_linear(summed, residual, norm_weight, eps, weight, bias)
     k = x.shape[-1]
+    if FUSED_RULE.reader == "kernel":
+        summed = lamport_read_triton(x.reshape(1, k), push, pdl_level(x.device)).view(x.shape)
+        return torch.ops.draftgraph.add_rms_norm_linear(summed, residual, norm_weight, eps, weight, bias)
     s, y = all_reduce_norm_gemv_triton(
         x.reshape(1, k), residual.reshape(1, k), norm_weight, eps, weight, bias, push, choose_config(1, k, norm=True)
     )
