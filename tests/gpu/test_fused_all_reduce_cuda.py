@@ -107,16 +107,16 @@ def _rank(rank: int, init_file: str, out_dir: str, readers: str) -> None:
                 for key in ("x", "r"):
                     c[key].copy_(rand(*c[key].shape, dtype=c[key].dtype))
 
-        def same(a, b):
-            return all(torch.equal(p.view(torch.int16 if p.element_size() == 2 else torch.int32),
-                                   q.view(torch.int16 if q.element_size() == 2 else torch.int32))
-                       for p, q in zip(a, b))  # fmt: skip
+        def same(a, b):  # the indices of the outputs that differ (three a case: s, y and the standalone all-reduce)
+            return [i for i, (p, q) in enumerate(zip(a, b))
+                    if not torch.equal(p.view(torch.int16 if p.element_size() == 2 else torch.int32),
+                                       q.view(torch.int16 if q.element_size() == 2 else torch.int32))]  # fmt: skip
 
         bad = []
         for round_ in range(EAGER_ROUNDS):
             fresh()
-            if not same(fused(), plain()):
-                bad.append(("eager", round_))
+            if diff := same(fused(), plain()):
+                bad.append(("eager", round_, diff))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -124,8 +124,8 @@ def _rank(rank: int, init_file: str, out_dir: str, readers: str) -> None:
         for replay in range(REPLAYS):
             fresh()
             graph.replay()
-            if not same(outs, plain()):
-                bad.append(("graph", replay))
+            if diff := same(outs, plain()):
+                bad.append(("graph", replay, diff))
         torch.cuda.synchronize()
         verdict.update(bad=bad[:20], nbad=len(bad), calls=dict(peer.calls), fused_state=peer.push.fused_state.tolist())
     finally:

@@ -44,7 +44,15 @@ from draftgraph.ops.collectives.peer import peer_for
 from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait, send_to_peers
 from draftgraph.ops.launch import launch, pdl_level
 from draftgraph.ops.linear.op import check_linear, check_norm_linear
-from draftgraph.ops.linear.triton_gemv import GemvConfig, choose_config, norm_rstd, normed_dot, row_gemv, store_columns
+from draftgraph.ops.linear.triton_gemv import (
+    GemvConfig,
+    add_rms_norm_gemv_triton,
+    choose_config,
+    norm_rstd,
+    normed_dot,
+    row_gemv,
+    store_columns,
+)
 from draftgraph.ops.registry import custom_op
 from draftgraph.ops.triton_pdl import pdl_args, pdl_release, pdl_start
 
@@ -356,9 +364,12 @@ def all_reduce_add_rms_norm_linear(
         summed = torch.ops.draftgraph.all_reduce(x, group_name)
         return torch.ops.draftgraph.add_rms_norm_linear(summed, residual, norm_weight, eps, weight, bias)
     k = x.shape[-1]
-    if FUSED_RULE.reader == "kernel":
-        summed = lamport_read_triton(x.reshape(1, k), push, pdl_level(x.device)).view(x.shape)
-        return torch.ops.draftgraph.add_rms_norm_linear(summed, residual, norm_weight, eps, weight, bias)
+    if FUSED_RULE.reader == "kernel":  # (the Triton norm GEMV whatever the dtype, as the in-GEMV reader: its bits)
+        pdl = pdl_level(x.device)
+        summed = lamport_read_triton(x.reshape(1, k), push, pdl)
+        config = choose_config(1, k, norm=True)
+        s, y = add_rms_norm_gemv_triton(summed, residual.reshape(1, k), norm_weight, eps, weight, bias, config, pdl)
+        return s.view(x.shape), y.view(*x.shape[:-1], weight.shape[0])
     s, y = all_reduce_norm_gemv_triton(
         x.reshape(1, k), residual.reshape(1, k), norm_weight, eps, weight, bias, push, choose_config(1, k, norm=True)
     )
