@@ -77,8 +77,9 @@ class CausalLM(nn.Module):
         outs = {}
         if self.sums_in_norms(h):
             delta, summed = None, True
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                delta, h = layer.forward_unsummed(delta, h, cos, sin, meta, kv_caches[i], summed)
+                delta, h = layer.forward_unsummed(delta, h, cos, sin, meta, kv_caches[i], summed, i == last)
                 summed = not layer.sends_partials(h)  # a partial: the next layer's input norm sums it
                 if i in aux_layers:
                     outs[i] = h + (delta if summed else self.tp.all_reduce(delta))

@@ -174,13 +174,15 @@ class DecoderLayer(nn.Module):
         h, n = self.post_norm.add_forward(x, a)  # h = x + a and post_norm(h) (one kernel with the norm ops)
         return h + self.mlp(n)
 
-    def forward_unsummed(self, delta, residual, cos, sin, meta, kv, summed=True):
+    def forward_unsummed(self, delta, residual, cos, sin, meta, kv, summed=True, last=False):
         """`forward` on the input residual + delta (delta None: residual itself), its output left as the pair
         (mlp out, h) whose sum `forward` returns: the sum is made by the next layer's input norm (add_forward,
         one kernel with the norm ops) instead of a kernel of its own. Needs the input norm. Equal values: the
         adds are the same float additions (x + y == y + x). With `sends_partials` the mlp out is this rank's
         partial (its all-reduce left to the next layer's input norm: ops/collectives/fused.py), and `summed`
-        False says `delta` is the previous layer's."""
+        False says `delta` is the previous layer's. `last`: no layer follows (the model's final norm sums the down
+        projection's partial with a plain all-reduce), so down does not send its partial into the fused rows: a
+        send no reader consumes would leave data in a slot the next step's reader polls."""
         fused = self.norms_in_projections(residual)
         send = self.sends_partials(residual)
         if delta is not None and not summed and not send:  # a partial this layer cannot sum in its norm
@@ -202,6 +204,8 @@ class DecoderLayer(nn.Module):
             # net loss at TP 2 (docs/performance.md, "Tensor parallelism"); linear_send's silu_mul form is there
             gate, up = gate_up.split([self.mlp.inter, self.mlp.inter], dim=-1)
             down = self.mlp.down
+            if last:  # (this rank's partial, unsent: RowParallelLinear's local product, summed by the caller)
+                return torch.ops.draftgraph.linear(F.silu(gate) * up, down.weight, None), h
             return torch.ops.draftgraph.linear_send(F.silu(gate) * up, down.weight, down.tp.group_name, False), h
         a = self.attn.attend(qkv, cos, sin, meta, kv)
         if fused:
