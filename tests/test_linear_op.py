@@ -219,7 +219,7 @@ def test_norm_gemv_compiles_for_a_hopper_gpu(sm90):
 
 
 def test_one_row_kernels_compile_with_programmatic_dependent_launch(sm90):
-    """pdl levels (scripts/bench_gemv.py --pdl, triton_gemv.py pdl_prologue): the one-row kernels wait for the kernel
+    """pdl levels (scripts/bench_gemv.py --pdl, ops/triton_pdl.py): the one-row kernels wait for the kernel
     before them (griddepcontrol.wait) before any load (1), or after loading a first chunk of weight only (2, 3), and
     release the next (griddepcontrol.launch_dependents) after their last load (1, 2) or first (3); as launched today,
     neither. Off CUDA, pdl is refused with the reason (the interpreter has no such launch)."""

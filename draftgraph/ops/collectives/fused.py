@@ -27,7 +27,15 @@ decode) on a group whose peer all-reduce has a fused region; for more rows (rows
 graph) the writer is the plain linear and the reader the all_reduce op + add_rms_norm_linear, so one traced
 graph serves every row count. Both are functional to the compiler (each output feeds the next op: nothing is
 dead); their side effect is on the group's symmetric buffer and its epoch, as the all_reduce op's is, so a writer
-must be followed by its reader before another fused writer of the group runs (the model's data flow orders it).
+must be followed by its reader before another fused writer of the group runs (the model's data flow orders it),
+and every writer must have a reader: a partial summed another way (the model's last down projection, summed by a
+plain all-reduce before the final norm) is the plain linear's, not sent (a sent row no reader consumes stays in its
+slot, and the next reader of that slot reads it instead of waiting for the peer's).
+
+The reader is a small kernel of its own by default (`FusedRule.reader` "kernel": `_lamport_read_kernel`, then the
+ordinary norm GEMV, whose first weight chunk loads under PDL while the reader waits) or the norm GEMV itself
+("gemv", above: one launch fewer, slower at the 8B's TP 2 shapes). The reader kernel re-arms the rows it read at
+once (each element is read by one of its programs), and the rows an in-GEMV reader of the call before left.
 """
 
 from __future__ import annotations
