@@ -112,9 +112,9 @@ def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20,
     return us / max(summary.steps, 1)
 
 
-def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models, inductor=None):
+def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models, inductor=None, ops=None):
     """`all_reduce` a CompileConfig.all_reduce value, or "fused": "auto" with OpChoices.fuse_all_reduce on;
-    `inductor`: CompileConfig.inductor_options (None: the defaults)."""
+    `inductor`: CompileConfig.inductor_options (None: the defaults); `ops`: OpChoices fields set."""
     target, drafter = models
     fused = all_reduce == "fused"
     spec = case == "spec"
@@ -135,7 +135,7 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
         drafter_kind=("eagle3" if key != "1b" else "draft_model") if spec else None,
         tensor_parallel_size=tp,
         all_reduce="auto" if fused else all_reduce,
-        ops=OpChoices(fuse_all_reduce=True) if fused else None,
+        ops=OpChoices(**{**(ops or {}), **({"fuse_all_reduce": True} if fused else {})}) if fused or ops else None,
         inductor_options=inductor or None,
     )
     return dg.compile_model(target, drafter if spec else None, cfg), k
@@ -221,21 +221,24 @@ def sweep(device, json_path: str = "", only: str = "", reps: int = 20, calls: in
 DEFAULT_RULE = launching.PDL_RULE
 
 
-def variant_rule(variant: str) -> tuple[str, launching.PdlRule, tuple]:
+def variant_rule(variant: str) -> tuple[str, launching.PdlRule, tuple, dict]:
     """A variant of --all-reduce: the CompileConfig.all_reduce value (or "fused"), the programmatic-dependent-launch
     rule its engine's kernels launch under (ops/launch.py): the default, or with `/pdlN` level N (e.g. "auto/pdl0":
-    off, for an A/B against the default in one run), and its Inductor options: with `/ipdl` Inductor's own kernels
-    launch with PDL too (torch._inductor.config.triton.enable_pdl); e.g. "auto/pdl3/ipdl"."""
+    off, for an A/B against the default in one run), its Inductor options (`/ipdl`: Inductor's own kernels launch
+    with PDL too, torch._inductor.config.triton.enable_pdl) and OpChoices fields turned on (`/rope`:
+    rope_in_projection, the input norm, QKV, RoPE and the KV write in one kernel at one row); e.g. "auto/rope/ipdl"."""
     base, *extras = variant.split("/")
-    rule, inductor = DEFAULT_RULE, ()
+    rule, inductor, ops = DEFAULT_RULE, (), {}
     for extra in extras:
         if extra == "ipdl":
             inductor = (("triton.enable_pdl", True),)
+        elif extra == "rope":
+            ops["rope_in_projection"] = True
         elif extra.startswith("pdl") and extra[3:].isdigit():
             rule = launching.PdlRule(level=int(extra[3:]))
         else:
-            raise SystemExit(f"--all-reduce variant {variant!r}: VALUE[/pdlN][/ipdl] (N: 0-3), e.g. auto/pdl0")
-    return base, rule, inductor
+            raise SystemExit(f"--all-reduce variant {variant!r}: VALUE[/pdlN][/ipdl][/rope] (N: 0-3), e.g. auto/pdl0")
+    return base, rule, inductor, ops
 
 
 def main():
@@ -243,8 +246,8 @@ def main():
     ap.add_argument("--model", default="8b", choices=("8b", "1b", "tiny"))
     ap.add_argument("--cases", default="plain,spec", help="plain and/or spec (the model's drafter), in this order")
     ap.add_argument("--all-reduce", default="nccl,auto", help="the CompileConfig.all_reduce values compared (at TP > 1;"
-                    " TP 1: nccl), each optionally /pdlN (the kernels' PDL level) and /ipdl (Inductor's too): "
-                    "variant_rule")  # fmt: skip
+                    " TP 1: nccl), each optionally /pdlN (the kernels' PDL level), /ipdl (Inductor's "
+                    "too), /rope (OpChoices.rope_in_projection): variant_rule")  # fmt: skip
     ap.add_argument("--sizes", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
@@ -296,10 +299,10 @@ def main():
             for ar in variants:
                 t1 = time.perf_counter()
                 max_tokens = (args.warm + args.steps + 40) * 5 + 16
-                base, rule, inductor = variant_rule(ar)
+                base, rule, inductor, ops = variant_rule(ar)
                 launching.PDL_RULE = rule  # (read as kernels launch and graphs capture: this engine's own)
                 eng, k = make_engine(
-                    key, case, world, base, sizes, args.context, max_tokens, device, mode, models, inductor
+                    key, case, world, base, sizes, args.context, max_tokens, device, mode, models, inductor, ops
                 )
                 inner = inner_engine(eng)  # a launched rank's own Engine: the ranks step together
                 say(f"  ({case}, all_reduce {ar}: engine ready in {time.perf_counter() - t1:.1f} s)")

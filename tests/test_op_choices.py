@@ -32,7 +32,8 @@ def test_resolve_records_and_logs_the_choices(caplog):
     assert rc.ops == OFF and not rc.ops.gemv and rc.ops.norm_kernel
     assert resolve(CompileConfig(), None, False).ops == OpChoices()  # None = every kernel (all seven on)
     defaults = OpChoices().fields()
-    assert len(OpChoices.names()) == 9 and [k for k, v in defaults.items() if not v] == ["fuse_all_reduce"]
+    assert len(OpChoices.names()) == 10
+    assert [k for k, v in defaults.items() if not v] == ["fuse_all_reduce", "rope_in_projection"]  # (not measured yet)
     assert OpChoices().describe() == "all draftgraph kernels (on CUDA)"
     assert OpChoices(gemv=False, fuse_all_reduce=True).describe() == "torch ops instead of gemv, fuse_all_reduce on"
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))

@@ -89,7 +89,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         ops = self.ops
         fused_rope = self.q_norm is None and qkv.is_cuda and ops.rope_kernel and rope_op.kernel_takes(self.head_dim)
-        if fused_rope and ops.rope_kv_write and self.attn_impl == "triton":
+        if self.uses_rope_write(qkv):
             # RoPE, and k and v written into the caches, in one kernel: the attention op gets no rows to write
             q = torch.ops.draftgraph.rope_qkv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
             k = v = q.new_empty((0, self.num_kv_heads, self.head_dim))
@@ -99,6 +99,25 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.attend_rotated(q, k, v, meta, kv, send)
+
+    def uses_rope_write(self, x: torch.Tensor) -> bool:
+        """Whether RoPE and the KV write are one kernel (draftgraph::rope_qkv_write): on CUDA with the RoPE kernel and
+        its write, the Triton attention, no q/k norms, a head size the kernel takes."""
+        ops = self.ops
+        return (
+            self.q_norm is None
+            and x.is_cuda
+            and ops.rope_kernel
+            and ops.rope_kv_write
+            and self.attn_impl == "triton"
+            and rope_op.kernel_takes(self.head_dim)
+        )
+
+    def attend_rotated(self, q, k, v, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor], send=False):
+        """The attention and the output projection from rotated queries [T, Hq, D] (k and v [T, Hkv, D]: the rows
+        the attention op writes into the caches; none where the RoPE kernel wrote them)."""
+        t = q.shape[0]
         out = torch.ops.draftgraph.paged_attention(
             q,
             k,
@@ -192,6 +211,13 @@ class DecoderLayer(nn.Module):
             qkv = self.attn.qkv(n)
         elif not summed:
             x, qkv = _sum_add_norm_project(delta, residual, self.input_norm, self.attn.qkv, self.attn.o.tp)
+        elif fused and self.rope_in_projection(residual):  # the norm, QKV, RoPE and the KV write: one op
+            norm, attn = self.input_norm, self.attn
+            x, q = torch.ops.draftgraph.add_rms_norm_qkv_rope_write(
+                delta, residual, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, cos, sin, kv[0], kv[1],
+                meta.slot_mapping, attn.num_heads,
+            )  # fmt: skip
+            qkv = None
         elif fused:
             x, qkv = _add_norm_project(delta, residual, self.input_norm, self.attn.qkv)
         else:
@@ -207,7 +233,11 @@ class DecoderLayer(nn.Module):
             if last:  # (this rank's partial, unsent: RowParallelLinear's local product, summed by the caller)
                 return torch.ops.draftgraph.linear(F.silu(gate) * up, down.weight, None), h
             return torch.ops.draftgraph.linear_send(F.silu(gate) * up, down.weight, down.tp.group_name, False), h
-        a = self.attn.attend(qkv, cos, sin, meta, kv)
+        if qkv is None:  # (rotated, the caches written)
+            none = q.new_empty((0, self.attn.num_kv_heads, self.attn.head_dim))
+            a = self.attn.attend_rotated(q, none, none, meta, kv)
+        else:
+            a = self.attn.attend(qkv, cos, sin, meta, kv)
         if fused:
             h, gate_up = _add_norm_project(x, a, self.post_norm, self.mlp.gate_up)
             return self.mlp.finish(gate_up), h
@@ -226,6 +256,13 @@ class DecoderLayer(nn.Module):
             and type(self.attn.qkv) is Linear
             and type(self.mlp.gate_up) is Linear
         )
+
+    def rope_in_projection(self, residual: torch.Tensor) -> bool:
+        """Whether `forward_unsummed` makes the input norm, the QKV projection, RoPE and the KV write one op
+        (draftgraph::add_rms_norm_qkv_rope_write: one kernel at one row; ops.rope_in_projection, off by default until
+        measured): with `norms_in_projections` and the attention's RoPE write (`Attention.uses_rope_write`)."""
+        ops = self.ops
+        return ops.rope_in_projection and self.norms_in_projections(residual) and self.attn.uses_rope_write(residual)
 
     def sends_partials(self, residual: torch.Tensor) -> bool:
         """Whether `forward_unsummed` leaves o_proj's and down's all-reduces to the norms after them

@@ -27,6 +27,9 @@ comparisons (`scripts/bench_step.py`'s variants, `draftgraph --ops gemv=0,...`).
   `draftgraph::linear_send` writes the lamport rows, `draftgraph::all_reduce_add_rms_norm_linear` sums them in the
   next norm + projection): no all-reduce launch at batch 1; more rows keep the all_reduce op. Needs
   `norm_in_projection` (and its needs).
+- `rope_in_projection` (off by default until measured on a GPU): a Llama layer's input norm, QKV projection, RoPE and
+  KV write run as one `draftgraph::add_rms_norm_qkv_rope_write` (one kernel at one row: ops/linear/triton_qkv.py,
+  the RoPE kernel's work in the norm GEMV's epilogue); needs `norm_in_projection` and `rope_kv_write`.
 - `unfuse_addmm`: Inductor keeps a residual add apart from its matmul (passes/unfuse_addmm.py, installed as
   Inductor's post-grad pass) instead of fusing it into cuBLAS addmm (a copy of the residual first).
 """
@@ -38,13 +41,21 @@ from dataclasses import dataclass
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 # The fields a model's layers read (the rest are the runtime's and Inductor's).
-MODEL_FIELDS = ("gemv", "norm_kernel", "rope_kernel", "norm_in_projection", "rope_kv_write", "fuse_all_reduce")
+MODEL_FIELDS = (
+    "gemv",
+    "norm_kernel",
+    "rope_kernel",
+    "norm_in_projection",
+    "rope_kv_write",
+    "fuse_all_reduce",
+    "rope_in_projection",
+)
 
 
 @dataclass(frozen=True)
 class OpChoices:
     """Which of draftgraph's kernels run (on CUDA); every field on by default but the experimental
-    `fuse_all_reduce` (module docstring)."""
+    `fuse_all_reduce` and `rope_in_projection` (module docstring)."""
 
     gemv: bool = True
     norm_kernel: bool = True
@@ -55,6 +66,7 @@ class OpChoices:
     unfuse_addmm: bool = True
     logits_kernels: bool = True
     fuse_all_reduce: bool = False
+    rope_in_projection: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

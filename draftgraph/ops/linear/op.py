@@ -163,6 +163,63 @@ def add_rms_norm_linear(
     return s.view(x.shape), y.view(*x.shape[:-1], n)
 
 
+@custom_op("draftgraph::add_rms_norm_qkv_rope_write", mutates_args=("k_cache", "v_cache"))
+def add_rms_norm_qkv_rope_write(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, q): `add_rms_norm_linear` with the QKV weight [(Hq + 2 Hkv) D, K], then `draftgraph::rope_qkv_write` on its
+    output: s = x + residual, q the rotated queries [T, Hq, D]; the rotated keys and the values go into the paged
+    caches [blocks, block size, Hkv, D] at slot_mapping. One row on CUDA (the GEMV rule's dtypes, D / 2 a power of
+    two) is one kernel (triton_qkv.py: RoPE and the KV write in the norm GEMV's epilogue, the same values);
+    otherwise the two ops (OpChoices.rope_in_projection)."""
+    k, d = x.shape[-1], k_cache.shape[-1]
+    rows, hkv, half = (x.numel() // k if k else 0), k_cache.shape[2], d // 2
+    one_kernel = x.is_cuda and GEMV_RULE.takes(1, x, weight) and half > 0 and half & (half - 1) == 0
+    pdl = pdl_level(x.device)
+    if one_kernel and (rows == 1 or ahead_now()):
+        from draftgraph.ops.linear.triton_gemv import choose_config
+        from draftgraph.ops.linear.triton_qkv import norm_gemv_rope_write_triton
+
+        args = (x.reshape(rows, k), residual.reshape(rows, k)) if rows == 1 else (x.new_zeros((1, k)),) * 2
+        c, sn = (cos.reshape(1, half), sin.reshape(1, half)) if rows == 1 else (cos.new_zeros((1, half)),) * 2
+        slots = slot_mapping.reshape(1) if rows == 1 else slot_mapping.new_zeros(1)
+        s, q = norm_gemv_rope_write_triton(*args, norm_weight, eps, weight, bias, c, sn, k_cache, v_cache, slots,
+                                           num_heads, choose_config(1, k, norm=True), pdl)  # fmt: skip
+        if not ahead_now():  # (compiling ahead: both paths' kernels, the row count being symbolic in a trace)
+            return s.view(x.shape), q.view(1, num_heads, d)
+    s, qkv = torch.ops.draftgraph.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    t = rows
+    qkv = qkv.reshape(t, (num_heads + 2 * hkv) * d)
+    q, kk, v = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
+    shape = (t, hkv, d)
+    q = torch.ops.draftgraph.rope_qkv_write(
+        q.view(t, num_heads, d), kk.view(shape), v.view(shape), cos, sin, k_cache, v_cache, slot_mapping
+    )
+    return s, q
+
+
+@add_rms_norm_qkv_rope_write.register_fake
+def _(x, residual, norm_weight, eps, weight, bias, cos, sin, k_cache, v_cache, slot_mapping, num_heads):
+    check_norm_linear("add_rms_norm_qkv_rope_write", x, residual, norm_weight, weight)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if weight.shape[0] != (num_heads + 2 * hkv) * d:
+        raise ValueError(f"add_rms_norm_qkv_rope_write: weight {tuple(weight.shape)} is not the QKV projection of "
+                         f"{num_heads} query heads and {hkv} KV heads of {d}")  # fmt: skip
+    t = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty((t, num_heads, d))
+
+
 def check_norm_linear(name: str, x, residual, norm_weight, weight, rows: str = "...") -> None:
     """Refuse shapes add_rms_norm_linear (or its kernel: `rows` "1") cannot take, naming them."""
     k = x.shape[-1]

@@ -186,9 +186,19 @@ def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.con
     row's squares itself (the row is small and in L2), then streams its weight rows against the normalised row
     made chunk by chunk, with ops/norm's roundings (s, the normalised row and its product with the norm weight
     each rounded to x's dtype). PDL: as `_gemv_kernel`'s (ops/triton_pdl.py)."""
-    dt = x.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    out = norm_row_gemv(x, r, nw, w, s_out, cols, col_ok, K, swn, eps, BLOCK_N, BLOCK_K, ROW, ACCURATE, PDL)
+    store_columns(out, b, y, cols, col_ok, HAS_BIAS)
+
+
+@triton.jit
+def norm_row_gemv(x, r, nw, w, s_out, cols, col_ok, K, swn, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ROW: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """`_norm_gemv_kernel`'s body for the weight rows `cols` (BLOCK_N of them, any order): their float32 sums
+    (s = x + r stored by program 0); also triton_qkv.py's, whose columns pair each head's halves. The PDL release
+    is made here, after the last load."""
+    dt = x.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
     w_rows = w + cols.to(tl.int64)[:, None] * swn
     pdl_prologue(PDL)
@@ -215,7 +225,7 @@ def _norm_gemv_kernel(x, r, nw, w, b, s_out, y, N, K, swn, eps, HAS_BIAS: tl.con
               + tl.load(r + kk, mask=k_ok, other=0.0).to(tl.float32)).to(dt)  # fmt: skip
         acc = normed_dot(acc, sk, rstd, nw, w_rows, kk, k_ok, col_ok)
     pdl_release(PDL)
-    store_columns(tl.sum(acc, axis=1), b, y, cols, col_ok, HAS_BIAS)
+    return tl.sum(acc, axis=1)
 
 
 def add_rms_norm_gemv_triton(
