@@ -148,6 +148,23 @@ class PagedRunner:
         return self.builder.build(slices)
 
 
+def cuda_path_prefill_then_decode(model, ids, monkeypatch):
+    """A flat-layout model's CUDA path run on the CPU (tensors claim `is_cuda`; the Triton kernels interpreted): a
+    prefill of ids[:-1] then a decode step of the last id through a fresh paged cache; returns (the decode step's
+    hidden states, copies of every layer's caches)."""
+    import torch
+
+    runner = PagedRunner(model.cfg)
+    n = len(ids) - 1
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        meta, pos = runner.batch([(0, n)])
+        model(ids[:n], pos, meta, runner.cache.layers)
+        meta, pos = runner.batch([(0, 1)])
+        hidden, _ = model(ids[n:], pos, meta, runner.cache.layers)
+    return hidden, [t.clone() for layer in runner.cache.layers for t in layer]
+
+
 def compile_for_sm90(kernel, signature: dict, constexprs: dict) -> list[str]:
     """Compile a Triton kernel for an H100 (sm_90) without a GPU: the interpreter runs code Triton's compiler
     refuses (a name typed differently in each branch of an if, ...). Runs in a fresh Python without

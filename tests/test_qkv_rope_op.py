@@ -99,7 +99,7 @@ def test_a_llama_decode_step_with_rope_in_projection_equals_without(monkeypatch)
     import draftgraph.ops.linear.triton_qkv as tq
     from draftgraph.models.causal_lm import CausalLM
     from draftgraph.ops.choices import OpChoices
-    from tests.helpers import PagedRunner, tiny_hf_model
+    from tests.helpers import cuda_path_prefill_then_decode, tiny_hf_model
 
     calls = []
     real = tq.norm_gemv_rope_write_triton
@@ -110,14 +110,7 @@ def test_a_llama_decode_step_with_rope_in_projection_equals_without(monkeypatch)
     for fused in (False, True):
         model = CausalLM.from_hf(hf, attn_impl="triton", dtype=torch.bfloat16,
                                  ops=OpChoices(rope_in_projection=fused))  # fmt: skip
-        runner = PagedRunner(model.cfg)  # (the cache in the model's dtype)
-        with torch.no_grad(), monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-            meta, pos = runner.batch([(0, 8)])
-            model(ids[:8], pos, meta, runner.cache.layers)
-            meta, pos = runner.batch([(0, 1)])
-            hidden, _ = model(ids[8:], pos, meta, runner.cache.layers)
-        results[fused] = (hidden, [t.clone() for layer in runner.cache.layers for t in layer])
+        results[fused] = cuda_path_prefill_then_decode(model, ids, monkeypatch)
     (h0, c0), (h1, c1) = results[False], results[True]
     assert torch.equal(h0, h1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
     assert len(calls) == model.cfg.num_layers - 1  # the decode step's layers after the first, in the fused run only

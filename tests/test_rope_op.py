@@ -117,7 +117,7 @@ def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch):
     import draftgraph.ops.rope.triton_rope as tr
     from draftgraph.models.causal_lm import CausalLM
     from draftgraph.ops.choices import OpChoices
-    from tests.helpers import PagedRunner, tiny_hf_model
+    from tests.helpers import cuda_path_prefill_then_decode, tiny_hf_model
 
     calls = []
     real = tr.rope_qkv_write_triton
@@ -128,14 +128,7 @@ def test_the_cuda_path_of_a_llama_layer_with_the_fused_kv_write(monkeypatch):
     for write in (False, True):
         # F.linear (and no norm in the GEMV): the RoPE write under test
         model = CausalLM.from_hf(hf, attn_impl="triton", ops=OpChoices(gemv=False, rope_kv_write=write))
-        runner = PagedRunner(model.cfg)
-        with torch.no_grad(), monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-            meta, pos = runner.batch([(0, 8)])
-            model(ids[:8], pos, meta, runner.cache.layers)
-            meta, pos = runner.batch([(0, 1)])
-            hidden, _ = model(ids[8:], pos, meta, runner.cache.layers)
-        results[write] = (hidden, [t.clone() for layer in runner.cache.layers for t in layer])
+        results[write] = cuda_path_prefill_then_decode(model, ids, monkeypatch)
     (h0, c0), (h1, c1) = results[False], results[True]
     assert torch.equal(h0, h1) and all(torch.equal(a, b) for a, b in zip(c0, c1))
     assert len(calls) == 2 * model.cfg.num_layers  # the fused write ran per layer, in the fused run only
