@@ -148,6 +148,25 @@ class PagedRunner:
         return self.builder.build(slices)
 
 
+def full_engine_tokens(target, ops=None) -> list[list[int]]:
+    """A CUDA engine over `target` (FULL_AND_PIECEWISE, up to 8 requests, `ops` its OpChoices): the greedy
+    tokens of one request alone (24 new) then of a ragged batch of 8 (tests/test_engine.py `ragged`), request by
+    request; no step fell back to eager. The engine is closed."""
+    import draftgraph as dg
+    from tests.test_engine import ragged
+
+    cfg = dg.CompileConfig(mode="FULL_AND_PIECEWISE", max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
+                           gpu_memory_utilization=0.0, progress=False, check_addresses=True, ops=ops)  # fmt: skip
+    eng = dg.compile_model(target, None, cfg)
+    try:
+        one = eng.generate([[5, 6, 7]], dg.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        many = eng.generate(*ragged(8))
+        assert not any(k.startswith("step/") for k in eng.stats()["fallbacks_by_key"])
+    finally:
+        eng.close()
+    return [o.token_ids for o in one + many]
+
+
 def cuda_path_prefill_then_decode(model, ids, monkeypatch):
     """A flat-layout model's CUDA path run on the CPU (tensors claim `is_cuda`; the Triton kernels interpreted): a
     prefill of ids[:-1] then a decode step of the last id through a fresh paged cache; returns (the decode step's

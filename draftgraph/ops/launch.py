@@ -46,6 +46,9 @@ def ahead_now() -> bool:
     return _AHEAD.get()
 
 
+PDL_LEVELS = (0, 1, 2, 3)  # ops/triton_pdl.py: 0 off, 1-3
+
+
 @dataclass(frozen=True)
 class PdlRule:
     """The programmatic-dependent-launch level of the kernels that take one (ops/triton_pdl.py: 0 off, 1-3) on GPUs
@@ -57,7 +60,7 @@ class PdlRule:
     level: int = 3
 
     def __post_init__(self):
-        if self.level not in (0, 1, 2, 3):
+        if self.level not in PDL_LEVELS:
             raise ValueError(f"PdlRule.level={self.level!r}: 0 (off), 1, 2 or 3 (ops/triton_pdl.py)")
 
 

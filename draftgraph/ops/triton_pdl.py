@@ -22,13 +22,12 @@ import triton
 import triton.language as tl
 
 from draftgraph.ops.backends import triton_interpreting
+from draftgraph.ops.launch import PDL_LEVELS
 
 try:  # Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
     gdc_launch_dependents = gdc_wait = None
-
-PDL_LEVELS = (0, 1, 2, 3)
 
 
 @triton.jit

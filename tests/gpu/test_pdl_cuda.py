@@ -7,14 +7,12 @@ kernels did launch with it."""
 import pytest
 import torch
 
-import draftgraph as dg
 from draftgraph.models.causal_lm import CausalLM
 from draftgraph.ops import launch
 from draftgraph.ops.attention import triton_split_kv
 from draftgraph.ops.linear import triton_gemv
 from draftgraph.ops.rope import triton_rope
-from tests.helpers import tiny_hf_model
-from tests.test_engine import ragged
+from tests.helpers import full_engine_tokens, tiny_hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -33,15 +31,7 @@ def test_pdl_engine_equals_the_engine_without(monkeypatch):
     outs = {}
     for level in (0, 3):
         monkeypatch.setattr(launch, "PDL_RULE", launch.PdlRule(level=level))
-        cfg = dg.CompileConfig(mode="FULL_AND_PIECEWISE", max_num_seqs=8, max_num_batched_tokens=64, device="cuda",
-                               gpu_memory_utilization=0.0, progress=False, check_addresses=True)  # fmt: skip
-        eng = dg.compile_model(target, None, cfg)
-        one = eng.generate([[5, 6, 7]], dg.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-        prompts, params, arrivals = ragged(8)
-        many = eng.generate(prompts, params, arrivals)
-        outs[level] = [o.token_ids for o in one + many]
-        assert not any(k.startswith("step/") for k in eng.stats()["fallbacks_by_key"])
-        eng.close()
+        outs[level] = full_engine_tokens(target)
     assert outs[3] == outs[0]
     # (each engine's kernels at its level: the one-row GEMVs, RoPE, split-KV attention)
     assert launched == {"triton_gemv": {0, 3}, "triton_rope": {0, 3}, "triton_split_kv": {0, 3}}

@@ -49,7 +49,14 @@ import triton.language as tl
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.collectives import op as _collectives  # noqa: F401  (the all_reduce op, the fallback's)
 from draftgraph.ops.collectives.peer import peer_for
-from draftgraph.ops.collectives.push import ALIGN, PUSH_DTYPES, PushAllReduce, lamport_wait, send_to_peers
+from draftgraph.ops.collectives.push import (
+    ALIGN,
+    PUSH_DTYPES,
+    PushAllReduce,
+    lamport_wait,
+    send_to_peers,
+    sentinel_block,
+)
 from draftgraph.ops.launch import launch, pdl_level
 from draftgraph.ops.linear.op import check_linear, check_norm_linear
 from draftgraph.ops.linear.triton_gemv import (
@@ -155,10 +162,7 @@ def _lamport_read_kernel(x, out, rows, rows2, rows4, state, n, chunk, RANK: tl.c
     e = tl.load(state, cache_modifier=".cg") + 1
     slot = e % 3
     dtype = x.dtype.element_ty
-    if WIDE:
-        sentinel = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)  # -0.0
-    else:
-        sentinel = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    sentinel = sentinel_block(x, BLOCK, WIDE)
     for off in range(pid * chunk, pid * chunk + chunk, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         ok = offs < n

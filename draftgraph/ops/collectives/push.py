@@ -221,6 +221,16 @@ def _sentinels(v, WIDE: tl.constexpr):
 
 
 @triton.jit
+def sentinel_block(like, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """BLOCK sentinels -0.0 in the element type of pointer `like` (4-byte with WIDE, else 2-byte), to re-arm rows."""
+    if WIDE:
+        v = tl.full([BLOCK], -2147483648, tl.int32).to(like.dtype.element_ty, bitcast=True)
+    else:
+        v = tl.full([BLOCK], -32768, tl.int16).to(like.dtype.element_ty, bitcast=True)
+    return v
+
+
+@triton.jit
 def lamport_wait(ptrs, mask, WIDE: tl.constexpr):
     """The rows at `ptrs` once no element under `mask` is the sentinel any more (volatile loads: the data is the
     signal, a peer's stores land element by element); the lamport kernel's and fused.py's reader's wait."""
@@ -253,10 +263,7 @@ def _lamport_all_reduce(
     slot = e % 2
     start = pid * chunk
     dtype = x_ptr.dtype.element_ty
-    if WIDE:
-        sentinel = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)  # -0.0
-    else:
-        sentinel = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    sentinel = sentinel_block(x_ptr, BLOCK, WIDE)
     # 1. this rank's chunk into every peer's row [slot][RANK], -0.0 sent as +0.0
     for off in range(start, start + chunk, BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK), BLOCK)

@@ -183,9 +183,11 @@ def add_rms_norm_qkv_rope_write(
     caches [blocks, block size, Hkv, D] at slot_mapping. One row on CUDA (the GEMV rule's dtypes, D / 2 a power of
     two) is one kernel (triton_qkv.py: RoPE and the KV write in the norm GEMV's epilogue, the same values);
     otherwise the two ops (OpChoices.rope_in_projection)."""
+    from draftgraph.ops.rope.op import kernel_takes
+
     k, d = x.shape[-1], k_cache.shape[-1]
     rows, hkv, half = (x.numel() // k if k else 0), k_cache.shape[2], d // 2
-    one_kernel = x.is_cuda and GEMV_RULE.takes(1, x, weight) and half > 0 and half & (half - 1) == 0
+    one_kernel = x.is_cuda and GEMV_RULE.takes(1, x, weight) and kernel_takes(d)
     pdl = pdl_level(x.device)
     if one_kernel and (rows == 1 or ahead_now()):
         from draftgraph.ops.linear.triton_gemv import choose_config
@@ -199,12 +201,10 @@ def add_rms_norm_qkv_rope_write(
         if not ahead_now():  # (compiling ahead: both paths' kernels, the row count being symbolic in a trace)
             return s.view(x.shape), q.view(1, num_heads, d)
     s, qkv = torch.ops.draftgraph.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    t = rows
-    qkv = qkv.reshape(t, (num_heads + 2 * hkv) * d)
-    q, kk, v = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
-    shape = (t, hkv, d)
+    q, kk, v = qkv.reshape(rows, (num_heads + 2 * hkv) * d).split([num_heads * d, hkv * d, hkv * d], dim=-1)
+    shape = (rows, hkv, d)
     q = torch.ops.draftgraph.rope_qkv_write(
-        q.view(t, num_heads, d), kk.view(shape), v.view(shape), cos, sin, k_cache, v_cache, slot_mapping
+        q.view(rows, num_heads, d), kk.view(shape), v.view(shape), cos, sin, k_cache, v_cache, slot_mapping
     )
     return s, q
 

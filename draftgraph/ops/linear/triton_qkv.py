@@ -22,6 +22,7 @@ import triton.language as tl
 from draftgraph.ops.backends import triton_interpreting
 from draftgraph.ops.launch import launch
 from draftgraph.ops.linear.triton_gemv import GemvConfig, norm_row_gemv
+from draftgraph.ops.rope.op import kernel_takes
 from draftgraph.ops.triton_pdl import pdl_args
 
 
@@ -96,7 +97,7 @@ def norm_gemv_rope_write_triton(
             f"cos {tuple(cos.shape)}, slots {slot_mapping.numel()}"
         )
     bn = config.block_n
-    if bn < 2 or half % (bn // 2) or half & (half - 1):
+    if bn < 2 or not kernel_takes(d) or half % (bn // 2):
         raise ValueError(f"norm_gemv_rope_write_triton: {bn} columns a program for head_dim {d}: an even count whose "
                          "half divides D / 2, D / 2 a power of two")  # fmt: skip
     x, residual, weight, cos, sin = (
