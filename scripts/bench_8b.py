@@ -215,9 +215,9 @@ def copy_bandwidth(device) -> float | None:
     return measured()
 
 
-def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode, tp=1, fuse_all_reduce=False):
+def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode, tp=1, fuse_all_reduce=True):
     """An engine at TP `tp` (above 1: `target` and `drafter` are modules each rank takes its share of, under
-    torchrun, ranks joined); `fuse_all_reduce`: OpChoices.fuse_all_reduce on (ops/collectives/fused.py)."""
+    torchrun, ranks joined); `fuse_all_reduce`: OpChoices.fuse_all_reduce (ops/collectives/fused.py; False: off)."""
     max_b = max(sizes)
     parallel = {}
     if tp > 1:
@@ -235,7 +235,7 @@ def make_engine(target, drafter, k, rates, sizes, ctx, max_tokens, device, mode,
         progress=False,
         full_capture_sizes=tuple(sizes) if mode != "NONE" else (),
         synthetic_acceptance=rates,
-        ops=OpChoices(fuse_all_reduce=True) if fuse_all_reduce else None,
+        ops=None if fuse_all_reduce else OpChoices(fuse_all_reduce=False),
         **parallel,
     )
     return dg.compile_model(target, drafter if k else None, cfg)
@@ -319,8 +319,9 @@ def main():
         help="at TP > 1: our peer-memory kernels compared, in turn (push, "
         "lamport: ops/collectives/push.py; the rule's other bounds as shipped); default: the shipped rule",
     )
-    ap.add_argument("--fuse-all-reduce", action="store_true", help="at TP > 1: OpChoices.fuse_all_reduce on (one-row "
-                    "all-reduces inside the GEMVs around them: ops/collectives/fused.py)")  # fmt: skip
+    ap.add_argument("--unfused", action="store_true", help="at TP > 1: OpChoices.fuse_all_reduce off (the "
+                    "one-row all-reduces as launches of their own, not inside the GEMVs around them: "
+                    "ops/collectives/fused.py)")  # fmt: skip
     ap.add_argument("--profile", default="", help="cases whose batch-1 step is profiled after timing (CUDA): GPU "
                     "time per kernel, kernels in graphs vs outside")  # fmt: skip
     args = ap.parse_args()
@@ -370,7 +371,7 @@ def main():
                 RULES[tp] = dataclasses.replace(shipped, push_kernel=push_kernel)  # (a TP without a rule: to 8 MiB)
             max_tokens = (args.warm + args.steps) * (k + 1) + 16
             eng = make_engine(target, head, k, rates, sizes, args.context, max_tokens, device, mode, tp,
-                              args.fuse_all_reduce and tp > 1)  # fmt: skip
+                              not args.unfused)  # fmt: skip
             inner = inner_engine(eng)  # at TP N this rank's Engine: the ranks step in lock-step
             t_bytes, d_bytes, kv_token = step_bytes(inner, k)
             num_layers = inner.target.cfg.num_layers

@@ -19,9 +19,9 @@ driver round trip is timed.
 Usage:
   python scripts/bench_tp.py --model 8b                                   (TP 1)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b              (TP 2: all_reduce nccl, then auto)
-  torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b --cases plain --sizes 1 --all-reduce auto \
-      --fuse-all-reduce                                                   (auto, then auto with the one-row
-                                                                           all-reduces fused: OpChoices.fuse_all_reduce)
+  torchrun --nproc-per-node 2 scripts/bench_tp.py --model 8b --cases plain --sizes 1 \
+      --all-reduce auto,auto/unfused,auto/norope             (the defaults, then without the fused all-reduce,
+                                                              then without RoPE in the QKV GEMV)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --sweep                 (all-reduce latency by message size)
   torchrun --nproc-per-node 2 scripts/bench_tp.py --model tiny --sizes 1,2  (smoke, CPU: gloo, mode NONE)
 """
@@ -113,10 +113,9 @@ def collective_us(engine, k: int, ctx: int, b: int, vocab: int, steps: int = 20,
 
 
 def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode, models, inductor=None, ops=None):
-    """`all_reduce` a CompileConfig.all_reduce value, or "fused": "auto" with OpChoices.fuse_all_reduce on;
-    `inductor`: CompileConfig.inductor_options (None: the defaults); `ops`: OpChoices fields set."""
+    """`all_reduce` a CompileConfig.all_reduce value; `inductor`: CompileConfig.inductor_options (None: the
+    defaults); `ops`: OpChoices fields set."""
     target, drafter = models
-    fused = all_reduce == "fused"
     spec = case == "spec"
     k = (3 if key != "1b" else 4) if spec else 0
     cfg = dg.CompileConfig(
@@ -134,8 +133,8 @@ def make_engine(key, case, tp, all_reduce, sizes, ctx, max_tokens, device, mode,
         synthetic_acceptance=conditional(VLLM_CI_K3) if spec and key != "1b" else (),
         drafter_kind=("eagle3" if key != "1b" else "draft_model") if spec else None,
         tensor_parallel_size=tp,
-        all_reduce="auto" if fused else all_reduce,
-        ops=OpChoices(**{**(ops or {}), **({"fuse_all_reduce": True} if fused else {})}) if fused or ops else None,
+        all_reduce=all_reduce,
+        ops=OpChoices(**ops) if ops else None,
         inductor_options=inductor or None,
     )
     return dg.compile_model(target, drafter if spec else None, cfg), k
@@ -222,22 +221,24 @@ DEFAULT_RULE = launching.PDL_RULE
 
 
 def variant_rule(variant: str) -> tuple[str, launching.PdlRule, tuple, dict]:
-    """A variant of --all-reduce: the CompileConfig.all_reduce value (or "fused"), the programmatic-dependent-launch
+    """A variant of --all-reduce: the CompileConfig.all_reduce value, the programmatic-dependent-launch
     rule its engine's kernels launch under (ops/launch.py): the default, or with `/pdlN` level N (e.g. "auto/pdl0":
     off, for an A/B against the default in one run), its Inductor options (`/ipdl`: Inductor's own kernels launch
-    with PDL too, torch._inductor.config.triton.enable_pdl) and OpChoices fields turned on (`/rope`:
-    rope_in_projection, the input norm, QKV, RoPE and the KV write in one kernel at one row); e.g. "auto/rope/ipdl"."""
+    with PDL too, torch._inductor.config.triton.enable_pdl) and OpChoices fields turned off (`/norope`:
+    rope_in_projection, the input norm, QKV, RoPE and the KV write in one kernel at one row; `/unfused`:
+    fuse_all_reduce, the one-row all-reduces inside the GEMVs around them); e.g. "auto/norope/ipdl"."""
     base, *extras = variant.split("/")
     rule, inductor, ops = DEFAULT_RULE, (), {}
     for extra in extras:
         if extra == "ipdl":
             inductor = (("triton.enable_pdl", True),)
-        elif extra == "rope":
-            ops["rope_in_projection"] = True
+        elif extra in ("norope", "unfused"):
+            ops["rope_in_projection" if extra == "norope" else "fuse_all_reduce"] = False
         elif extra.startswith("pdl") and extra[3:].isdigit():
             rule = launching.PdlRule(level=int(extra[3:]))
         else:
-            raise SystemExit(f"--all-reduce variant {variant!r}: VALUE[/pdlN][/ipdl][/rope] (N: 0-3), e.g. auto/pdl0")
+            raise SystemExit(f"--all-reduce variant {variant!r}: VALUE[/pdlN][/ipdl][/norope][/unfused] (N: 0-3), "
+                             "e.g. auto/pdl0")  # fmt: skip
     return base, rule, inductor, ops
 
 
@@ -247,14 +248,13 @@ def main():
     ap.add_argument("--cases", default="plain,spec", help="plain and/or spec (the model's drafter), in this order")
     ap.add_argument("--all-reduce", default="nccl,auto", help="the CompileConfig.all_reduce values compared (at TP > 1;"
                     " TP 1: nccl), each optionally /pdlN (the kernels' PDL level), /ipdl (Inductor's "
-                    "too), /rope (OpChoices.rope_in_projection): variant_rule")  # fmt: skip
+                    "too), /norope, /unfused (OpChoices.rope_in_projection, fuse_all_reduce off): "
+                    "variant_rule")  # fmt: skip
     ap.add_argument("--sizes", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warm", type=int, default=5)
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE")
-    ap.add_argument("--fuse-all-reduce", action="store_true", help="at TP > 1: also the variant 'fused' (all_reduce "
-                    "auto, OpChoices.fuse_all_reduce on: ops/collectives/fused.py)")  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="all-reduce latency by message size (under torchrun)")
     ap.add_argument("--kernels", default="", help="--sweep: the kernels timed beside NCCL (default: all)")
     ap.add_argument("--json", default="")
@@ -291,8 +291,6 @@ def main():
     profile_sizes = {int(b) for b in args.profile.split(",") if b}
     variants = args.all_reduce.split(",") if world > 1 else [v for v in args.all_reduce.split(",") if "nccl" in v]
     variants = variants or ["nccl"]
-    if args.fuse_all_reduce and world > 1 and "fused" not in variants:
-        variants.append("fused")
     shared = dg.shared_compile_workers() if cuda else contextlib.nullcontext()
     with shared:
         for case in args.cases.split(","):

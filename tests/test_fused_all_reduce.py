@@ -200,7 +200,8 @@ def _check_wiring(tp):
             return func(*args, **(kwargs or {}))
 
     hf = tiny_hf_model("llama", **SHAPE)
-    models = [CausalLM.from_hf(hf, tp=tp), CausalLM.from_hf(hf, tp=tp, ops=OpChoices(fuse_all_reduce=True))]
+    unfused, fused = OpChoices(fuse_all_reduce=False), OpChoices(fuse_all_reduce=True)
+    models = [CausalLM.from_hf(hf, tp=tp, ops=unfused), CausalLM.from_hf(hf, tp=tp, ops=fused)]
     layers = models[0].cfg.num_layers
     ids = torch.randint(0, models[0].cfg.vocab_size, (1,), generator=torch.Generator().manual_seed(1))
     outs, counts = [], []

@@ -259,14 +259,14 @@ class DecoderLayer(nn.Module):
 
     def rope_in_projection(self, residual: torch.Tensor) -> bool:
         """Whether `forward_unsummed` makes the input norm, the QKV projection, RoPE and the KV write one op
-        (draftgraph::add_rms_norm_qkv_rope_write: one kernel at one row; ops.rope_in_projection, off by default until
-        measured): with `norms_in_projections` and the attention's RoPE write (`Attention.uses_rope_write`)."""
+        (draftgraph::add_rms_norm_qkv_rope_write: one kernel at one row; ops.rope_in_projection): with
+        `norms_in_projections` and the attention's RoPE write (`Attention.uses_rope_write`)."""
         ops = self.ops
         return ops.rope_in_projection and self.norms_in_projections(residual) and self.attn.uses_rope_write(residual)
 
     def sends_partials(self, residual: torch.Tensor) -> bool:
         """Whether `forward_unsummed` leaves o_proj's and down's all-reduces to the norms after them
-        (ops.fuse_all_reduce, default off: draftgraph::linear_send then all_reduce_add_rms_norm_linear, one launch
+        (ops.fuse_all_reduce: draftgraph::linear_send then all_reduce_add_rms_norm_linear, one launch
         fewer each at one row on a group with a peer all-reduce; the ops check the group when they run, so a
         graph traced anywhere is the same): with `norms_in_projections`, row-parallel o_proj and down, no biases."""
         return (
