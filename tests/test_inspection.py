@@ -3,6 +3,7 @@
 import filecmp
 import json
 import os
+import pathlib
 import sys
 import warnings
 
@@ -97,15 +98,16 @@ def test_extra_op_and_graph_break_show_up_in_the_diff(tmp_path, capsys):
 
 
 def test_the_fused_loop_is_inspected_when_asked_for(tmp_path):
-    """FULL_AND_PIECEWISE runs the draft loop around the drafter step by default (no trace of its own);
-    `--fuse-draft-loop on` traces it, and the inspection shows its function."""
-    functions = {}
-    for flag in ("auto", "on"):
-        out = tmp_path / flag
-        args = ["inspect", "--out", str(out), "--family", "llama", "--drafter-kind", "eagle", "--compile-backend"]
-        args += ["eager", "-k", "2", "--mode", "FULL_AND_PIECEWISE", "--fuse-draft-loop", flag]
-        assert main(args) == 0
-        functions[flag] = json.loads((out / "summary.json").read_text())["functions"]
+    """FULL_AND_PIECEWISE runs the draft loop around the drafter step by default (no trace of its own: the golden
+    inspection of that case, which tests/test_goldens.py keeps fresh); `--fuse-draft-loop on` traces it, and the
+    inspection shows its function."""
+    golden = pathlib.Path(__file__).parent / "golden" / "llama-eagle-full_and_piecewise" / "summary.json"
+    functions = {"auto": json.loads(golden.read_text())["functions"]}
+    out = tmp_path / "on"
+    args = ["inspect", "--out", str(out), "--family", "llama", "--drafter-kind", "eagle", "--compile-backend"]
+    args += ["eager", "-k", "2", "--mode", "FULL_AND_PIECEWISE", "--fuse-draft-loop", "on"]
+    assert main(args) == 0
+    functions["on"] = json.loads((out / "summary.json").read_text())["functions"]
     assert set(functions["auto"]) == {"target", "drafter"}
     assert set(functions["on"]) == {"target", "drafter", "draft_loop"}
     assert len(functions["on"]["draft_loop"]["traces"]) == 2  # greedy and sampled
