@@ -26,11 +26,12 @@ comparisons (`scripts/bench_step.py`'s variants, `draftgraph --ops gemv=0,...`).
   layer's one-row all-reduces after o_proj and down run inside the GEMVs around them (ops/collectives/fused.py:
   `draftgraph::linear_send` writes the lamport rows, `draftgraph::all_reduce_add_rms_norm_linear` sums them in the
   next norm + projection): no all-reduce launch at batch 1; more rows keep the all_reduce op. Needs
-  `norm_in_projection` (and its needs). On 2 x H200 (8B, TP 2, batch 1): 2.689 ms a step against 2.729 unfused.
+  `norm_in_projection` (and its needs). On 2 x H200 (8B, TP 2, batch 1) 0-40 us a step faster, never slower
+  (docs/performance.md, "Tensor parallelism").
 - `rope_in_projection`: a Llama layer's input norm, QKV projection, RoPE and KV write run as one
   `draftgraph::add_rms_norm_qkv_rope_write` (one kernel at one row: ops/linear/triton_qkv.py, the RoPE kernel's work
-  in the norm GEMV's epilogue); needs `norm_in_projection` and `rope_kv_write`. On an H200 (8B, batch 1): 4.437 ms a
-  step against 4.470 at TP 1, 2.704 against 2.729 at TP 2.
+  in the norm GEMV's epilogue); needs `norm_in_projection` and `rope_kv_write`. On an H200 (8B, batch 1) 33-40 us a
+  step faster at TP 1, 0-25 us at TP 2.
 - `unfuse_addmm`: Inductor keeps a residual add apart from its matmul (passes/unfuse_addmm.py, installed as
   Inductor's post-grad pass) instead of fusing it into cuBLAS addmm (a copy of the residual first).
 """
