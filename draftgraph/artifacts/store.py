@@ -19,6 +19,10 @@ strict), Triton's index (triton_bundle.py) and every graph (call targets from th
 the checked bytes copied into a private Inductor + Triton cache, which torch and Triton load from; nothing
 is written outside it. A difference is named, and the engine compiles from scratch, or stops when strict.
 
+Over 500 lines on purpose: what the build writes and what the load reads of the manifest stay in one module, so a
+field cannot be written one way and read another; the checks themselves live beside it (manifest_check.py,
+private_cache.py, triton_bundle.py, signing.py).
+
 Trust: the directory holds compiled code (Python, shared objects, pickles: Inductor's artifacts), so it must
 come from a source trusted like a checkpoint that contains pickles. Checksums detect corruption; only a
 signature whose key is kept apart detects tampering. What draftgraph itself reads is not evaluated: input

@@ -87,13 +87,11 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        ops = self.ops
-        fused_rope = self.q_norm is None and qkv.is_cuda and ops.rope_kernel and rope_op.kernel_takes(self.head_dim)
         if self.uses_rope_write(qkv):
             # RoPE, and k and v written into the caches, in one kernel: the attention op gets no rows to write
             q = torch.ops.draftgraph.rope_qkv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
             k = v = q.new_empty((0, self.num_kv_heads, self.head_dim))
-        elif fused_rope:
+        elif self.uses_rope_kernel(qkv):
             q, k, v = torch.ops.draftgraph.rope_qkv(q, k, v, cos, sin)  # one kernel for q's and k's RoPE and v
         else:
             if self.q_norm is not None:
@@ -101,18 +99,15 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.attend_rotated(q, k, v, meta, kv, send)
 
+    def uses_rope_kernel(self, x: torch.Tensor) -> bool:
+        """Whether RoPE on q and k (and v's copy) is one kernel (draftgraph::rope_qkv): on CUDA with the RoPE kernel,
+        no q/k norms, a head size the kernel takes."""
+        return self.q_norm is None and x.is_cuda and self.ops.rope_kernel and rope_op.kernel_takes(self.head_dim)
+
     def uses_rope_write(self, x: torch.Tensor) -> bool:
-        """Whether RoPE and the KV write are one kernel (draftgraph::rope_qkv_write): on CUDA with the RoPE kernel and
-        its write, the Triton attention, no q/k norms, a head size the kernel takes."""
-        ops = self.ops
-        return (
-            self.q_norm is None
-            and x.is_cuda
-            and ops.rope_kernel
-            and ops.rope_kv_write
-            and self.attn_impl == "triton"
-            and rope_op.kernel_takes(self.head_dim)
-        )
+        """Whether RoPE and the KV write are one kernel (draftgraph::rope_qkv_write): `uses_rope_kernel`, with its
+        write and the Triton attention."""
+        return self.uses_rope_kernel(x) and self.ops.rope_kv_write and self.attn_impl == "triton"
 
     def attend_rotated(self, q, k, v, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor], send=False):
         """The attention and the output projection from rotated queries [T, Hq, D] (k and v [T, Hkv, D]: the rows
@@ -223,8 +218,12 @@ class DecoderLayer(nn.Module):
         else:
             x, n = self.input_norm.add_forward(delta, residual)
             qkv = self.attn.qkv(n)
+        if qkv is None:  # (rotated, the caches written)
+            none = q.new_empty((0, self.attn.num_kv_heads, self.attn.head_dim))
+            a = self.attn.attend_rotated(q, none, none, meta, kv, send)
+        else:
+            a = self.attn.attend(qkv, cos, sin, meta, kv, send)
         if send:  # o_proj's and down's partials summed inside the next norm + projection
-            a = self.attn.attend(qkv, cos, sin, meta, kv, send=True)
             h, gate_up = _sum_add_norm_project(a, x, self.post_norm, self.mlp.gate_up, self.attn.o.tp)
             # the activation apart, as the row-parallel down runs it today: SiLU inside the down GEMV was measured a
             # net loss at TP 2 (docs/performance.md, "Tensor parallelism"); linear_send's silu_mul form is there
@@ -233,11 +232,6 @@ class DecoderLayer(nn.Module):
             if last:  # (this rank's partial, unsent: RowParallelLinear's local product, summed by the caller)
                 return torch.ops.draftgraph.linear(F.silu(gate) * up, down.weight, None), h
             return torch.ops.draftgraph.linear_send(F.silu(gate) * up, down.weight, down.tp.group_name, False), h
-        if qkv is None:  # (rotated, the caches written)
-            none = q.new_empty((0, self.attn.num_kv_heads, self.attn.head_dim))
-            a = self.attn.attend_rotated(q, none, none, meta, kv)
-        else:
-            a = self.attn.attend(qkv, cos, sin, meta, kv)
         if fused:
             h, gate_up = _add_norm_project(x, a, self.post_norm, self.mlp.gate_up)
             return self.mlp.finish(gate_up), h
